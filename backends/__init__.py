@@ -1,0 +1,1 @@
+"""Training backends behind the engine_api contract; each registers itself on import."""

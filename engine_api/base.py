@@ -1,0 +1,231 @@
+"""``BaseEngine``: the contract every backend implements (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine_api.batch import shard_batch, unshard_batch
+from engine_api.config import EngineConfig
+from engine_api.losses import LossFn
+
+PreprocessFn = Callable[[TensorDict, dict], TensorDict]
+PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
+
+
+class BaseEngine(abc.ABC):
+    """A training engine: one model (+ optimizer) on a set of ranks, driven by batches.
+
+    Lifecycle: ``engine = build_engine(config)`` (cheap), ``engine.init_model()``, then
+    ``with engine.train_mode(): engine.train_batch(batch)`` or
+    ``with engine.eval_mode(): engine.infer_batch(batch)``.
+
+    Data: batches follow ``engine_api.batch`` (jagged TensorDicts). ``forward_backward_step``
+    takes this rank's DP shard (see :meth:`shard_data`); outputs are per-token jagged fields
+    aligned with ``input_ids`` (``log_probs``, ``entropy`` when the batch's metadata
+    ``calculate_entropy`` is True, ``values`` for value heads) in the caller's row order.
+
+    Errors: bad input raises ``ValueError`` before any state (params, grads, optimizer state,
+    step counters) changes. Every method that is a collective says so; all ranks of the
+    engine must call it together.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Store the typed config; build nothing heavy (no model, no process groups)."""
+        self.config = config
+        self._loss_fn: LossFn | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @abc.abstractmethod
+    def init_model(self) -> None:
+        """Build/load the model from ``config.model.path``, the optimizer and LR scheduler
+        (none for an engine without training, e.g. a reference model), and apply the offload
+        policy. Collective over all ranks of the engine."""
+
+    @abc.abstractmethod
+    def train_mode(self) -> AbstractContextManager[BaseEngine]:
+        """Context manager for training: on enter, params, grads and optimizer state are on
+        the compute device and the module is in ``train()``; on exit, what
+        ``config.offload`` names goes back to CPU."""
+
+    @abc.abstractmethod
+    def eval_mode(self) -> AbstractContextManager[BaseEngine]:
+        """Context manager for inference: on enter, params are on the compute device and the
+        module is in ``eval()``; on exit, offloaded per ``config.offload``."""
+
+    # ------------------------------------------------------------------ compute
+    def set_loss_fn(self, loss_fn: LossFn) -> None:
+        """Set the loss used by :meth:`forward_backward_step` (see ``engine_api.losses.LossFn``)."""
+        self._loss_fn = loss_fn
+
+    @abc.abstractmethod
+    def forward_backward_step(
+        self,
+        batch: TensorDict,
+        ctx: dict | None = None,
+        forward_only: bool = False,
+        preprocess_fn: PreprocessFn | None = None,
+        postprocess_fn: PostprocessFn | None = None,
+    ) -> tuple[TensorDict, dict] | tuple[TensorDict, float, dict]:
+        """Run forward (and backward) over ``batch``, split into micro-batches by the config.
+
+        Args:
+            batch: this rank's shard of the global batch.
+            ctx: a dict passed to the hooks and returned; the engine adds ``ctx["norm"]``
+                (the call's ``NormContext``, training only) and ``ctx["metrics"]`` (per key, a
+                list with one value per micro-batch, from the loss function).
+            forward_only: no backward, no loss; gradients untouched.
+            preprocess_fn: ``fn(micro_batch, ctx) -> micro_batch`` before each forward.
+            postprocess_fn: ``fn(micro_batch, outputs, ctx) -> outputs`` after each forward,
+                before the loss.
+
+        Returns:
+            ``(predictions, ctx)`` if ``forward_only`` else ``(predictions, loss, ctx)``:
+            ``predictions`` is a TensorDict of this rank's rows in ``batch``'s order, on
+            ranks where :attr:`is_output_rank` is True (None elsewhere); ``loss`` is the
+            call's global loss (sum of micro-batch contributions over all DP ranks), the
+            same float on every rank. Collective over all ranks of the engine.
+
+        Raises:
+            ValueError: a malformed batch, or no loss function set for a training call;
+                raised before any gradient is touched.
+        """
+
+    @abc.abstractmethod
+    def optimizer_zero_grad(self) -> None:
+        """Clear gradients (and backend grad buffers) and the deferred-normalization window.
+        Calling it between ``forward_backward_step`` calls aborts that accumulation window
+        without a trace."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Finish the gradient sync, apply deferred normalization, clip, and step.
+
+        Returns:
+            The global gradient norm before clipping (the same on every rank). If it is not
+            finite the step is skipped on every rank: params and optimizer state are
+            untouched and the value is returned as is. Collective.
+        """
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR scheduler by one step and return the new learning rate."""
+
+    # ------------------------------------------------------------------ data parallel
+    @property
+    @abc.abstractmethod
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel group."""
+
+    @property
+    @abc.abstractmethod
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas."""
+
+    @property
+    @abc.abstractmethod
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group (None: the default group, or no distributed run)."""
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether :meth:`forward_backward_step` returns predictions on this rank. True by
+        default; a pipeline-parallel backend may return them only where they are produced
+        unless it broadcasts them."""
+        return True
+
+    def shard_data(self, data: TensorDict) -> TensorDict:
+        """This rank's DP shard of a global batch: contiguous, equal-sized; model-parallel
+        peers of one DP rank get the same shard.
+
+        Raises:
+            ValueError: the global batch size is not a multiple of :attr:`dp_size`.
+        """
+        return shard_batch(data, self.dp_rank, self.dp_size)
+
+    def unshard_data(self, data: TensorDict) -> TensorDict:
+        """Gather per-rank outputs (each rank's :meth:`shard_data` rows) back into the global
+        batch in its original order, on every rank. Collective over :attr:`dp_group`."""
+        return unshard_batch(data, self.dp_group)
+
+    # ------------------------------------------------------------------ state
+    @abc.abstractmethod
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
+        """Move the model (params and grads) and/or optimizer state to ``device`` (manual
+        load/offload; ``train_mode``/``eval_mode`` do it by policy)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+    ) -> None:
+        """Save resumable state (model, optimizer, scheduler, RNG, step) under ``local_path``.
+
+        Args:
+            local_path: checkpoint root directory; the checkpoint of ``global_step`` goes to
+                its own subdirectory.
+            hdfs_path: optional remote copy (any fsspec URL).
+            global_step: the step number recorded and used in the directory name.
+            max_ckpt_to_keep: delete older checkpoints beyond this many (None: the config's
+                ``checkpoint.max_ckpt_to_keep``); never the newest complete one.
+
+        Collective over all ranks of the engine.
+        """
+
+    @abc.abstractmethod
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True) -> int:
+        """Restore state saved by :meth:`save_checkpoint`.
+
+        Args:
+            local_path: a checkpoint root (its newest complete checkpoint is loaded) or one
+                checkpoint directory.
+            hdfs_path: remote copy to download first when ``local_path`` has none.
+            del_local_after_load: delete the downloaded local copy after loading (only a copy
+                this call downloaded is ever deleted).
+
+        Returns:
+            The restored global step. Collective.
+        """
+
+    @abc.abstractmethod
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for every weight, in HF naming and layout, for
+        weight sync into a rollout/inference model or HF export. Collective: every rank must
+        drain the generator."""
+
+    # ------------------------------------------------------------------ templates
+    def train_batch(self, batch: TensorDict) -> dict[str, Any]:
+        """One optimizer step on ``batch`` (this rank's shard): zero grad, forward/backward,
+        optimizer step, LR step. Call inside :meth:`train_mode`.
+
+        Returns:
+            Metrics: ``loss``, ``grad_norm``, ``lr`` (after the scheduler step),
+            ``step_skipped`` (1.0 when the grad norm was not finite: the scheduler does not
+            advance either), and the mean over micro-batches of each loss-function metric.
+        """
+        self.optimizer_zero_grad()
+        _, loss, ctx = self.forward_backward_step(batch)
+        grad_norm = self.optimizer_step()
+        metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "step_skipped": 0.0}
+        if math.isfinite(grad_norm):
+            metrics["lr"] = self.lr_scheduler_step()
+        else:
+            metrics["step_skipped"] = 1.0
+        for key, values in ctx.get("metrics", {}).items():
+            metrics[key] = sum(values) / len(values)
+        return metrics
+
+    def infer_batch(self, batch: TensorDict) -> TensorDict | None:
+        """Forward-only outputs for ``batch`` (this rank's shard). Call inside :meth:`eval_mode`."""
+        predictions, _ = self.forward_backward_step(batch, forward_only=True)
+        return predictions

@@ -1,0 +1,273 @@
+"""The batch protocol (DESIGN.md section 3): jagged TensorDicts and the helpers engines share.
+
+A batch is a ``tensordict.TensorDict`` with ``batch_size=[B]`` whose per-token fields are
+jagged nested tensors (``layout=torch.jagged``) that share ``input_ids``' offsets, whose
+per-sample fields are plain tensors with leading dimension ``B``, and whose run-time switches
+are non-tensor metadata. Nothing here is padded unless a helper says so.
+
+Helpers: :func:`make_batch`, :func:`validate_batch`, :func:`loss_mask_of`, micro-batch
+splitting (:func:`split_by_size`), packing (:func:`pack` / :func:`unpack`), padding
+(:func:`pad` / :func:`unpad`), DP sharding (:func:`shard_batch` / :func:`unshard_batch`) and
+order restoration (:func:`restore_order`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from engine_api.dist import all_gather_objects
+
+_META_TYPES = (bool, int, float, str, type(None))
+
+
+def make_batch(sequences, loss_mask=None, **fields) -> TensorDict:
+    """Build a protocol batch.
+
+    Args:
+        sequences: token ids, a list of 1-D integer tensors (or lists of ints), or a jagged
+            nested tensor. Each sequence needs at least one token.
+        loss_mask: optional per-token mask (list of 1-D tensors or jagged). Default: every
+            position except position 0, which nothing predicts.
+        **fields: a list/tuple of 1-D tensors or a jagged tensor is a per-token field (it must
+            match the sequence lengths); any other tensor is a per-sample field (leading
+            dimension B); a bool/int/float/str/None is non-tensor metadata.
+
+    Returns:
+        TensorDict with ``batch_size=[B]``; every per-token field shares ``input_ids``'
+        offsets, so jagged arithmetic between fields works. Uniform lengths stay jagged.
+
+    Raises:
+        ValueError: empty batch, empty sequence, non-integer ids, or a per-token field whose
+            lengths disagree with ``input_ids``.
+    """
+    seqs = _as_list(sequences, "input_ids")
+    if not seqs:
+        raise ValueError("make_batch got an empty batch; fix: pass at least one sequence")
+    for i, s in enumerate(seqs):
+        if s.dim() != 1 or s.numel() == 0:
+            raise ValueError(f"input_ids[{i}] has shape {tuple(s.shape)}; fix: each sequence must be a non-empty 1-D tensor")
+        if s.is_floating_point() or s.is_complex() or s.dtype == torch.bool:
+            raise ValueError(f"input_ids[{i}] has dtype {s.dtype}; fix: token ids must be an integer dtype")
+    input_ids = torch.nested.as_nested_tensor([s.long() for s in seqs], layout=torch.jagged)
+    lengths = [s.numel() for s in seqs]
+    data = {"input_ids": input_ids}
+    if loss_mask is None:
+        mask_values = torch.ones(sum(lengths), dtype=torch.float32)
+        mask_values[input_ids.offsets()[:-1]] = 0.0
+        data["loss_mask"] = torch.nested.nested_tensor_from_jagged(mask_values, input_ids.offsets())
+    else:
+        fields = {"loss_mask": loss_mask, **fields}
+    meta = {}
+    for name, value in fields.items():
+        if isinstance(value, _META_TYPES):
+            meta[name] = value
+        elif isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.is_nested):
+            rows = _as_list(value, name)
+            _check_lengths(name, [r.shape[0] if r.dim() else 0 for r in rows], lengths)
+            values = torch.cat(rows)
+            if name == "loss_mask":
+                values = values.float()
+            data[name] = torch.nested.nested_tensor_from_jagged(values, input_ids.offsets())
+        elif isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != len(seqs):
+                raise ValueError(
+                    f"per-sample field {name!r} has shape {tuple(value.shape)} for a batch of {len(seqs)}; "
+                    "fix: give it leading dimension B, or pass a list of 1-D tensors for a per-token field"
+                )
+            data[name] = value
+        else:
+            raise ValueError(
+                f"field {name!r} has unsupported type {type(value).__name__}; fix: pass a tensor, a list of tensors or a scalar"
+            )
+    batch = TensorDict(data, batch_size=[len(seqs)])
+    for name, value in meta.items():
+        batch.set_non_tensor(name, value)
+    validate_batch(batch)
+    return batch
+
+
+def validate_batch(batch: TensorDict, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
+    """Raise a ``ValueError`` naming the field and value if ``batch`` breaks the protocol.
+
+    Checks: a non-empty 1-D batch; ``input_ids`` present, jagged, integer, every sequence
+    non-empty (and within ``vocab_size`` / ``max_seq_len`` when given); every jagged field
+    has ``input_ids``' lengths; ``loss_mask`` (if present) is 0 at every position 0.
+    Reads only: nothing is modified, so engines call it before touching any state.
+    """
+    if not isinstance(batch, TensorDict):
+        raise ValueError(f"batch is a {type(batch).__name__}; fix: build it with engine_api.make_batch")
+    if batch.batch_dims != 1 or batch.batch_size[0] == 0:
+        raise ValueError(f"batch has batch_size {list(batch.batch_size)}; fix: pass a non-empty 1-D batch of sequences")
+    if "input_ids" not in batch.keys():
+        raise ValueError(f"batch has no 'input_ids' (fields: {sorted(batch.keys())}); fix: add the token ids")
+    ids = batch["input_ids"]
+    if not ids.is_nested:
+        raise ValueError(
+            f"input_ids is a dense tensor of shape {tuple(ids.shape)}; fix: per-token fields must be jagged "
+            "(torch.nested, layout=torch.jagged); build the batch with engine_api.make_batch"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids has dtype {ids.dtype}; fix: token ids must be an integer dtype")
+    lengths = seq_lengths(batch)
+    if int(lengths.min()) < 1:
+        raise ValueError(f"input_ids[{int(lengths.argmin())}] is empty; fix: drop empty sequences")
+    if max_seq_len is not None and int(lengths.max()) > max_seq_len:
+        i = int(lengths.argmax())
+        raise ValueError(f"input_ids[{i}] has {int(lengths[i])} tokens, more than the max of {max_seq_len}; fix: truncate it")
+    if vocab_size is not None:
+        v = ids.values()
+        bad = (v < 0) | (v >= vocab_size)
+        if bool(bad.any()):
+            tok = int(v[bad][0])
+            raise ValueError(f"input_ids holds token id {tok}, outside [0, {vocab_size}); fix: tokenise with the model's vocabulary")
+    for name in batch.keys():
+        field = batch.get(name)
+        if isinstance(field, torch.Tensor) and field.is_nested and name != "input_ids":
+            _check_lengths(name, (field.offsets()[1:] - field.offsets()[:-1]).tolist(), lengths.tolist())
+    if "loss_mask" in batch.keys():
+        first = batch["loss_mask"].values()[ids.offsets()[:-1]]
+        if bool((first != 0).any()):
+            i = int((first != 0).nonzero()[0])
+            raise ValueError(
+                f"loss_mask[{i}] is set at position 0, which no token predicts; "
+                "fix: mask position 0 out (responses are the last R tokens of a sequence)"
+            )
+
+
+def seq_lengths(batch: TensorDict) -> torch.Tensor:
+    """Token count of each sequence (int64, shape [B])."""
+    offsets = batch["input_ids"].offsets()
+    return offsets[1:] - offsets[:-1]
+
+
+def loss_mask_of(batch: TensorDict) -> torch.Tensor:
+    """The batch's jagged float ``loss_mask``; if absent, every position but position 0."""
+    if "loss_mask" in batch.keys():
+        return batch["loss_mask"]
+    ids = batch["input_ids"]
+    values = torch.ones(ids.values().shape[0], dtype=torch.float32, device=ids.device)
+    values[ids.offsets()[:-1]] = 0.0
+    return torch.nested.nested_tensor_from_jagged(values, ids.offsets())
+
+
+def split_by_size(batch: TensorDict, micro_batch_size: int) -> list[TensorDict]:
+    """Consecutive micro-batches of ``micro_batch_size`` sequences (the last may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size = {micro_batch_size}; fix: use a positive micro-batch size")
+    return list(batch.split(micro_batch_size))
+
+
+def restore_order(batch: TensorDict, order: torch.Tensor) -> TensorDict:
+    """Undo a reordering: ``batch[j]`` is original row ``order[j]``; returns rows 0..B-1."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return batch[inverse]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A micro-batch packed into one row (THD / varlen layout).
+
+    Attributes:
+        input_ids: flat token ids, shape [total].
+        position_ids: per-sequence positions 0..len-1, shape [total].
+        cu_seqlens: int32 cumulative sequence lengths, shape [B + 1] (flash-attn convention).
+        max_seqlen: length of the longest sequence.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def pack(input_ids: torch.Tensor) -> Packed:
+    """Pack jagged ``input_ids`` into flat tokens with per-sequence positions."""
+    offsets = input_ids.offsets()
+    lengths = offsets[1:] - offsets[:-1]
+    starts = torch.repeat_interleave(offsets[:-1], lengths)
+    position_ids = torch.arange(int(offsets[-1]), device=offsets.device) - starts
+    return Packed(
+        input_ids=input_ids.values(),
+        position_ids=position_ids,
+        cu_seqlens=offsets.to(torch.int32),
+        max_seqlen=int(lengths.max()),
+    )
+
+
+def unpack(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Jagged view of flat per-token ``values`` (first dim = total tokens) with ``like``'s layout.
+
+    Sharing ``like``'s offsets makes the result composable with the batch's other jagged
+    fields; autograd flows through.
+    """
+    if values.shape[0] != like.values().shape[0]:
+        raise ValueError(f"unpack got {values.shape[0]} values for {like.values().shape[0]} tokens")
+    return torch.nested.nested_tensor_from_jagged(values, like.offsets())
+
+
+def pad(jagged: torch.Tensor, value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a jagged tensor to ``[B, T, ...]``; returns ``(padded, attention_mask)``.
+
+    ``attention_mask`` is a bool ``[B, T]`` that is True on real tokens.
+    """
+    offsets = jagged.offsets()
+    lengths = offsets[1:] - offsets[:-1]
+    padded = torch.nested.to_padded_tensor(jagged, value)
+    mask = torch.arange(padded.shape[1], device=lengths.device)[None, :] < lengths[:, None]
+    return padded, mask
+
+
+def unpad(padded: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pad`: the real tokens of ``padded`` ``[B, T, ...]`` as a tensor with
+    ``like``'s jagged layout (autograd flows through)."""
+    offsets = like.offsets()
+    lengths = (offsets[1:] - offsets[:-1]).to(padded.device)
+    mask = torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+    return unpack(padded[mask], like)
+
+
+def shard_batch(batch: TensorDict, dp_rank: int, dp_size: int) -> TensorDict:
+    """This DP rank's contiguous shard of a global batch.
+
+    Raises:
+        ValueError: the batch size is not a multiple of ``dp_size``. Equal shards are what
+            keep the micro-batch count equal on every rank, which FSDP and megatron need.
+    """
+    size = batch.batch_size[0]
+    if size % dp_size:
+        raise ValueError(
+            f"global batch of {size} sequences does not split over dp_size = {dp_size}; fix: make the global batch a multiple of {dp_size}"
+        )
+    per_rank = size // dp_size
+    return batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+
+
+def unshard_batch(local: TensorDict, group: dist.ProcessGroup | None) -> TensorDict:
+    """Gather every DP rank's shard (:func:`shard_batch` order) back into the global batch.
+
+    Collective over ``group``. Tensors travel on CPU (pickled), so outputs on any device work.
+    """
+    shards = all_gather_objects(local.cpu(), group)
+    return torch.cat(shards) if len(shards) > 1 else shards[0]
+
+
+def _as_list(value, name: str) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_nested:
+            return list(value.unbind())
+        raise ValueError(f"{name} is a dense tensor; fix: pass a list of 1-D tensors or a jagged nested tensor")
+    return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value]
+
+
+def _check_lengths(name: str, got: Sequence[int], want: Sequence[int]) -> None:
+    if len(got) != len(want):
+        raise ValueError(f"{name} has {len(got)} rows for {len(want)} sequences; fix: one row per sequence")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            raise ValueError(f"{name}[{i}] has {g} tokens but input_ids[{i}] has {w}; fix: give per-token fields the sequence's length")

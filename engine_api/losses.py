@@ -1,0 +1,261 @@
+"""Loss aggregation and normalization (DESIGN.md section 4).
+
+A loss function computes a per-token loss ``l`` and reduces it with :func:`agg_loss`, which
+divides the micro-batch's *numerator* by a *global* denominator carried in a
+:class:`NormContext`. The engine builds that context once per ``forward_backward_step`` from
+the whole call's loss mask, all-reduced over the data-parallel group, so the sum of the
+micro-batch contributions over all micro-batches and all DP ranks is exactly the loss of the
+global batch, whatever the micro-batching. Modes over a global batch ``B`` with mask ``m``:
+
+=============================  ============================================  ================
+mode                           loss                                          denominator
+=============================  ============================================  ================
+``token-mean``                 sum(m*l) / sum(m)                             tokens
+``seq-mean-token-mean``        mean over sequences of sum_t(m*l) / sum_t(m)  sequences
+``seq-mean-token-sum``         mean over sequences of sum_t(m*l)             sequences
+``seq-mean-token-sum-norm``    sum(m*l) / (|B| * C)                          sequences * C
+=============================  ============================================  ================
+
+Assumption (documented in the README): ``|B|`` counts the sequences that have at least one
+token in the loss mask; a sequence with an empty mask contributes nothing to any mode.
+
+Two engine-side corrections turn these contributions into the right gradient:
+
+* DP averaging: DDP and FSDP *average* gradients over the DP group, but the contributions
+  are already normalised globally, so the engine multiplies the backward loss by
+  :func:`dp_grad_compensation` to turn the average back into a sum.
+* Deferred mode (``engine.deferred_normalization``): the global batch may arrive over several
+  ``forward_backward_step`` calls. The loss function still sees the call's own context (its
+  metrics stay meaningful), the engine multiplies the backward loss by the call's denominator
+  (leaving unnormalised sums in the gradient) and accumulates the counts in a
+  :class:`DeferredNormalizer`; ``optimizer_step`` scales the gradient by
+  ``1 / accumulated denominator``. Denominators are linear in the counts, so any split of the
+  global batch gives the same gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine_api.dist import all_reduce, comm_device, group_size
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class NormCounts:
+    """Counts that the denominators are built from.
+
+    Attributes:
+        tokens: number of tokens in the loss mask.
+        seqs: number of sequences with at least one token in the loss mask.
+    """
+
+    tokens: float
+    seqs: float
+
+    def __add__(self, other: NormCounts) -> NormCounts:
+        return NormCounts(self.tokens + other.tokens, self.seqs + other.seqs)
+
+    @classmethod
+    def from_mask(cls, loss_mask: torch.Tensor) -> NormCounts:
+        """Local counts of a jagged ``loss_mask`` (one row per sequence)."""
+        values, offsets = _flat(loss_mask)
+        per_seq = _segment_sum(values.to(torch.float64), offsets)
+        return cls(tokens=float(per_seq.sum()), seqs=float((per_seq > 0).sum()))
+
+    def all_reduce(self, group: dist.ProcessGroup | None) -> NormCounts:
+        """Sum the counts over ``group``: every rank gets the global counts.
+
+        One float64 all-reduce of two numbers; float64 keeps token counts exact far beyond
+        any realistic global batch.
+        """
+        if group_size(group) == 1:
+            return self
+        buf = torch.tensor([self.tokens, self.seqs], dtype=torch.float64, device=comm_device(group))
+        all_reduce(buf, "sum", group)
+        return NormCounts(tokens=float(buf[0]), seqs=float(buf[1]))
+
+
+def denominator(mode: str, counts: NormCounts, constant: float | None = None) -> float:
+    """The global denominator of ``mode`` for ``counts`` (``constant`` is C of the -norm mode)."""
+    _check_mode(mode)
+    if mode == "token-mean":
+        return counts.tokens
+    if mode == "seq-mean-token-sum-norm":
+        if constant is None or constant <= 0:
+            raise ValueError(
+                f"loss_agg_constant = {constant!r}: seq-mean-token-sum-norm needs a positive "
+                "constant C; fix: set engine.loss_agg_constant (e.g. the max response length)"
+            )
+        return counts.seqs * constant
+    return counts.seqs
+
+
+@dataclass(frozen=True)
+class NormContext:
+    """What a loss function needs to turn its micro-batch into a global-batch contribution.
+
+    Attributes:
+        mode: one of :data:`AGG_MODES`.
+        counts: global counts of the ``forward_backward_step`` call (all DP ranks).
+        denominator: ``denominator(mode, counts, constant)``; never zero.
+        dp_size: size of the data-parallel group the counts were reduced over.
+        constant: C of ``seq-mean-token-sum-norm`` (None for the other modes).
+    """
+
+    mode: str
+    counts: NormCounts
+    denominator: float
+    dp_size: int
+    constant: float | None = None
+
+
+def build_norm_context(
+    loss_mask: torch.Tensor,
+    mode: str,
+    group: dist.ProcessGroup | None,
+    constant: float | None = None,
+) -> NormContext:
+    """Build the context for one ``forward_backward_step`` call from its (local) loss mask.
+
+    Collective over ``group``: every DP rank must call it once per call, with its own shard.
+
+    Raises:
+        ValueError: the mask selects no token on any rank (the loss would be 0/0). Every
+            rank sees the same global counts, so every rank raises, before any backward.
+    """
+    counts = NormCounts.from_mask(loss_mask).all_reduce(group)
+    denom = denominator(mode, counts, constant)
+    if denom <= 0:
+        raise ValueError(
+            "loss_mask selects no token in the global batch (all ranks): the loss would be 0/0; "
+            "fix: drop fully masked batches before training or set loss_mask on the response tokens"
+        )
+    return NormContext(mode=mode, counts=counts, denominator=denom, dp_size=group_size(group), constant=constant)
+
+
+def agg_numerator(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Sum of ``mode``'s per-unit terms over one micro-batch (differentiable in ``loss``).
+
+    ``loss`` and ``loss_mask`` are jagged (or flat values sharing ``loss_mask``'s layout).
+    For ``seq-mean-token-mean`` the unit is a sequence's masked token mean; otherwise the
+    masked token sum.
+    """
+    _check_mode(mode)
+    values, offsets = _flat(loss)
+    mask, mask_offsets = _flat(loss_mask)
+    if values.shape != mask.shape or not torch.equal(offsets, mask_offsets):
+        raise ValueError(
+            f"loss has layout {tuple(values.shape)} / offsets {offsets.tolist()} but loss_mask has "
+            f"{tuple(mask.shape)} / {mask_offsets.tolist()}; fix: compute the loss on the micro-batch's tokens"
+        )
+    weighted = values * mask.to(values.dtype)
+    if mode != "seq-mean-token-mean":
+        return weighted.sum()
+    seq_sums = _segment_sum(weighted, offsets)
+    seq_tokens = _segment_sum(mask.to(values.dtype), offsets)
+    # Sequences with an empty mask contribute 0 (their sum is 0; clamp avoids 0/0).
+    return (seq_sums / seq_tokens.clamp(min=1)).sum()
+
+
+def agg_loss(loss: torch.Tensor, loss_mask: torch.Tensor, norm: NormContext) -> torch.Tensor:
+    """The micro-batch's contribution to the global-batch loss: numerator / global denominator."""
+    return agg_numerator(loss, loss_mask, norm.mode) / norm.denominator
+
+
+def dp_grad_compensation(dp_size: int) -> float:
+    """Factor that undoes DDP/FSDP gradient *averaging* over ``dp_size`` ranks.
+
+    Contributions are already divided by the global denominator, so the DP reduction must
+    be a sum; backends that average multiply the backward loss by this factor.
+    """
+    return float(dp_size)
+
+
+def backward_scale(norm: NormContext, deferred: bool, grads_averaged_over_dp: bool = True) -> float:
+    """Factor an engine multiplies a micro-batch's contribution by before ``backward()``.
+
+    Args:
+        norm: the call's context.
+        deferred: deferred mode keeps unnormalised sums in the gradient (multiply back the
+            call's denominator); :class:`DeferredNormalizer` divides at ``optimizer_step``.
+        grads_averaged_over_dp: whether the backend's gradient reduction averages over DP.
+    """
+    scale = dp_grad_compensation(norm.dp_size) if grads_averaged_over_dp else 1.0
+    return scale * norm.denominator if deferred else scale
+
+
+class DeferredNormalizer:
+    """Accumulates global counts over an accumulation window (deferred mode).
+
+    The engine calls :meth:`add` once per ``forward_backward_step`` with the call's global
+    counts, :meth:`grad_scale` in ``optimizer_step``, and :meth:`reset` when the window ends
+    (``optimizer_step`` or ``optimizer_zero_grad``).
+    """
+
+    def __init__(self, mode: str, constant: float | None = None) -> None:
+        _check_mode(mode)
+        self.mode = mode
+        self.constant = constant
+        self.counts = NormCounts(0.0, 0.0)
+
+    def add(self, counts: NormCounts) -> None:
+        """Add one call's global counts to the window."""
+        self.counts = self.counts + counts
+
+    def grad_scale(self) -> float:
+        """``1 / denominator`` of the window; raises if nothing was accumulated."""
+        denom = denominator(self.mode, self.counts, self.constant)
+        if denom <= 0:
+            raise RuntimeError(
+                "optimizer_step in deferred mode with no loss tokens accumulated since the last "
+                "step; fix: call forward_backward_step (not forward_only) before optimizer_step"
+            )
+        return 1.0 / denom
+
+    def reset(self) -> None:
+        """Start a new accumulation window."""
+        self.counts = NormCounts(0.0, 0.0)
+
+
+class LossFn(Protocol):
+    """Signature of a loss function set with ``BaseEngine.set_loss_fn``.
+
+    Args:
+        micro_batch: the micro-batch TensorDict (jagged per-token fields).
+        outputs: the model outputs for it (jagged ``log_probs`` / ``entropy`` / ``values``),
+            sharing the micro-batch's jagged layout.
+        norm: the call's normalization context; reduce with :func:`agg_loss`.
+
+    Returns:
+        ``(contribution, metrics)``: a scalar tensor (this micro-batch's share of the global
+        loss) and a dict of float metrics for this micro-batch.
+    """
+
+    def __call__(self, micro_batch, outputs, norm: NormContext) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode = {mode!r} is unknown; fix: use one of {', '.join(AGG_MODES)}")
+
+
+def _flat(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, offsets) of a jagged tensor; a plain 1-D tensor is one sequence."""
+    if x.is_nested:
+        return x.values(), x.offsets()
+    if x.dim() != 1:
+        raise ValueError(f"expected a jagged or 1-D per-token tensor, got shape {tuple(x.shape)}")
+    return x, torch.tensor([0, x.shape[0]], device=x.device)
+
+
+def _segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums of flat ``values`` delimited by ``offsets`` (differentiable)."""
+    lengths = (offsets[1:] - offsets[:-1]).to(values.device)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)
+    return torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add(0, seg, values)

@@ -1,0 +1,1 @@
+"""Training loops (SFT, PPO/GRPO) that consume the engine contract."""

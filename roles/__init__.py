@@ -1,0 +1,1 @@
+"""RL roles (actor, critic, reference, rollout) written on BaseEngine calls only."""

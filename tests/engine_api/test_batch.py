@@ -1,0 +1,161 @@
+"""The batch protocol: construction, validation, packing, padding, splitting, sharding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_api.batch import (
+    loss_mask_of,
+    make_batch,
+    pack,
+    pad,
+    restore_order,
+    shard_batch,
+    split_by_size,
+    unpack,
+    unpad,
+    unshard_batch,
+    validate_batch,
+)
+from engine_api.microbatch import make_micro_batches
+from tests.dist_harness import run_distributed
+
+
+def _seqs(lengths=(3, 5, 2, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (n,), generator=g) for n in lengths]
+
+
+def test_make_batch_fields_share_layout_and_default_mask():
+    seqs = _seqs()
+    b = make_batch(seqs, advantages=[torch.randn(len(s)) for s in seqs], reward=torch.arange(4.0), calculate_entropy=True)
+    assert b.batch_size == torch.Size([4])
+    assert b["input_ids"].is_nested and b["advantages"].is_nested
+    assert b["advantages"].offsets() is b["input_ids"].offsets()  # jagged arithmetic between fields works
+    (b["advantages"] * b["loss_mask"]).values()
+    for s, m in zip(seqs, b["loss_mask"].unbind(), strict=True):
+        assert m.tolist() == [0.0] + [1.0] * (len(s) - 1)
+    assert b["reward"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert b.get_non_tensor("calculate_entropy") is True
+
+
+def test_uniform_lengths_stay_jagged():
+    b = make_batch([torch.arange(4), torch.arange(4)], values=[torch.zeros(4), torch.ones(4)])
+    assert b["input_ids"].is_nested and b["values"].is_nested
+    assert b[1:]["values"].values().tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sequences": []}, "empty batch"),
+        ({"sequences": [torch.arange(3), torch.tensor([], dtype=torch.long)]}, r"input_ids\[1\]"),
+        ({"sequences": [torch.rand(3)]}, "integer dtype"),
+        (
+            {"sequences": [torch.arange(3), torch.arange(2)], "advantages": [torch.ones(3), torch.ones(3)]},
+            r"advantages\[1\] has 3 tokens but input_ids\[1\] has 2",
+        ),
+        ({"sequences": [torch.arange(3)], "loss_mask": [torch.ones(3)]}, r"loss_mask\[0\] is set at position 0"),
+        ({"sequences": [torch.arange(3), torch.arange(2)], "reward": torch.ones(3)}, "leading dimension B"),
+    ],
+)
+def test_make_batch_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_batch(**kwargs)
+
+
+def test_validate_batch_checks_vocab_length_and_layout():
+    b = make_batch([torch.tensor([1, 2, 60])])
+    with pytest.raises(ValueError, match="token id 60, outside"):
+        validate_batch(b, vocab_size=50)
+    with pytest.raises(ValueError, match="more than the max of 2"):
+        validate_batch(b, max_seq_len=2)
+    with pytest.raises(ValueError, match="dense tensor"):
+        validate_batch(_dense())
+    with pytest.raises(ValueError, match="no 'input_ids'"):
+        validate_batch(b.exclude("input_ids"))
+
+
+def _dense():
+    from tensordict import TensorDict
+
+    return TensorDict({"input_ids": torch.ones(2, 3, dtype=torch.long)}, batch_size=[2])
+
+
+def test_loss_mask_default_when_absent():
+    b = make_batch(_seqs()).exclude("loss_mask")
+    m = loss_mask_of(b)
+    assert m.values()[b["input_ids"].offsets()[:-1]].sum() == 0
+    assert float(m.values().sum()) == sum(len(s) - 1 for s in _seqs())
+
+
+def test_pack_unpack_roundtrip_and_positions():
+    seqs = _seqs()
+    b = make_batch(seqs)
+    p = pack(b["input_ids"])
+    assert torch.equal(p.input_ids, torch.cat(seqs))
+    assert p.position_ids.tolist() == [i for s in seqs for i in range(len(s))]
+    assert p.cu_seqlens.tolist() == [0, 3, 8, 10, 14] and p.cu_seqlens.dtype == torch.int32
+    assert p.max_seqlen == 5
+    back = unpack(p.input_ids * 2, b["input_ids"])
+    assert [r.tolist() for r in back.unbind()] == [(s * 2).tolist() for s in seqs]
+
+
+def test_pad_unpad_roundtrip_keeps_gradients():
+    seqs = _seqs()
+    b = make_batch(seqs)
+    padded, mask = pad(b["input_ids"], value=-1)
+    assert padded.shape == (4, 5) and mask.sum() == 14
+    assert (padded[~mask] == -1).all()
+    x = torch.randn(4, 5, 3, requires_grad=True)
+    un = unpad(x, b["input_ids"])
+    assert un.values().shape == (14, 3)
+    un.values().sum().backward()
+    assert torch.equal(x.grad[..., 0], mask.float())
+
+
+def test_split_and_restore_order():
+    b = make_batch(_seqs((3, 5, 2, 4, 6)))
+    parts = split_by_size(b, 2)
+    assert [p.batch_size[0] for p in parts] == [2, 2, 1]
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    restored = restore_order(b[perm], perm)
+    assert torch.equal(restored["input_ids"].values(), b["input_ids"].values())
+
+
+@pytest.mark.parametrize("mode", [{"micro_batch_size": 2}, {"max_token_len": 7}, {}])
+def test_micro_batches_restore_original_order(mode):
+    b = make_batch(_seqs((3, 5, 2, 4, 6, 1)))
+    plan = make_micro_batches(b, mode.get("micro_batch_size"), mode.get("max_token_len"), None)
+    if "max_token_len" in mode:
+        assert all(int(mb["input_ids"].offsets()[-1]) <= 7 for mb in plan.batches)
+    restored = plan.restore([mb.select("input_ids") for mb in plan.batches])
+    assert [r.tolist() for r in restored["input_ids"].unbind()] == [r.tolist() for r in b["input_ids"].unbind()]
+
+
+def test_micro_batching_modes_are_exclusive():
+    with pytest.raises(ValueError, match="set only one"):
+        make_micro_batches(make_batch(_seqs()), 2, 8, None)
+
+
+def test_shard_requires_divisible_batch():
+    b = make_batch(_seqs((3, 5, 2)))
+    with pytest.raises(ValueError, match="multiple of 2"):
+        shard_batch(b, 0, 2)
+
+
+def _shard_worker(rank, world):
+    # Rank 0's shard is long sequences, rank 1's short ones: dynamic batching must still
+    # give both ranks the same number of micro-batches.
+    b = make_batch(_seqs((9, 9, 8, 9, 1, 1, 1, 2)))
+    local = shard_batch(b, rank, world)
+    plan = make_micro_batches(local, None, 10, None)
+    gathered = unshard_batch(local.select("input_ids"), None)
+    return len(plan.batches), [r.tolist() for r in gathered["input_ids"].unbind()], [r.tolist() for r in b["input_ids"].unbind()]
+
+
+def test_shard_unshard_and_equal_micro_batch_counts_over_two_ranks():
+    (k0, g0, want), (k1, g1, _) = run_distributed(_shard_worker, 2)
+    assert g0 == g1 == want
+    assert k0 == k1 == 4  # rank 0 needs 4 parts (each holds one ~9-token sequence); rank 1 follows

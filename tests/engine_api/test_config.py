@@ -1,0 +1,115 @@
+"""Typed configs: loading, overrides, misspelt keys, value checks, the documented YAML defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine_api import build_engine
+from engine_api.config import EngineConfig, MegatronConfig, OptimConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "engine"
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron"])
+def test_yaml_defaults_equal_dataclass_defaults(name):
+    """The YAML documents the defaults; it must not drift from the dataclasses."""
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cfg == dataclasses.replace(EngineConfig(), strategy=name)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "megatron"])
+def test_every_yaml_key_has_a_comment_above_it(name):
+    lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#") and ":" in stripped:
+            assert lines[i - 1].strip().startswith("#"), f"{name}.yaml line {i + 1} ({stripped!r}) has no comment above it"
+
+
+def test_overrides_win_and_result_is_typed_and_frozen():
+    cfg = load_config(CONFIGS / "fsdp.yaml", ["optim.lr=3e-4", "micro_batch_size=2", "optim.betas=[0.8,0.95]"])
+    assert isinstance(cfg, EngineConfig) and isinstance(cfg.optim, OptimConfig)
+    assert cfg.optim.lr == 3e-4 and cfg.micro_batch_size == 2 and cfg.optim.betas == (0.8, 0.95)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]
+
+
+def test_mapping_source():
+    cfg = load_config({"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2}})
+    assert cfg.megatron == MegatronConfig(tensor_model_parallel_size=2)
+
+
+def test_misspelt_key_names_the_closest_valid_one():
+    with pytest.raises(ValueError, match=r"optim\.lrr: unknown key 'lrr'.*did you mean 'optim\.lr'"):
+        load_config(None, ["optim.lrr=1e-3"])
+    with pytest.raises(ValueError, match=r"did you mean 'megatron\.tensor_model_parallel_size'"):
+        load_config({"megatron": {"tensor_model_paralel_size": 2}})
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ValueError) as err:
+        load_config(
+            {"optim": {"lr": -1.0, "lrr": 2}, "loss_agg_mode": "sum"},
+            [
+                "micro_batch_size=2",
+                "max_token_len_per_micro_batch=128",
+                "seed=abc",
+                "strategy=megatron",
+                "megatron.tensor_model_parallel_size=3",
+                "world_size=4",
+            ],
+        )
+    msg = str(err.value)
+    assert msg.startswith("6 config problem(s)")
+    for needle in (
+        "optim.lr = -1.0",
+        "optim.lrr",
+        "loss_agg_mode = 'sum'",
+        "max_token_len_per_micro_batch = 128",
+        "seed = 'abc'",
+        "does not divide the world size 4",
+    ):
+        assert needle in msg, needle
+    assert "fix:" in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("loss_agg_mode=seq-mean-token-sum-norm", "loss_agg_constant = None"),
+        ("optim.lr_schedule=cosine", "optim.total_steps = None"),
+        ("megatron.sequence_parallel=true", "needs tensor_model_parallel_size > 1"),
+        ("megatron.virtual_pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size = 2"),
+        ("model.head=policy", "model.head = 'policy'"),
+        ("model.path=/nonexistent/model", "no such directory"),
+        ("optim.clip_grad=0", "optim.clip_grad = 0.0"),
+        ("checkpoint.max_ckpt_to_keep=0", "checkpoint.max_ckpt_to_keep = 0"),
+        ("fsdp.reduce_dtype=fp8", "fsdp.reduce_dtype = 'fp8'"),
+    ],
+)
+def test_value_checks(override, needle):
+    with pytest.raises(ValueError, match="fix:") as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        load_config(None, ["strategy=megatron", "megatron.pipeline_model_parallel_size=3"])
+    load_config(None, ["strategy=megatron", "megatron.pipeline_model_parallel_size=2"])
+
+
+def test_build_engine_rejects_a_config_built_by_hand():
+    """Configs that bypass load_config are still checked before any engine exists."""
+    with pytest.raises(ValueError, match="optim.lr = -1.0"):
+        build_engine(EngineConfig(optim=OptimConfig(lr=-1.0)))
+
+
+def test_yaml_is_plain_yaml():
+    # A recipe or a human can read the files without OmegaConf.
+    assert yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["strategy"] == "fsdp"
