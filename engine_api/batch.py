@@ -257,6 +257,39 @@ def unshard_batch(local: TensorDict, group: dist.ProcessGroup | None) -> TensorD
     return torch.cat(shards) if len(shards) > 1 else shards[0]
 
 
+def to_device(batch: TensorDict, device: torch.device | str) -> TensorDict:
+    """Move a batch, keeping every jagged field on one shared offsets tensor.
+
+    ``TensorDict.to`` moves each jagged field's offsets separately, which gives each field its
+    own ragged size and breaks arithmetic between fields; this moves the offsets once.
+    """
+    device = torch.device(device)
+    jagged = _jagged_keys(batch)
+    if not jagged:
+        return batch.to(device)
+    ref = batch.get("input_ids" if "input_ids" in jagged else jagged[0])
+    if ref.device == device:
+        return batch
+    return relayout(batch.to(device), ref.offsets().to(device))
+
+
+def relayout(batch: TensorDict, offsets: torch.Tensor | None = None) -> TensorDict:
+    """Rebuild every jagged field of ``batch`` on one ``offsets`` tensor (default: the
+    ``input_ids`` offsets, or the first jagged field's). The row lengths must agree."""
+    jagged = _jagged_keys(batch)
+    if not jagged:
+        return batch
+    if offsets is None:
+        offsets = batch.get("input_ids" if "input_ids" in jagged else jagged[0]).offsets()
+    for key in jagged:
+        batch.set(key, torch.nested.nested_tensor_from_jagged(batch.get(key).values(), offsets))
+    return batch
+
+
+def _jagged_keys(batch: TensorDict) -> list[str]:
+    return [k for k in batch.keys() if isinstance(batch.get(k), torch.Tensor) and batch.get(k).is_nested]
+
+
 def _as_list(value, name: str) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         if value.is_nested:

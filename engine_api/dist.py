@@ -54,3 +54,18 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     if is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def init_single_process_group(backend: str) -> None:
+    """Initialise a 1-rank default group if none exists (a plain ``python`` run).
+
+    Backends built on torch.distributed (FSDP2 meshes, megatron parallel_state) then run the
+    same code path in one process as under torchrun. The rendezvous is a fresh file, so
+    concurrent single-process runs never collide on a port.
+    """
+    if is_initialized():
+        return
+    import tempfile
+
+    store = tempfile.NamedTemporaryFile(prefix="enginekit_pg_", delete=False).name
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)

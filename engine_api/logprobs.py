@@ -21,19 +21,24 @@ def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: t
         ``[total]`` log-probs, 0 at every sequence start.
     """
     logp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, input_ids[1:, None]).squeeze(-1)
-    return _shift_in(logp, cu_seqlens)
+    return align_to_tokens(logp, cu_seqlens)
 
 
 def token_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Entropy of the distribution that predicts each packed token (0 at sequence starts)."""
     logp = torch.log_softmax(logits[:-1].float(), dim=-1)
     ent = -(logp.exp() * logp).sum(-1)
-    return _shift_in(ent, cu_seqlens)
+    return align_to_tokens(ent, cu_seqlens)
 
 
-def _shift_in(pred_next: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``pred_next[t]`` scores token t + 1; place it at t + 1 and zero every sequence start
-    (which also drops the cross-sequence predictions at packed boundaries)."""
+def align_to_tokens(pred_next: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Align per-position predictions about the *next* token with the token they score.
+
+    ``pred_next[t]`` (``[total - 1]``, computed at packed position t) scores token t + 1; it
+    is placed at t + 1, and every sequence start is zeroed (which also drops the
+    cross-sequence predictions at packed boundaries). Used for log-probs, entropy and values
+    (the value of token i is predicted from the prefix before it).
+    """
     out = torch.cat([pred_next.new_zeros(1), pred_next])
     keep = torch.ones_like(out, dtype=torch.bool)
     keep[cu_seqlens[:-1].long()] = False

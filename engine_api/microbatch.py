@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api.batch import restore_order, seq_lengths, split_by_size
+from engine_api.batch import relayout, restore_order, seq_lengths, split_by_size
 from engine_api.dist import all_reduce, comm_device
 from engine_api.partition import partition_balanced
 
@@ -30,12 +30,16 @@ class MicroBatches:
     batches: list[TensorDict]
     order: torch.Tensor
 
-    def restore(self, outputs: list[TensorDict]) -> TensorDict:
-        """Concatenate one output TensorDict per micro-batch and restore the original order."""
+    def restore(self, outputs: list[TensorDict], like: torch.Tensor | None = None) -> TensorDict:
+        """Concatenate one output TensorDict per micro-batch and restore the original order.
+
+        With ``like`` (the caller's jagged ``input_ids``), jagged outputs are laid onto its
+        offsets, so they combine directly with the caller's other jagged fields.
+        """
         if len(outputs) != len(self.batches):
             raise ValueError(f"got {len(outputs)} outputs for {len(self.batches)} micro-batches")
-        merged = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        return restore_order(merged, self.order)
+        merged = restore_order(torch.cat(outputs) if len(outputs) > 1 else outputs[0], self.order)
+        return relayout(merged, like.offsets()) if like is not None else merged
 
 
 def make_micro_batches(

@@ -24,13 +24,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-from engine_api import BaseEngine, register_engine, unregister_engine, validate_batch
-from engine_api.batch import loss_mask_of, pack, pad, unpack
-from engine_api.dist import all_reduce, group_rank, group_size, is_initialized
+from engine_api import BaseEngine, register_engine, unregister_engine
+from engine_api.batch import pack, pad, unpack
+from engine_api.dist import group_rank, group_size, is_initialized
 from engine_api.logprobs import token_entropy, token_log_probs
-from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
+from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.microbatch import make_micro_batches
+from engine_api.optim import build_adamw, clip_and_step
+from engine_api.step import StepSpec, forward_backward_loop
 
 NAME = "reference"
 
@@ -90,9 +91,8 @@ class ReferenceEngine(BaseEngine):
         """Load the model, wrap it in DDP when running on several ranks, build AdamW + LR."""
         self.module = load_tiny_model(self.config.model.path)
         self.model = nn.parallel.DistributedDataParallel(self.module) if self.dp_size > 1 else self.module
-        o = self.config.optim
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = build_lr_scheduler(self.optimizer, o)
+        self.optimizer = build_adamw(self.module.parameters(), self.config.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
         self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
         self.global_step = 0
 
@@ -119,38 +119,8 @@ class ReferenceEngine(BaseEngine):
         return None
 
     def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        validate_batch(batch, vocab_size=self.module.head.out_features)
-        if not forward_only and self._loss_fn is None:
-            raise ValueError("forward_backward_step(forward_only=False) with no loss; fix: call set_loss_fn first")
-        cfg = self.config
-        ctx = {} if ctx is None else ctx
-        plan = make_micro_batches(batch, cfg.micro_batch_size, cfg.max_token_len_per_micro_batch, self.dp_group)
-        if not forward_only:
-            norm = build_norm_context(loss_mask_of(batch), cfg.loss_agg_mode, self.dp_group, cfg.loss_agg_constant)
-            ctx["norm"] = norm
-            scale = backward_scale(norm, cfg.deferred_normalization)
-        outputs, total = [], torch.zeros((), dtype=torch.float64)
-        for mb in plan.batches:
-            if preprocess_fn is not None:
-                mb = preprocess_fn(mb, ctx)
-            with torch.set_grad_enabled(not forward_only):
-                out = self._forward(mb)
-                if postprocess_fn is not None:
-                    out = postprocess_fn(mb, out, ctx)
-                if not forward_only:
-                    loss, metrics = self._loss_fn(mb, out, norm)
-                    (loss * scale).backward()
-                    total += loss.detach().double()
-                    for k, v in metrics.items():
-                        ctx.setdefault("metrics", {}).setdefault(k, []).append(float(v))
-            outputs.append(out.detach())
-        if not forward_only and cfg.deferred_normalization:
-            self.deferred.add(norm.counts)
-        predictions = plan.restore(outputs)
-        if forward_only:
-            return predictions, ctx
-        # Contributions are normalised globally: the global loss is their sum over DP ranks.
-        return predictions, float(all_reduce(total, "sum", self.dp_group)), ctx
+        spec = StepSpec(config=self.config, dp_group=self.dp_group, forward=self._forward, vocab_size=self.module.head.out_features)
+        return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
 
     def _forward(self, mb: TensorDict) -> TensorDict:
         ids = mb["input_ids"]
@@ -173,17 +143,10 @@ class ReferenceEngine(BaseEngine):
         self.deferred.reset()
 
     def optimizer_step(self) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.config.deferred_normalization:
-            scale = self.deferred.grad_scale()
-            for p in params:
-                p.grad.mul_(scale)
-            self.deferred.reset()
         # DDP already all-reduced the grads, so the norm is the same on every rank.
-        max_norm = self.config.optim.clip_grad or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        deferred = self.deferred if self.config.deferred_normalization else None
+        grad_norm = clip_and_step(list(self.module.parameters()), self.optimizer, self.config.optim.clip_grad, deferred)
         if math.isfinite(grad_norm):
-            self.optimizer.step()
             self.global_step += 1
         return grad_norm
 

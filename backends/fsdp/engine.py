@@ -1,0 +1,223 @@
+"""``FSDPEngine``: BaseEngine on torch FSDP2 (``fully_shard``) for HF causal LMs and value models.
+
+Every rank holds a data-parallel replica's shard: DP spans the whole world (HSDP when
+``fsdp.fsdp_size`` divides it). The micro-batch loop, normalization and optimizer step are
+the shared ``engine_api`` pieces; this module adds the HF forward (packed or padded), FSDP2
+wrapping, offload, DCP checkpoints and HF-named weight export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+
+from backends.fsdp import checkpoint as ckpt
+from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_hf_model
+from engine_api import BaseEngine, register_engine
+from engine_api.batch import pack, pad, unpack
+from engine_api.dist import init_single_process_group
+from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
+from engine_api.losses import DeferredNormalizer
+from engine_api.lr_schedule import build_lr_scheduler
+from engine_api.optim import build_adamw, clip_and_step
+from engine_api.step import StepSpec, forward_backward_loop
+
+
+@register_engine("fsdp")
+class FSDPEngine(BaseEngine):
+    """FSDP2 engine. Outputs per micro-batch: ``log_probs`` (and ``entropy`` when the batch's
+    metadata ``calculate_entropy`` is True; logits are divided by metadata ``temperature``,
+    default 1) for ``head: lm``; ``values`` for ``head: value``, where ``values[i]`` is
+    predicted from the prefix before token i (aligned like log-probs; 0 at position 0)."""
+
+    def init_model(self) -> None:
+        """Load the HF model, shard it with FSDP2, build AdamW + LR schedule, apply offload.
+
+        Collective. Without torch.distributed initialised (plain ``python``), a 1-rank group
+        is created so one process runs the same FSDP2 code as N.
+        """
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.mesh = build_mesh(self.device, dist.get_world_size(), self.config.fsdp.fsdp_size)
+        model = load_hf_model(self.config, self.device)
+        if self.config.model.gradient_checkpointing:
+            apply_activation_checkpointing(model)
+        apply_fsdp(model, self.mesh, self.config)
+        self.model = model.to(self.device)
+        self.vocab_size = model.config.vocab_size
+        self.optimizer = build_adamw(self.model.parameters(), self.config.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
+        self.global_step = 0
+        # Where params(+grads) and optimizer state live now; train/eval modes move them.
+        self.placement = {"model": self.device, "optimizer": self.device}
+        self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    # ------------------------------------------------------------------ modes and placement
+    @contextlib.contextmanager
+    def train_mode(self):
+        """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
+        self.to(self.device, model=True, optimizer=True)
+        self.model.train()
+        try:
+            yield self
+        finally:
+            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """Params on the compute device; ``eval()``; offload on exit."""
+        self.to(self.device, model=True, optimizer=False)
+        self.model.eval()
+        try:
+            yield self
+        finally:
+            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    def to(self, device, model: bool = True, optimizer: bool = True) -> None:
+        """Move params + grads (``model``) and/or optimizer state to ``device``."""
+        device = torch.device(device)
+        if model and self.placement["model"] != device:
+            self.model.to(device)  # nn.Module._apply moves .grad with each param
+            self.placement["model"] = device
+        if optimizer and self.placement["optimizer"] != device:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
+            self.placement["optimizer"] = device
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _offload(self, model: bool, optimizer: bool) -> None:
+        cpu = torch.device("cpu")
+        if model or optimizer:
+            self.to(cpu, model=model, optimizer=optimizer)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    # ------------------------------------------------------------------ compute
+    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
+        """See ``BaseEngine.forward_backward_step``. Micro-batches run on the compute device;
+        predictions come back on every rank, on ``batch``'s device and jagged layout."""
+        spec = StepSpec(config=self.config, dp_group=self.dp_group, forward=self._forward, vocab_size=self.vocab_size, device=self.device)
+        return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
+
+    def _forward(self, mb: TensorDict) -> TensorDict:
+        ids = mb["input_ids"]  # already on the compute device (the loop moved it)
+        packed = pack(ids)
+        if self.config.use_remove_padding:
+            # One row, per-sequence positions, no mask, no cache: HF starts a new sequence
+            # wherever the positions restart (varlen kernels with flash-attn).
+            out = self.model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
+            flat = out.logits[0]
+        else:
+            padded, mask = pad(ids)
+            out = self.model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
+            flat = out.logits[mask]  # back to packed order
+        if self.config.model.head == "value":
+            values = align_to_tokens(flat[:-1, 0].float(), packed.cu_seqlens)
+            return TensorDict({"values": unpack(values, ids)}, batch_size=mb.batch_size)
+        temperature = float(mb.get_non_tensor("temperature", 1.0))
+        logits = flat / temperature if temperature != 1.0 else flat
+        outputs = {"log_probs": unpack(token_log_probs(logits, packed.input_ids, packed.cu_seqlens), ids)}
+        if mb.get_non_tensor("calculate_entropy", False):
+            outputs["entropy"] = unpack(token_entropy(logits, packed.cu_seqlens), ids)
+        return TensorDict(outputs, batch_size=mb.batch_size)
+
+    def optimizer_zero_grad(self) -> None:
+        """Clear grads and the deferred-normalization window."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.deferred.reset()
+
+    def optimizer_step(self) -> float:
+        """Deferred normalization, global pre-clip norm (collective), clip, AdamW step."""
+        deferred = self.deferred if self.config.deferred_normalization else None
+        grad_norm = clip_and_step(list(self.model.parameters()), self.optimizer, self.config.optim.clip_grad, deferred)
+        if math.isfinite(grad_norm):
+            self.global_step += 1
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule; return the new learning rate."""
+        self.scheduler.step()
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ state
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
+        """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
+        extra = {"scheduler": self.scheduler.state_dict(), "rng": _rng_state(), "global_step": global_step}
+        keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
+        with self._on_compute_device():
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+        """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
+        path, downloaded = ckpt.resolve(local_path, hdfs_path)
+        with self._on_compute_device():
+            extra = ckpt.load(self.model, self.optimizer, path)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        _set_rng_state(extra["rng"])
+        self.global_step = extra["global_step"]
+        self.deferred.reset()
+        dist.barrier()  # every rank has read the download before it is deleted
+        if downloaded and del_local_after_load and self.dp_rank == 0:
+            shutil.rmtree(downloaded, ignore_errors=True)
+        return self.global_step
+
+    @contextlib.contextmanager
+    def _on_compute_device(self):
+        saved = dict(self.placement)
+        self.to(self.device)
+        try:
+            yield
+        finally:
+            self.to(saved["model"], model=True, optimizer=False)
+            self.to(saved["optimizer"], model=False, optimizer=True)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
+        peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
+        tied weights appear under both names, as in HF's own ``state_dict``."""
+        with self._on_compute_device():
+            for name, tensor in self.model.state_dict().items():
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                yield name, full.detach()
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,81 @@
+"""Build an HF model from a local directory and parallelize it with FSDP2.
+
+Order (each step a plain function): :func:`load_hf_model` (CPU, fp32 master weights, the
+head the config asks for) -> :func:`apply_activation_checkpointing` -> :func:`apply_fsdp`
+(``fully_shard`` every decoder layer, then the root, over a DeviceMesh).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from engine_api.config import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def attn_implementation(device: torch.device) -> str:
+    """flash_attention_2 (varlen kernels for packed rows) on CUDA when flash-attn is
+    installed; SDPA otherwise. Both honour packed rows (HF detects sequence starts from
+    ``position_ids`` when no attention mask and no KV cache are passed)."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_hf_model(config: EngineConfig, device: torch.device) -> nn.Module:
+    """Load ``config.model.path`` through the normal HF path, on CPU, in fp32.
+
+    ``head: lm`` gives ``AutoModelForCausalLM``; ``head: value`` gives
+    ``AutoModelForTokenClassification`` with one label and no classifier dropout, its new
+    ``score`` layer initialised by HF from ``torch.manual_seed(config.seed)`` (the same on
+    every rank). Master weights stay fp32; ``model.dtype`` is the compute dtype (FSDP
+    mixed precision).
+    """
+    path = config.model.path
+    if path is None:
+        raise ValueError("model.path = None: FSDPEngine loads an HF directory; fix: set engine.model.path")
+    torch.manual_seed(config.seed)
+    impl = attn_implementation(device)
+    if config.model.head == "value":
+        hf_config = AutoConfig.from_pretrained(path, num_labels=1)
+        hf_config.classifier_dropout = 0.0  # HF defaults it to 0.1: values would be noisy in train mode
+        model = AutoModelForTokenClassification.from_pretrained(path, config=hf_config, dtype=torch.float32, attn_implementation=impl)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (HF's non-reentrant checkpointing)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_mesh(device: torch.device, world_size: int, fsdp_size: int) -> DeviceMesh:
+    """1-D ``("fsdp",)`` mesh over the world, or a 2-D ``("replicate", "shard")`` HSDP mesh
+    when ``fsdp_size`` is a proper divisor of the world size."""
+    if fsdp_size in (-1, world_size):
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: EngineConfig) -> None:
+    """``fully_shard`` each decoder layer (the classes HF lists in ``_no_split_modules``),
+    then the root, which also owns embeddings, final norm and head (tied embeddings stay one
+    parameter in one group). Gradients are reduce-scattered *averaged* over the mesh; the
+    engine compensates (``engine_api.losses.dp_grad_compensation``)."""
+    fsdp = config.fsdp
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp.param_dtype or config.model.dtype], reduce_dtype=DTYPES[fsdp.reduce_dtype])
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}; FSDPEngine supports HF decoder-only models")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
