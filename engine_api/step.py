@@ -98,4 +98,3 @@ def forward_backward_loop(
         deferred.add(norm.counts)
     # Contributions are normalised by global counts, so the global loss is their sum over DP.
     return predictions, float(all_reduce(total.to(comm_device(spec.dp_group)), "sum", spec.dp_group)), ctx
-

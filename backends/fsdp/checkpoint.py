@@ -66,7 +66,9 @@ def load(model, optimizer, path: str) -> dict:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     extra_path = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
     if not os.path.exists(extra_path):
-        raise ValueError(f"{extra_path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks")
+        raise ValueError(
+            f"{extra_path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
+        )
     return torch.load(extra_path, weights_only=False)
 
 

@@ -75,7 +75,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: EngineConfig) -> None
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}; FSDPEngine supports HF decoder-only models")
+        raise ValueError(
+            f"found no decoder layers ({sorted(layer_classes)}) in {type(model).__name__}; FSDPEngine supports HF decoder-only models"
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)

@@ -1,0 +1,85 @@
+"""Shared pieces of the backend tests: tiny HF models, batches, and direct HF references.
+
+The references use transformers and torch only (no engine_api code), one sequence at a
+time, so they are independent of packing, padding and micro-batching.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from engine_api import agg_loss, build_engine, load_config, make_batch
+from recipes.tiny_model import build_tiny_model
+
+VOCAB = 64
+LENGTHS = (5, 9, 3, 12, 7, 4)
+RESPONSE = (3, 5, 2, 4, 6, 3)
+
+
+def make_model(path, family: str, seed: int = 0) -> str:
+    """A tiny HF model saved with save_pretrained (llama: GQA untied; qwen2: qkv bias, tied)."""
+    return build_tiny_model(
+        path, family=family, seed=seed, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
+
+
+def make_test_batch(seed: int = 0, **meta):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(LENGTHS, RESPONSE, strict=True)]
+    adv = [torch.randn(n, generator=g) for n in LENGTHS]
+    return make_batch(seqs, loss_mask=masks, advantages=adv, **meta)
+
+
+def pg_loss(mb, out, norm):
+    """Policy-gradient-like loss with a nonlinear term."""
+    per_token = -out["log_probs"] * mb["advantages"] + 0.1 * out["log_probs"].pow(2)
+    return agg_loss(per_token, mb["loss_mask"], norm), {}
+
+
+def engine_for(model_dir: str, *overrides: str, strategy: str = "fsdp"):
+    engine = build_engine(load_config(None, [f"strategy={strategy}", f"model.path={model_dir}", "optim.lr=0.01", *overrides]))
+    engine.init_model()
+    engine.set_loss_fn(pg_loss)
+    return engine
+
+
+def hf_log_probs(model_dir: str, batch) -> list[torch.Tensor]:
+    """Per-sequence aligned log-probs straight from the HF model."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return hf_log_probs_of(model, batch)
+
+
+def hf_log_probs_of(model, batch) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for ids in batch["input_ids"].unbind():
+            logits = model(ids[None]).logits[0]
+            out.append(torch.cat([torch.zeros(1), torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)]))
+    return out
+
+
+def hf_values(model_dir: str, batch, seed: int) -> list[torch.Tensor]:
+    """Per-sequence values from HF's token-classification head (seeded like the engine)."""
+    cfg = AutoConfig.from_pretrained(model_dir, num_labels=1)
+    cfg.classifier_dropout = 0.0
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, config=cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [torch.cat([torch.zeros(1), model(ids[None]).logits[0, :-1, 0]]) for ids in batch["input_ids"].unbind()]
+
+
+def max_abs_diff(jagged: torch.Tensor, rows: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(jagged.unbind(), rows, strict=True))
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Full (gathered) parameters by HF name. Collective."""
+    return {k: v.clone().cpu() for k, v in engine.export_weights()}
+
+
+def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    a = torch.cat([got[k].flatten().double() for k in want])
+    b = torch.cat([v.flatten().double() for v in want.values()])
+    return float((a - b).norm() / b.norm())
