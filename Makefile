@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format install clean
+.PHONY: test lint format install clean run
 
 # The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
 $(VENV)/.installed: pyproject.toml ci/setup_venv.sh
@@ -22,6 +22,11 @@ format: install
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The demo: SFT of a tiny HF model on a digit-sorting task through the FSDP engine (configs/sft_tiny.yaml).
+# Extra dot-list overrides: make run ARGS="trainer.total_steps=100 engine.micro_batch_size=8".
+run: install
+	$(PY) -m recipes.sft --config configs/sft_tiny.yaml $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

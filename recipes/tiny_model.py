@@ -1,0 +1,128 @@
+"""Build a tiny, seeded HF causal LM from a config alone (nothing is downloaded).
+
+The demo and the tests need a real HF model directory (``config.json`` + safetensors) that
+the backends load through ``config.model.path``. Two families cover the layouts the
+backends must handle:
+
+* ``llama``: grouped-query attention (4 query heads over 2 KV heads), no linear biases,
+  untied input embedding and LM head.
+* ``qwen2``: biases on the q/k/v projections, tied embeddings (the LM head is the
+  embedding matrix).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("llama", "qwen2")
+
+
+def build_tiny_model(
+    path: str | os.PathLike,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 32,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 64,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> str:
+    """Create a randomly initialised HF causal LM and save it to ``path``.
+
+    Args:
+        path: output directory (created if missing; existing files are overwritten).
+        family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
+        seed: ``torch.manual_seed`` before the weights are initialised, so the same
+            arguments always give the same weights.
+        vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+            max_position_embeddings: model dimensions (``num_heads`` must be a multiple of
+            ``num_kv_heads`` and divide ``hidden_size``).
+        bos_token_id, eos_token_id, pad_token_id: recorded in the config (generation only).
+
+    Returns:
+        ``path`` as a string: a directory with ``config.json`` and ``model.safetensors``.
+
+    Raises:
+        ValueError: unknown family or inconsistent dimensions.
+    """
+    config = tiny_config(
+        family,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    # fp32 weights whatever torch's default dtype is: the engines cast per model.dtype.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path))  # safetensors is transformers' default format
+    return str(path)
+
+
+def tiny_config(
+    family: str,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
+    """The HF ``PretrainedConfig`` that :func:`build_tiny_model` instantiates (see its args)."""
+    _check_dims(family, hidden_size, num_heads, num_kv_heads)
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+        use_cache=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    if family == "llama":
+        # attention_bias=False, mlp_bias=False are Llama's defaults; spelled out because the
+        # megatron conversion relies on "no linear bias" for this family.
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+    # Qwen2 always has q/k/v biases (no flag); the tied head exercises weight sharing.
+    return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def _check_dims(family: str, hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
+    problems = []
+    if family not in FAMILIES:
+        problems.append(f"family = {family!r}: unknown model family; fix: use one of {', '.join(FAMILIES)}")
+    if num_heads < 1 or hidden_size % num_heads:
+        problems.append(f"num_heads = {num_heads}: must divide hidden_size = {hidden_size}; fix: pick a divisor, e.g. 4")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        problems.append(f"num_kv_heads = {num_kv_heads}: must divide num_heads = {num_heads}; fix: pick a divisor, e.g. 2")
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,190 @@
+"""The SFT recipe: its config, the sorting task, the tiny model builder, and real runs on the
+FSDP backend (in-process, and 2 ranks under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_api.losses import build_norm_context
+from recipes import data as task
+from recipes.sft import SFTConfig, load_sft_config, sft_loss
+from recipes.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "sft_tiny.yaml"
+
+
+# ---------------------------------------------------------------------------------- config
+def test_config_loads_and_overrides_reach_the_engine():
+    cfg = load_sft_config(CONFIG, ["engine.micro_batch_size=2", "trainer.total_steps=7"])
+    assert isinstance(cfg, SFTConfig)
+    assert cfg.engine.strategy == "fsdp" and cfg.engine.micro_batch_size == 2
+    # The LR schedule length follows the trainer's step count (YAML interpolation).
+    assert cfg.engine.optim.total_steps == 7 == cfg.trainer.total_steps
+    assert cfg.engine.model.path is None  # the recipe builds the tiny model
+
+
+def test_yaml_documents_the_recipe_defaults():
+    """Outside ``engine:`` (which lists only the keys it changes), the YAML equals the dataclass defaults."""
+    cfg, default = load_sft_config(CONFIG), SFTConfig()
+    assert (cfg.tiny_model, cfg.data, cfg.trainer) == (default.tiny_model, default.data, default.trainer)
+
+
+def test_every_yaml_key_has_a_comment_above_it():
+    lines = CONFIG.read_text().splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#") and ":" in stripped:
+            assert lines[i - 1].strip().startswith("#"), f"line {i + 1} ({stripped!r}) has no comment above it"
+
+
+def test_misspelt_key_and_bad_values_are_reported_together():
+    with pytest.raises(ValueError) as err:
+        load_sft_config(CONFIG, ["trainer.total_step=5", "data.max_digits=1", "engine.optim.lr=-1", "tiny_model.family=gpt"])
+    msg = str(err.value)
+    assert "4 config problem(s)" in msg
+    assert "did you mean 'trainer.total_steps'" in msg
+    assert "max_digits = 1" in msg and "lr = -1" in msg and "family = 'gpt'" in msg
+
+
+# ---------------------------------------------------------------------------------- data
+def test_loss_mask_covers_exactly_the_sorted_response():
+    cfg = task.DataConfig(batch_size=16, min_digits=2, max_digits=7, seed=3)
+    lengths = set()
+    for step in range(3):
+        batch = task.batch_at(cfg, step)
+        for ids, mask in zip(batch["input_ids"].unbind(), batch["loss_mask"].unbind(), strict=True):
+            ids, mask = ids.tolist(), mask.tolist()
+            sep = ids.index(task.SEP)
+            digits, response = ids[1:sep], ids[sep + 1 :]
+            assert ids[0] == task.BOS and cfg.min_digits <= len(digits) <= cfg.max_digits
+            assert response == [*sorted(digits), task.EOS]
+            assert mask == [0.0] * (sep + 1) + [1.0] * len(response)  # response only; position 0 never
+            lengths.add(len(ids))
+    assert len(lengths) > 1  # genuinely jagged
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    cfg = task.DataConfig(batch_size=8, seed=11)
+    same = task.batch_at(cfg, 5)["input_ids"].values()
+    assert torch.equal(task.batch_at(cfg, 5)["input_ids"].values(), same)
+    assert not torch.equal(task.batch_at(cfg, 6)["input_ids"].values()[:20], same[:20])
+    # Resuming at step 3 replays exactly the batches an uninterrupted run sees from step 3 on.
+    resumed = [(s, b["input_ids"].values()) for s, b in task.iter_batches(cfg, start_step=3, total_steps=5)]
+    assert [s for s, _ in resumed] == [3, 4]
+    assert torch.equal(resumed[0][1], task.batch_at(cfg, 3)["input_ids"].values())
+    other_seed = task.batch_at(task.DataConfig(batch_size=8, seed=12), 5)["input_ids"].values()
+    assert not torch.equal(other_seed[:20], same[:20])
+
+
+def test_sft_loss_is_masked_token_mean_nll():
+    batch = task.batch_at(task.DataConfig(batch_size=4), 0)
+    log_probs = -1.0 - torch.rand(batch["input_ids"].values().shape[0])  # every p < 0.5
+    outputs = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, batch["input_ids"].offsets())}
+    norm = build_norm_context(batch["loss_mask"], "token-mean", group=None)
+    loss, metrics = sft_loss(batch, outputs, norm)
+    mask = batch["loss_mask"].values()
+    assert torch.allclose(loss, -(log_probs * mask).sum() / mask.sum())
+    assert metrics == {"token_acc": 0.0}
+    outputs = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.zeros_like(log_probs), batch["input_ids"].offsets())}
+    assert sft_loss(batch, outputs, norm)[1] == {"token_acc": 1.0}
+
+
+# ---------------------------------------------------------------------------------- model
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_model_is_seeded_and_has_the_family_layout(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "a", family=family, seed=1))
+    b = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "b", family=family, seed=1))
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+    attn = a.model.layers[0].self_attn
+    tied = a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()
+    if family == "qwen2":
+        assert tied and attn.q_proj.bias is not None
+    else:
+        assert not tied and attn.q_proj.bias is None
+        assert a.config.num_key_value_heads < a.config.num_attention_heads  # GQA
+
+
+def test_tiny_model_rejects_bad_dims(tmp_path):
+    with pytest.raises(ValueError, match="num_kv_heads = 3"):
+        build_tiny_model(tmp_path, num_heads=4, num_kv_heads=3)
+
+
+# ---------------------------------------------------------------------------------- runs
+@pytest.fixture
+def own_process_group():
+    """In-process runs let the FSDP engine create a 1-rank group; drop it again afterwards
+    (if this test created it) so later tests start from the state they expect."""
+    import torch.distributed as dist
+
+    existed = dist.is_initialized()
+    yield
+    if not existed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_args(out: Path, steps: int) -> list[str]:
+    return [
+        "--config",
+        str(CONFIG),
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
+        "trainer.progress_bar=false",
+        "data.eval_batches=1",
+    ]
+
+
+@pytest.mark.slow
+def test_short_run_learns_and_logs_every_step(tmp_path, own_process_group):
+    from recipes.sft import main
+
+    steps = 30
+    summary = main(_run_args(tmp_path, steps))
+    assert summary["last_loss"] < summary["first_loss"] / 2, summary
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert {"loss", "grad_norm", "lr", "tokens_per_s", "seconds"} <= set(r)
+    assert records[0]["loss"] == summary["first_loss"] and records[-1]["loss"] == summary["last_loss"]
+    assert 0.0 <= summary["eval_token_acc"] <= 1.0
+
+
+@pytest.mark.slow
+def test_two_rank_torchrun(tmp_path):
+    # One thread per rank: 2 ranks on a small CPU machine would otherwise oversubscribe it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "recipes.sft"]
+    proc = subprocess.run([*cmd, *_run_args(tmp_path, 3)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 rank(s)" in proc.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.slow
+def test_resume_replays_the_uninterrupted_run(tmp_path, own_process_group):
+    from recipes.sft import main
+
+    # A constant LR: the schedule of a 3-step run then equals the first 3 steps of a 6-step one.
+    constant = ["engine.optim.lr_schedule=constant", "data.eval_batches=0"]
+    main([*_run_args(tmp_path / "full", 6), *constant])
+    main([*_run_args(tmp_path / "split", 3), *constant, "trainer.checkpoint_every=3"])
+    resumed = main([*_run_args(tmp_path / "split", 6), *constant, "trainer.resume=true"])
+    assert resumed["start_step"] == 3
+
+    def losses(run: str) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())}
+
+    full, split = losses("full"), losses("split")
+    assert sorted(split) == list(range(1, 7))  # the resumed run appended steps 4-6
+    assert split == pytest.approx(full, rel=1e-5, abs=1e-6)
