@@ -12,7 +12,6 @@ import contextlib
 import math
 import os
 import random
-import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -176,16 +175,12 @@ class FSDPEngine(BaseEngine):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
-        path, downloaded = ckpt.resolve(local_path, hdfs_path)
         with self._on_compute_device():
-            extra = ckpt.load(self.model, self.optimizer, path)
+            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
         self.scheduler.load_state_dict(extra["scheduler"])
         _set_rng_state(extra["rng"])
         self.global_step = extra["global_step"]
         self.deferred.reset()
-        dist.barrier()  # every rank has read the download before it is deleted
-        if downloaded and del_local_after_load and self.dp_rank == 0:
-            shutil.rmtree(downloaded, ignore_errors=True)
         return self.global_step
 
     @contextlib.contextmanager

@@ -1,0 +1,235 @@
+"""HF <-> megatron-core conversion for the Llama / Qwen2 / Qwen3 families: config and weights.
+
+Why not mbridge: it hard-codes the Transformer-Engine layer spec and TE weight names
+(DESIGN.md section 5), so it cannot serve the local spec the CPU tests run. This converter is
+table-driven over megatron's parameter names and handles both namings (local spec: separate
+``input_layernorm`` / ``pre_mlp_layernorm``; TE spec: ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight``).
+
+Layouts (fp32 exact, round trip tested):
+* ``linear_qkv`` rows are grouped per query group: ``[q heads of group g, k_g, v_g]``; tensor
+  parallelism splits whole groups, so a TP rank's shard is contiguous groups.
+* ``linear_fc1`` is ``[gate; up]`` *per TP rank* (each rank holds its gate and up slices).
+* Embedding / output rows are padded to a multiple of the TP size (zero rows); export drops
+  the padding and the engine slices logits to the true vocabulary.
+* Value heads: HF token classification's ``score`` (weight ``[1, hidden]``, bias ``[1]``) is a
+  replicated ``output_layer`` on the last stage.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What the converter needs to know about an HF architecture."""
+
+    family: str
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_theta: float
+    eps: float
+    max_positions: int
+
+
+def arch_info(hf_config) -> ArchInfo:
+    """Read an HF config of a supported family.
+
+    Raises:
+        ValueError: an unsupported family or RoPE scaling (the converter would be silently wrong).
+    """
+    family = hf_config.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"model_type = {family!r} is not supported by the megatron backend; fix: use one of {', '.join(FAMILIES)}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type != "default":  # transformers 5: rope_scaling is an alias of rope_parameters
+        raise ValueError(f"rope_type = {rope_type!r}: RoPE scaling is not converted; fix: use a model with default RoPE")
+    heads = hf_config.num_attention_heads
+    return ArchInfo(
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        heads=heads,
+        groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        ffn=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=family == "qwen3",
+        rope_theta=float(theta),
+        eps=hf_config.rms_norm_eps,
+        max_positions=hf_config.max_position_embeddings,
+    )
+
+
+def transformer_config_kwargs(arch: ArchInfo) -> dict:
+    """``TransformerConfig`` keyword arguments of the architecture (parallelism added by the caller).
+
+    Fusions are off: they need CUDA kernels and are not needed for parity; dropout is 0 as in
+    the HF configs of these families.
+    """
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden,
+        num_attention_heads=arch.heads,
+        num_query_groups=arch.groups,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of the TP size (megatron splits rows evenly)."""
+    return math.ceil(vocab / tp) * tp
+
+
+# --------------------------------------------------------------------------- HF -> megatron
+def to_megatron(name: str, hf: dict[str, torch.Tensor], arch: ArchInfo, layer: int | None, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's value of megatron parameter ``name`` from HF tensors ``hf``.
+
+    Args:
+        name: local megatron name (``decoder.layers.<local>.<rest>`` or a non-layer name).
+        hf: HF state dict (full tensors).
+        layer: the global layer index of a ``decoder.layers`` name (None otherwise).
+    """
+    match = _LAYER.match(name)
+    rest = match.group(2) if match else name
+    p = f"model.layers.{layer}." if match else ""
+    if rest == "embedding.word_embeddings.weight":
+        return _rows(_pad_rows(hf["model.embed_tokens.weight"], padded_vocab(arch.vocab, tp)), tp_rank, tp)
+    if rest == "output_layer.weight":
+        if "score.weight" in hf:
+            return hf["score.weight"].clone()
+        head = hf["model.embed_tokens.weight"] if arch.tied else hf["lm_head.weight"]
+        return _rows(_pad_rows(head, padded_vocab(arch.vocab, tp)), tp_rank, tp)
+    if rest == "output_layer.bias":
+        return hf["score.bias"].clone()
+    if rest == "decoder.final_layernorm.weight":
+        return hf["model.norm.weight"].clone()
+    if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+        return hf[p + "input_layernorm.weight"].clone()
+    if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+        return hf[p + "post_attention_layernorm.weight"].clone()
+    if rest == "self_attention.q_layernorm.weight":
+        return hf[p + "self_attn.q_norm.weight"].clone()
+    if rest == "self_attention.k_layernorm.weight":
+        return hf[p + "self_attn.k_norm.weight"].clone()
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        qkv = _fuse_qkv(*(hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv"), arch)
+        return _rows(qkv, tp_rank, tp)
+    if rest == "self_attention.linear_proj.weight":
+        return _cols(hf[p + "self_attn.o_proj.weight"], tp_rank, tp)
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+        return torch.cat([_rows(gate, tp_rank, tp), _rows(up, tp_rank, tp)])
+    if rest == "mlp.linear_fc2.weight":
+        return _cols(hf[p + "mlp.down_proj.weight"], tp_rank, tp)
+    raise KeyError(f"no HF source for megatron parameter {name!r}")
+
+
+# --------------------------------------------------------------------------- megatron -> HF
+def to_hf(name: str, full: torch.Tensor, arch: ArchInfo, layer: int | None, tp: int) -> list[tuple[str, torch.Tensor]]:
+    """HF ``(name, tensor)`` pairs of a megatron parameter whose TP shards were concatenated
+    along their partition dim (``full``). The inverse of :func:`to_megatron`."""
+    match = _LAYER.match(name)
+    rest = match.group(2) if match else name
+    p = f"model.layers.{layer}." if match else ""
+    if rest == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", full[: arch.vocab])]
+    if rest == "output_layer.weight":
+        if full.shape[0] == 1:
+            return [("score.weight", full)]
+        return [("lm_head.weight", full[: arch.vocab])]
+    if rest == "output_layer.bias":
+        return [("score.bias", full)]
+    if rest == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", full)]
+    if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+        return [(p + "input_layernorm.weight", full)]
+    if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+        return [(p + "post_attention_layernorm.weight", full)]
+    if rest == "self_attention.q_layernorm.weight":
+        return [(p + "self_attn.q_norm.weight", full)]
+    if rest == "self_attention.k_layernorm.weight":
+        return [(p + "self_attn.k_norm.weight", full)]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(full, arch)
+        return [(f"{p}self_attn.q_proj.{kind}", q), (f"{p}self_attn.k_proj.{kind}", k), (f"{p}self_attn.v_proj.{kind}", v)]
+    if rest == "self_attention.linear_proj.weight":
+        return [(p + "self_attn.o_proj.weight", full)]
+    if rest == "mlp.linear_fc1.weight":
+        # Concatenated TP shards are [gate_0; up_0; gate_1; up_1; ...].
+        per_rank = full.reshape(tp, 2, arch.ffn // tp, -1)
+        return [
+            (p + "mlp.gate_proj.weight", per_rank[:, 0].reshape(arch.ffn, -1)),
+            (p + "mlp.up_proj.weight", per_rank[:, 1].reshape(arch.ffn, -1)),
+        ]
+    if rest == "mlp.linear_fc2.weight":
+        return [(p + "mlp.down_proj.weight", full)]
+    raise KeyError(f"no HF name for megatron parameter {name!r}")
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ArchInfo) -> torch.Tensor:
+    per_group = arch.heads // arch.groups
+    d = arch.head_dim
+    q = q.reshape(arch.groups, per_group * d, *q.shape[1:])
+    k = k.reshape(arch.groups, d, *k.shape[1:])
+    v = v.reshape(arch.groups, d, *v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:]).clone()
+
+
+def _split_qkv(fused: torch.Tensor, arch: ArchInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per_group = arch.heads // arch.groups
+    d = arch.head_dim
+    g = fused.reshape(arch.groups, (per_group + 2) * d, *fused.shape[1:])
+    q, k, v = g[:, : per_group * d], g[:, per_group * d : (per_group + 1) * d], g[:, (per_group + 1) * d :]
+    return (q.reshape(-1, *fused.shape[1:]), k.reshape(-1, *fused.shape[1:]), v.reshape(-1, *fused.shape[1:]))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def _rows(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    return t.chunk(tp, dim=0)[rank].clone()
+
+
+def _cols(t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    return t.chunk(tp, dim=1)[rank].clone()

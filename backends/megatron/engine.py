@@ -1,0 +1,367 @@
+"""``MegatronEngine``: BaseEngine on megatron-core (GPTModel, parallel_state, megatron DDP,
+megatron optimizer, ``get_forward_backward_func`` schedules, dist_checkpointing).
+
+Normalization with megatron's machinery: the schedule divides each micro-batch loss by the
+number of micro-batches and megatron DDP averages gradients over DP, so the loss handed to the
+schedule is ``contribution * backward_scale * num_microbatches`` (see ``engine_api.losses``).
+Gradients are reduced over DP once per optimizer step (``finalize_model_grads`` in
+:meth:`optimizer_step`, not per call), which keeps split calls exact with the distributed
+optimizer's reduce-scatter too.
+
+Packed micro-batches (``use_remove_padding``) are one row with a block-diagonal causal attention
+mask on the local spec (its attention has no THD path); RoPE only sees relative positions inside
+a block, so this equals per-sequence attention. Padded micro-batches use the default causal
+mask (right padding never leaks into real tokens). With the Transformer-Engine spec both layouts
+run padded for now (THD with PackedSeqParams awaits a GPU run to be validated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Iterator
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from tensordict import TensorDict
+from transformers import AutoConfig
+
+from backends.megatron import checkpoint as ckpt
+from backends.megatron.convert import arch_info
+from backends.megatron.export import export_hf
+from backends.megatron.model import build_chunks, build_transformer_config, init_parallel, load_hf_weights, read_hf_state, use_te_spec
+from engine_api import BaseEngine, register_engine
+from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack, validate_batch
+from engine_api.dist import all_reduce
+from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
+from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
+from engine_api.lr_schedule import build_lr_scheduler
+from engine_api.microbatch import make_micro_batches
+
+
+@register_engine("megatron")
+class MegatronEngine(BaseEngine):
+    """megatron-core engine with the FSDP engine's outputs (``log_probs``, ``entropy``,
+    ``values``), metadata (``calculate_entropy``, ``temperature``) and contract. Predictions and
+    the loss are produced on the last pipeline stage and broadcast to every rank."""
+
+    def init_model(self) -> None:
+        """Parallel state, GPTModel chunks from the HF directory, megatron DDP and optimizer,
+        LR schedule, offload policy. Collective over the world."""
+        cfg = self.config
+        if cfg.model.path is None:
+            raise ValueError("model.path = None: MegatronEngine loads an HF directory; fix: set engine.model.path")
+        self.device = init_parallel(cfg)
+        self.arch = arch_info(AutoConfig.from_pretrained(cfg.model.path))
+        self.tconfig = build_transformer_config(self.arch, cfg)
+        chunks = build_chunks(self.tconfig, self.arch, cfg)
+        load_hf_weights(chunks, read_hf_state(cfg.model.path), self.arch)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.megatron.use_distributed_optimizer
+        )
+        self.model = [
+            DistributedDataParallel(self.tconfig, ddp_config, chunk.to(self.device), disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]
+        o = cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.betas[0],
+                adam_beta2=o.betas[1],
+                adam_eps=o.eps,
+                clip_grad=o.clip_grad or 0.0,
+                bf16=self.tconfig.bf16,
+                fp16=self.tconfig.fp16,
+                params_dtype=torch.float32,
+                use_distributed_optimizer=cfg.megatron.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.scheduler = build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
+        self.deferred = DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
+        self.global_step = 0
+        self.packed = cfg.use_remove_padding and not use_te_spec(cfg)
+        self.placement = {"model": self.device, "optimizer": self.device}
+        self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def dp_rank(self) -> int:
+        return mpu.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return mpu.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return mpu.get_data_parallel_group()
+
+    # ------------------------------------------------------------------ modes and placement
+    @contextlib.contextmanager
+    def train_mode(self):
+        """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
+        self.to(self.device, model=True, optimizer=True)
+        for chunk in self.model:
+            chunk.train()
+        try:
+            yield self
+        finally:
+            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """Params on the compute device; ``eval()``; offload on exit."""
+        self.to(self.device, model=True, optimizer=False)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            yield self
+        finally:
+            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    def to(self, device, model: bool = True, optimizer: bool = True) -> None:
+        """Move params + grad buffers (``model``) and/or optimizer state to ``device``."""
+        device = torch.device(device)
+        if model and self.placement["model"] != device:
+            for chunk in self.model:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.param_data.data = buffer.param_data.data.to(device) if buffer.param_data is not None else None
+                    buffer.grad_data.data = buffer.grad_data.data.to(device)
+                chunk.module.to(device)
+            self.placement["model"] = device
+        if optimizer and self.placement["optimizer"] != device:
+            (self.optimizer.restore_from_cpu if device.type == "cuda" else self.optimizer.offload_to_cpu)()
+            self.placement["optimizer"] = device
+
+    def _offload(self, model: bool, optimizer: bool) -> None:
+        if self.device.type == "cuda" and (model or optimizer):
+            self.to("cpu", model=model, optimizer=optimizer)
+        elif model or optimizer:
+            # On CPU the compute device is the CPU: offloading is a no-op, recorded as such.
+            self.placement.update({k: torch.device("cpu") for k, on in (("model", model), ("optimizer", optimizer)) if on})
+
+    # ------------------------------------------------------------------ compute
+    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
+        """See ``BaseEngine.forward_backward_step``; micro-batches run through megatron's schedule
+        (no pipelining, 1F1B, or interleaved with VPP). Collective over the world."""
+        cfg = self.config
+        validate_batch(batch, vocab_size=self.arch.vocab)
+        if not forward_only and self._loss_fn is None:
+            raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
+        ctx = {} if ctx is None else ctx
+        plan = make_micro_batches(batch, cfg.micro_batch_size, cfg.max_token_len_per_micro_batch, self.dp_group)
+        norm, scale = None, 0.0
+        if not forward_only:
+            norm = build_norm_context(loss_mask_of(batch), cfg.loss_agg_mode, self.dp_group, cfg.loss_agg_constant)
+            ctx["norm"] = norm
+            # The schedule divides by the micro-batch count; DDP averages over DP.
+            scale = backward_scale(norm, cfg.deferred_normalization) * len(plan.batches)
+        micro = [to_device(mb, self.device) for mb in plan.batches]
+        if preprocess_fn is not None:
+            micro = [preprocess_fn(mb, ctx) for mb in micro]
+        step = partial(self._forward_step, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn)
+        n_chunks = len(self.model)
+        store = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=[iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro),
+            model=self.model if n_chunks > 1 else self.model[0],
+            num_microbatches=len(micro),
+            seq_length=max(self._row_len(mb) for mb in micro),
+            micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
+            forward_only=forward_only,
+        )
+        predictions, total = self._collect(store, plan, batch, ctx)
+        if forward_only:
+            return predictions, ctx
+        if cfg.deferred_normalization:
+            self.deferred.add(norm.counts)
+        return predictions, total, ctx
+
+    def _row_len(self, mb: TensorDict) -> int:
+        lengths = mb["input_ids"].offsets().diff()
+        n = int(lengths.sum()) if self.packed else int(lengths.max())
+        tp = self.tconfig.tensor_model_parallel_size
+        return -(-n // tp) * tp if self.tconfig.sequence_parallel else n
+
+    def _inputs(self, mb: TensorDict):
+        """(input_ids [b, s], position_ids [b, s], attention_mask or None, real-token mask [b, s])."""
+        ids = mb["input_ids"]
+        s = self._row_len(mb)
+        if self.packed:
+            p = pack(ids)
+            total = p.input_ids.shape[0]
+            tokens = torch.zeros(1, s, dtype=torch.long, device=self.device)
+            tokens[0, :total] = p.input_ids
+            positions = torch.zeros(1, s, dtype=torch.long, device=self.device)
+            positions[0, :total] = p.position_ids
+            segment = torch.full((s,), -1, dtype=torch.long, device=self.device)
+            segment[:total] = torch.repeat_interleave(torch.arange(ids.shape[0], device=self.device), ids.offsets().diff())
+            allowed = (segment[:, None] == segment[None, :]) & torch.ones(s, s, dtype=torch.bool, device=self.device).tril()
+            allowed |= torch.eye(s, dtype=torch.bool, device=self.device)  # padding attends to itself: no NaN
+            real = torch.zeros(1, s, dtype=torch.bool, device=self.device)
+            real[0, :total] = True
+            return tokens, positions, ~allowed[None, None], real  # megatron masks where True
+        padded, real = pad(ids)
+        if padded.shape[1] < s:
+            extra = s - padded.shape[1]
+            padded = torch.nn.functional.pad(padded, (0, extra))
+            real = torch.nn.functional.pad(real, (0, extra))
+        positions = torch.arange(s, device=self.device).expand_as(padded)
+        return padded, positions, None, real
+
+    def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn):
+        mb = next(data_iterator)
+        tokens, positions, mask, real = self._inputs(mb)
+        output = model(tokens, positions, attention_mask=mask)
+        return output, partial(
+            self._loss_func, mb=mb, real=real, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn
+        )
+
+    def _loss_func(self, output, mb, real, ctx, norm, scale, forward_only, postprocess_fn):
+        """Last stage: logits/values -> jagged outputs -> the user's loss (scaled for the schedule)."""
+        out = self._outputs(output, mb, real)
+        if postprocess_fn is not None:
+            out = postprocess_fn(mb, out, ctx)
+        if forward_only:
+            return output.new_zeros(()), {"outputs": out.detach()}
+        loss, metrics = self._loss_fn(mb, out, norm)
+        return loss * scale, {"outputs": out.detach(), "loss": loss.detach().double(), "metrics": metrics}
+
+    def _outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
+        ids = mb["input_ids"]
+        cu = ids.offsets()
+        flat = output[real]  # [total, vocab_padded or 1] in packed order
+        if self.config.model.head == "value":
+            return TensorDict({"values": unpack(align_to_tokens(flat[:-1, 0].float(), cu), ids)}, batch_size=mb.batch_size)
+        logits = flat[:, : self.arch.vocab]  # drop TP vocab padding
+        temperature = float(mb.get_non_tensor("temperature", 1.0))
+        if temperature != 1.0:
+            logits = logits / temperature
+        out = {"log_probs": unpack(token_log_probs(logits, ids.values(), cu), ids)}
+        if mb.get_non_tensor("calculate_entropy", False):
+            out["entropy"] = unpack(token_entropy(logits, cu), ids)
+        return TensorDict(out, batch_size=mb.batch_size)
+
+    def _collect(self, store: list, plan, batch: TensorDict, ctx: dict):
+        """Restore outputs on the last stage, then broadcast outputs and loss over the PP group."""
+        payload = None
+        if mpu.is_pipeline_last_stage(ignore_virtual=True):
+            outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store]
+            local = float(sum(item["loss"] for item in store if "loss" in item)) if store and "loss" in store[0] else 0.0
+            for item in store:
+                for key, value in item.get("metrics", {}).items():
+                    ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
+            payload = (plan.restore(outputs), ctx.get("metrics", {}), local)
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            holder = [payload]
+            last = mpu.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(holder, src=last, group=mpu.get_pipeline_model_parallel_group())
+            payload = holder[0]
+            ctx["metrics"] = payload[1]
+        predictions, _, local = payload
+        total = torch.tensor([local], dtype=torch.float64)
+        # Contributions are normalised globally: the global loss is their sum over DP ranks.
+        all_reduce(total, "sum", self.dp_group)
+        predictions = to_device(relayout(predictions, None), batch["input_ids"].device)
+        return relayout(predictions, batch["input_ids"].offsets()), float(total)
+
+    def optimizer_zero_grad(self) -> None:
+        """Zero megatron's grad buffers and the deferred window (aborts an accumulation window)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.deferred.reset()
+
+    def optimizer_step(self) -> float:
+        """Reduce grads over DP (finalize_model_grads), deferred normalization, global pre-clip
+        norm, skip if not finite, clip, step. Collective."""
+        finalize_model_grads(self.model)
+        if self.config.deferred_normalization:
+            scale = self.deferred.grad_scale()
+            self.deferred.reset()
+            for chunk in self.model:
+                chunk.scale_gradients(scale)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            return grad_norm
+        if self.config.optim.clip_grad is not None:
+            self.optimizer.clip_grad_norm(self.config.optim.clip_grad)
+        self.optimizer.step_with_ready_grads()
+        self.global_step += 1
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule (applied to megatron's param groups); return the new lr."""
+        self.scheduler.step()
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ state
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
+        """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
+        extra = {"scheduler": self.scheduler.state_dict(), "rng": _rng_state(), "global_step": global_step}
+        keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
+        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+        """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
+        extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        _set_rng_state(extra["rng"])
+        self.global_step = extra["global_step"]
+        self.deferred.reset()
+        return self.global_step
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors: TP shards gathered, PP stages broadcast. Collective."""
+        yield from export_hf(self.model, self.arch)
+
+
+class _TorchOptimizerView(torch.optim.Optimizer):
+    """Lets ``torch.optim.lr_scheduler`` drive a megatron optimizer: it only needs
+    ``param_groups`` (megatron exposes its inner optimizers' groups) and a ``step`` to wrap."""
+
+    def __init__(self, megatron_optimizer) -> None:  # noqa: D107 - no torch.optim init on purpose
+        self.param_groups = megatron_optimizer.param_groups
+        self.defaults = {}
+        self.state = {}
+        self._opt_called = True  # steps happen in the megatron optimizer; silences torch's order warning
+
+    def step(self, closure=None):  # pragma: no cover - never called; schedulers only read groups
+        raise RuntimeError("the megatron optimizer steps through MegatronEngine.optimizer_step")
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,213 @@
+"""Build megatron-core GPTModel chunks from an HF directory.
+
+Order (plain functions): :func:`init_parallel` (process group, CPU compat layer when there is
+no CUDA, ``parallel_state``, RNG) -> :func:`build_transformer_config` -> :func:`build_chunks`
+(one GPTModel per virtual pipeline stage of this rank) -> :func:`load_hf_weights` (each rank
+converts the HF tensors it owns) -> megatron DDP (in the engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+from safetensors.torch import load_file
+
+from backends.megatron import cpu_compat
+from backends.megatron.convert import ArchInfo, padded_vocab, to_megatron, transformer_config_kwargs
+from engine_api.config import EngineConfig
+from engine_api.dist import init_single_process_group
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_parallel(config: EngineConfig) -> torch.device:
+    """Initialise torch.distributed (1-rank group for plain python) and megatron's
+    ``parallel_state`` with the configured TP/PP/VPP/CP sizes; seed megatron's RNG tracker.
+
+    megatron's parallel state is process-global: one layout per process. A second engine in
+    the same process must use the same layout (checked).
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        cpu_compat.enable()
+    init_single_process_group("nccl" if cuda else "gloo")
+    m = config.megatron
+    world = dist.get_world_size()
+    if world % m.model_parallel_size:
+        raise ValueError(
+            f"megatron.tensor_model_parallel_size x pipeline x context = {m.model_parallel_size} does not divide the world size {world}; "
+            "fix: choose sizes whose product divides the number of processes"
+        )
+    wanted = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size, m.context_parallel_size)
+    if mpu.model_parallel_is_initialized():
+        current = (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_virtual_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+        )
+        if current != wanted:
+            raise ValueError(
+                f"megatron parallel state is already {current} (tp, pp, vpp, cp) in this process; fix: one layout per process, got {wanted}"
+            )
+    else:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=m.tensor_model_parallel_size,
+            pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+            context_parallel_size=m.context_parallel_size,
+        )
+    model_parallel_cuda_manual_seed(config.seed)
+    return device
+
+
+def use_te_spec(config: EngineConfig) -> bool:
+    """Transformer-Engine spec when asked (``te``), or on ``auto`` with CUDA and TE installed."""
+    spec = config.megatron.layer_spec
+    te_ok = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    if spec == "te" and not te_ok:
+        raise ValueError(
+            "megatron.layer_spec = 'te' needs CUDA and transformer_engine; fix: install the te extra on a GPU machine or use 'local'"
+        )
+    return spec == "te" or (spec == "auto" and te_ok)
+
+
+def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> TransformerConfig:
+    """TransformerConfig from the HF architecture and the engine's parallelism / dtype.
+
+    Raises:
+        ValueError: sequence parallelism with the local spec (its torch RMSNorm cannot shard
+            the sequence; it needs the Transformer-Engine spec).
+    """
+    m = config.megatron
+    if m.sequence_parallel and not use_te_spec(config):
+        raise ValueError(
+            "megatron.sequence_parallel = True needs the Transformer-Engine layer spec (the local spec's torch norm "
+            "does not support it); fix: set megatron.sequence_parallel=false, or layer_spec=te on a GPU machine"
+        )
+    dtype = DTYPES[config.model.dtype]
+    return TransformerConfig(
+        **transformer_config_kwargs(arch),
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        # Micro-batches have different lengths: pipeline stages exchange shapes first.
+        variable_seq_lengths=m.pipeline_model_parallel_size > 1,
+        # megatron validates the dispatcher even without experts; allgather refuses variable lengths.
+        moe_token_dispatcher_type="alltoall",
+        pipeline_dtype=dtype,
+        params_dtype=torch.float32,  # master weights; bf16 compute is megatron's mixed precision
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        recompute_granularity="full" if config.model.gradient_checkpointing else None,
+        recompute_method="uniform" if config.model.gradient_checkpointing else None,
+        recompute_num_layers=1 if config.model.gradient_checkpointing else None,
+    )
+
+
+class ValueHead(nn.Module):
+    """Scalar value per token, replacing GPTModel's ``output_layer`` on the last stage.
+
+    Replicated over TP (one output cannot be split); its input is gathered along the sequence
+    first under sequence parallelism, so every TP rank computes the same gradient.
+    """
+
+    def __init__(self, hidden: int, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, 1)
+        self.sequence_parallel = sequence_parallel
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.linear(hidden), None
+
+
+def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfig) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage held by this rank (one without VPP).
+
+    Logits are gathered over TP (``parallel_output=False``) so log-probs and entropy use the
+    same code as the FSDP backend; rows past the HF vocabulary (TP padding) are sliced off.
+    """
+    if use_te_spec(config):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
+    vpp = config.megatron.virtual_pipeline_model_parallel_size
+    value = config.model.head == "value"
+    chunks = []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        model = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab(arch.vocab, tconfig.tensor_model_parallel_size),
+            max_sequence_length=arch.max_positions,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=arch.tied and not value,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            parallel_output=False,
+            vp_stage=stage,
+        )
+        if value and post:
+            model.output_layer = ValueHead(arch.hidden, tconfig.sequence_parallel)
+        chunks.append(model)
+    return chunks
+
+
+def read_hf_state(path: str) -> dict[str, torch.Tensor]:
+    """All safetensors of an HF directory (single or sharded files), on CPU."""
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model.path = {path!r} has no *.safetensors; fix: save the model with save_pretrained (safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(os.path.join(path, f)))
+    return state
+
+
+def load_hf_weights(chunks: list[GPTModel], hf_state: dict[str, torch.Tensor], arch: ArchInfo) -> None:
+    """Copy every parameter this rank owns from the HF tensors (TP shard of its stage)."""
+    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            with torch.no_grad():
+                param.copy_(to_megatron(_hf_name_space(name), hf_state, arch, global_layer(chunk, name), rank, tp))
+
+
+def global_layer(chunk: GPTModel, name: str) -> int | None:
+    """Global (0-based) decoder layer index of a chunk-local parameter name, else None."""
+    if not name.startswith("decoder.layers."):
+        return None
+    return chunk.decoder.layers[int(name.split(".")[2])].layer_number - 1
+
+
+def _hf_name_space(name: str) -> str:
+    # The value head's parameters live under output_layer.linear.
+    return name.replace("output_layer.linear.", "output_layer.")
