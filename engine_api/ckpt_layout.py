@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 
+import torch
 import torch.distributed as dist
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -89,6 +90,25 @@ def finish_load(downloaded: str | None, del_local_after_load: bool) -> None:
     dist.barrier()
     if downloaded and del_local_after_load and dist.get_rank() == 0:
         shutil.rmtree(downloaded, ignore_errors=True)
+
+
+def save_extra(directory: str, extra: dict) -> None:
+    """This rank's small non-sharded state (scheduler, RNG, step) as ``extra_rank<r>.pt``."""
+    torch.save(extra, os.path.join(directory, f"extra_rank{dist.get_rank()}.pt"))
+
+
+def load_extra(directory: str) -> dict:
+    """This rank's ``extra_rank<r>.pt`` of a checkpoint.
+
+    Raises:
+        ValueError: no file for this rank (the checkpoint was saved by a different world size).
+    """
+    path = os.path.join(directory, f"extra_rank{dist.get_rank()}.pt")
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
+        )
+    return torch.load(path, weights_only=False)
 
 
 def step_dirs(root: str) -> list[str]:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def build_tiny_model(
@@ -38,7 +38,8 @@ def build_tiny_model(
 
     Args:
         path: output directory (created if missing; existing files are overwritten).
-        family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
+        family: ``llama`` (GQA, untied), ``qwen2`` (qkv bias, tied embeddings) or ``qwen3``
+            (q/k norm, head_dim = 2 * hidden / heads, untied).
         seed: ``torch.manual_seed`` before the weights are initialised, so the same
             arguments always give the same weights.
         vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
@@ -91,7 +92,7 @@ def tiny_config(
 ):
     """The HF ``PretrainedConfig`` that :func:`build_tiny_model` instantiates (see its args)."""
     _check_dims(family, hidden_size, num_heads, num_kv_heads)
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -112,6 +113,11 @@ def tiny_config(
         # attention_bias=False, mlp_bias=False are Llama's defaults; spelled out because the
         # megatron conversion relies on "no linear bias" for this family.
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+    if family == "qwen3":
+        # q/k RMSNorm per head, and a head_dim twice hidden/heads, as real Qwen3 models decouple them.
+        return Qwen3Config(
+            **common, head_dim=2 * hidden_size // num_heads, attention_bias=False, tie_word_embeddings=False, use_sliding_window=False
+        )
     # Qwen2 always has q/k/v biases (no flag); the tied head exercises weight sharing.
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
 

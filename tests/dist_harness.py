@@ -45,7 +45,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     with tempfile.TemporaryDirectory(prefix="ek_rdzv_") as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
-            ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, results, args, env or {}), daemon=True)
+            # Not daemonic, like torchrun's ranks: megatron's checkpoint writer starts helper
+            # processes, which daemons may not. The finally below kills every rank regardless.
+            ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, results, args, env or {}), daemon=False)
             for rank in range(world_size)
         ]
         for p in procs:

@@ -5,10 +5,6 @@ inside the shared directory protocol of ``engine_api.ckpt_layout`` (temp dir, at
 
 from __future__ import annotations
 
-import os
-
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -20,7 +16,7 @@ def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, 
     tmp = ckpt_layout.begin(root, step)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{dist.get_rank()}.pt"))
+    ckpt_layout.save_extra(tmp, extra)
     return ckpt_layout.commit(root, step, keep, remote, {"backend": "fsdp"})
 
 
@@ -31,16 +27,6 @@ def load(model, optimizer, local_path: str, remote: str | None, del_local_after_
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = load_extra(path)
+    extra = ckpt_layout.load_extra(path)
     ckpt_layout.finish_load(downloaded, del_local_after_load)
     return extra
-
-
-def load_extra(path: str) -> dict:
-    """This rank's ``extra_rank<r>.pt`` of a checkpoint."""
-    extra_path = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
-    if not os.path.exists(extra_path):
-        raise ValueError(
-            f"{extra_path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
-        )
-    return torch.load(extra_path, weights_only=False)

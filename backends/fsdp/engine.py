@@ -21,7 +21,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
-from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_hf_model
+from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_model
 from engine_api import BaseEngine, register_engine
 from engine_api.batch import pack, pad, unpack
 from engine_api.dist import init_single_process_group
@@ -50,7 +50,7 @@ class FSDPEngine(BaseEngine):
             torch.cuda.set_device(self.device)
         init_single_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.mesh = build_mesh(self.device, dist.get_world_size(), self.config.fsdp.fsdp_size)
-        model = load_hf_model(self.config, self.device)
+        model = load_model(self.config, self.device)
         if self.config.model.gradient_checkpointing:
             apply_activation_checkpointing(model)
         apply_fsdp(model, self.mesh, self.config)

@@ -1,6 +1,6 @@
 """Build an HF model from a local directory and parallelize it with FSDP2.
 
-Order (each step a plain function): :func:`load_hf_model` (CPU, fp32 master weights, the
+Order (each step a plain function): :func:`load_model` (CPU, fp32 master weights, the
 head the config asks for) -> :func:`apply_activation_checkpointing` -> :func:`apply_fsdp`
 (``fully_shard`` every decoder layer, then the root, over a DeviceMesh).
 """
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
+from backends.hf import load_hf_model
 from engine_api.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,27 +29,12 @@ def attn_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_hf_model(config: EngineConfig, device: torch.device) -> nn.Module:
-    """Load ``config.model.path`` through the normal HF path, on CPU, in fp32.
-
-    ``head: lm`` gives ``AutoModelForCausalLM``; ``head: value`` gives
-    ``AutoModelForTokenClassification`` with one label and no classifier dropout, its new
-    ``score`` layer initialised by HF from ``torch.manual_seed(config.seed)`` (the same on
-    every rank). Master weights stay fp32; ``model.dtype`` is the compute dtype (FSDP
-    mixed precision).
-    """
-    path = config.model.path
-    if path is None:
+def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
+    """The HF model of ``config.model`` (see ``backends.hf.load_hf_model``), fp32 master weights
+    on CPU; ``model.dtype`` is the compute dtype (FSDP mixed precision)."""
+    if config.model.path is None:
         raise ValueError("model.path = None: FSDPEngine loads an HF directory; fix: set engine.model.path")
-    torch.manual_seed(config.seed)
-    impl = attn_implementation(device)
-    if config.model.head == "value":
-        hf_config = AutoConfig.from_pretrained(path, num_labels=1)
-        hf_config.classifier_dropout = 0.0  # HF defaults it to 0.1: values would be noisy in train mode
-        model = AutoModelForTokenClassification.from_pretrained(path, config=hf_config, dtype=torch.float32, attn_implementation=impl)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
-    return model
+    return load_hf_model(config.model.path, config.model.head, config.seed, attn_implementation(device))
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -5,13 +5,8 @@ incl. megatron's tracker, step), inside the shared directory protocol of
 
 from __future__ import annotations
 
-import os
-
-import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from backends.fsdp.checkpoint import load_extra
 from engine_api import ckpt_layout
 
 
@@ -25,7 +20,7 @@ def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int |
     """Save the sharded model + optimizer state and ``extra``. Collective."""
     tmp = ckpt_layout.begin(root, step)
     dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{dist.get_rank()}.pt"))
+    ckpt_layout.save_extra(tmp, extra)
     return ckpt_layout.commit(root, step, keep, remote, {"backend": "megatron"})
 
 
@@ -36,6 +31,6 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
     for i, chunk in enumerate(model_chunks):
         chunk.module.load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
-    extra = load_extra(path)
+    extra = ckpt_layout.load_extra(path)
     ckpt_layout.finish_load(downloaded, del_local_after_load)
     return extra

@@ -62,7 +62,7 @@ class MegatronEngine(BaseEngine):
         self.arch = arch_info(AutoConfig.from_pretrained(cfg.model.path))
         self.tconfig = build_transformer_config(self.arch, cfg)
         chunks = build_chunks(self.tconfig, self.arch, cfg)
-        load_hf_weights(chunks, read_hf_state(cfg.model.path), self.arch)
+        load_hf_weights(chunks, read_hf_state(cfg.model.path, cfg.model.head, cfg.seed), self.arch)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.megatron.use_distributed_optimizer
         )
@@ -329,14 +329,19 @@ class MegatronEngine(BaseEngine):
 
 
 class _TorchOptimizerView(torch.optim.Optimizer):
-    """Lets ``torch.optim.lr_scheduler`` drive a megatron optimizer: it only needs
-    ``param_groups`` (megatron exposes its inner optimizers' groups) and a ``step`` to wrap."""
+    """Lets ``torch.optim.lr_scheduler`` drive a megatron optimizer. Schedulers only need
+    ``param_groups``; it reads through to megatron's *current* groups, because megatron's
+    ``load_state_dict`` replaces the group dicts (a stored list would go stale on resume)."""
 
-    def __init__(self, megatron_optimizer) -> None:  # noqa: D107 - no torch.optim init on purpose
-        self.param_groups = megatron_optimizer.param_groups
+    def __init__(self, megatron_optimizer) -> None:  # no torch.optim init on purpose
+        self._megatron = megatron_optimizer
         self.defaults = {}
         self.state = {}
         self._opt_called = True  # steps happen in the megatron optimizer; silences torch's order warning
+
+    @property
+    def param_groups(self):
+        return self._megatron.param_groups
 
     def step(self, closure=None):  # pragma: no cover - never called; schedulers only read groups
         raise RuntimeError("the megatron optimizer steps through MegatronEngine.optimizer_step")

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import load_file
 
+from backends.hf import value_head_state
 from backends.megatron import cpu_compat
 from backends.megatron.convert import ArchInfo, padded_vocab, to_megatron, transformer_config_kwargs
 from engine_api.config import EngineConfig
@@ -181,14 +182,17 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
     return chunks
 
 
-def read_hf_state(path: str) -> dict[str, torch.Tensor]:
-    """All safetensors of an HF directory (single or sharded files), on CPU."""
+def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch.Tensor]:
+    """All safetensors of an HF directory (single or sharded files), on CPU; for a value head,
+    plus ``score.*`` initialised exactly as the FSDP backend's HF token-classification model."""
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"model.path = {path!r} has no *.safetensors; fix: save the model with save_pretrained (safetensors)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(os.path.join(path, f)))
+    if head == "value":
+        state.update(value_head_state(path, seed))
     return state
 
 

@@ -1,0 +1,144 @@
+"""Work the megatron tests run in spawned processes.
+
+megatron's parallel state and the CPU compat layer are process-global, so megatron never runs
+in the pytest process: each worker below runs in fresh ranks (tests.dist_harness) and returns
+plain tensors/numbers that the tests compare with references computed in the parent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.backends.hf_utils import engine_for, full_params, make_test_batch
+
+EPS = ["optim.eps=1e-3"]  # Adam's first step stays Lipschitz in g (see test_fsdp_invariance)
+MODES = ("token-mean", "seq-mean-token-sum")
+VARIANTS = {
+    "all": ([], 1),
+    "mbs=1": (["micro_batch_size=1"], 1),
+    "mbs=2": (["micro_batch_size=2"], 1),
+    "dynamic": (["max_token_len_per_micro_batch=16"], 1),
+    "padded": (["use_remove_padding=false", "micro_batch_size=2"], 1),
+    "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
+}
+LAYOUTS = {
+    "tp2": ["megatron.tensor_model_parallel_size=2"],
+    "pp2": ["megatron.pipeline_model_parallel_size=2"],
+    "dp2": [],
+    "dp2-distopt": ["megatron.use_distributed_optimizer=true"],
+}
+
+
+def reset_parallel_state() -> None:
+    """Tear megatron's global parallel state down so the next engine can use another layout."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def infer(model_dir, *overrides, batch=None, **meta):
+    engine = engine_for(model_dir, *overrides, strategy="megatron")
+    batch = make_test_batch(**meta) if batch is None else batch
+    with engine.eval_mode():
+        return engine.unshard_data(engine.infer_batch(engine.shard_data(batch)))
+
+
+def one_step(model_dir, mode, extra, calls=1):
+    """One optimizer step on this rank's shard, split into ``calls`` forward_backward calls."""
+    engine = engine_for(model_dir, f"loss_agg_mode={mode}", *EPS, *extra, strategy="megatron")
+    local = engine.shard_data(make_test_batch())
+    n = local.batch_size[0]
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        losses = [engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls])[1] for i in range(calls)]
+        grad_norm = engine.optimizer_step()
+    return {"loss": losses[0] if calls == 1 else None, "grad_norm": grad_norm, "params": full_params(engine)}
+
+
+def resume(model_dir, ckpt_dir, *layout):
+    overrides = ["micro_batch_size=1", "optim.lr_schedule=cosine", "optim.total_steps=5", "optim.warmup_steps=1", *layout]
+
+    def train(engine, steps, seed0):
+        out = []
+        for s in range(steps):
+            with engine.train_mode():
+                out.append(engine.train_batch(engine.shard_data(make_test_batch(seed=seed0 + s)))["loss"])
+        return out
+
+    first = engine_for(model_dir, *overrides, strategy="megatron")
+    train(first, 1, 0)
+    first.save_checkpoint(ckpt_dir, global_step=1)
+    continued = train(first, 2, 1)
+    second = engine_for(model_dir, *overrides, strategy="megatron")
+    step = second.load_checkpoint(ckpt_dir)
+    resumed = train(second, 2, 1)
+    return {"step": step, "continued": continued, "resumed": resumed, "p1": full_params(first), "p2": full_params(second)}
+
+
+def single_process(rank, world, models, value_dir, ckpt_dir):
+    """Everything the single-process megatron tests need."""
+    from backends.megatron import cpu_compat
+
+    out = {}
+    for family, path in models.items():
+        for packed in (True, False):
+            preds = infer(path, f"use_remove_padding={packed}", "micro_batch_size=2", calculate_entropy=True)
+            out[("log_probs", family, packed)] = preds["log_probs"]
+            out[("entropy", family, packed)] = preds["entropy"]
+        out[("export", family)] = full_params(engine_for(path, strategy="megatron"))
+        out[("hot", family)] = infer(path, temperature=2.0)["log_probs"]
+    out["values"] = infer(value_dir, "model.head=value", "seed=7")["values"]
+    for mode in MODES:
+        for name, (extra, calls) in VARIANTS.items():
+            out[("step", mode, name)] = one_step(models["llama"], mode, extra, calls)
+    out["resume"] = resume(models["llama"], ckpt_dir)
+    out["nonfinite"] = _non_finite(models["llama"])
+    out["bad_batch"] = _bad_batch(models["llama"])
+    out["sites"] = dict(cpu_compat.SITES)
+    out["compat_active"] = cpu_compat.is_active()
+    return out
+
+
+def _non_finite(model_dir):
+    engine = engine_for(model_dir, strategy="megatron")
+    before = full_params(engine)
+    engine.set_loss_fn(lambda mb, out, norm: (out["log_probs"].values().sum() * math.inf, {}))
+    with engine.train_mode():
+        metrics = engine.train_batch(make_test_batch())
+    after = full_params(engine)
+    return {"metrics": metrics, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()), "global_step": engine.global_step}
+
+
+def _bad_batch(model_dir):
+    from engine_api import make_batch
+
+    engine = engine_for(model_dir, strategy="megatron")
+    before = full_params(engine)
+    try:
+        with engine.train_mode():
+            engine.train_batch(make_batch([torch.tensor([1, 2, 64])]))
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    after = full_params(engine)
+    return {"error": error, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()), "global_step": engine.global_step}
+
+
+def two_process_layouts(rank, world, models, ckpt_dir):
+    """TP=2, PP=2, DP=2 (plain and distributed optimizer) on 2 ranks."""
+    out = {}
+    for layout, extra in LAYOUTS.items():
+        for family, path in models.items():
+            out[("log_probs", layout, family)] = infer(path, "micro_batch_size=2", *extra)["log_probs"]
+            reset_parallel_state()
+        for mode in MODES:
+            for variant in ("all", "mbs=1", "dynamic", "split3-deferred") if layout in ("tp2", "pp2") else ("mbs=1", "split3-deferred"):
+                v_extra, calls = VARIANTS[variant]
+                if layout.startswith("dp2") and calls == 3:
+                    v_extra = ["deferred_normalization=true"]  # 3 sequences per rank: 3 calls of 1
+                out[("step", layout, mode, variant)] = one_step(models["llama"], mode, [*extra, *v_extra], calls)
+                reset_parallel_state()
+    out["resume_tp2"] = resume(models["llama"], ckpt_dir, *LAYOUTS["tp2"])
+    return out
