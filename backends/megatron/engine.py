@@ -11,8 +11,11 @@ optimizer's reduce-scatter too.
 Packed micro-batches (``use_remove_padding``) are one row with a block-diagonal causal attention
 mask on the local spec (its attention has no THD path); RoPE only sees relative positions inside
 a block, so this equals per-sequence attention. Padded micro-batches use the default causal
-mask (right padding never leaks into real tokens). With the Transformer-Engine spec both layouts
-run padded for now (THD with PackedSeqParams awaits a GPU run to be validated).
+mask (right padding never leaks into real tokens). With pipeline parallelism every micro-batch
+of a call must have one shape (stages exchange fixed-shape tensors), so micro-batches are
+packed and padded to the call's longest row, whatever ``use_remove_padding`` says; outputs are
+the same either way. With the Transformer-Engine spec micro-batches run padded for now (THD with
+PackedSeqParams awaits a GPU run to be validated), and PP > 1 needs equal-size micro-batches.
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ class MegatronEngine(BaseEngine):
         self.scheduler = build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
         self.deferred = DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
         self.global_step = 0
-        self.packed = cfg.use_remove_padding and not use_te_spec(cfg)
+        pipelined = cfg.megatron.pipeline_model_parallel_size > 1
+        self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
+        self.fixed_shape = pipelined
+        self._call_len = 0
         self.placement = {"model": self.device, "optimizer": self.device}
         self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
@@ -168,6 +174,11 @@ class MegatronEngine(BaseEngine):
             # The schedule divides by the micro-batch count; DDP averages over DP.
             scale = backward_scale(norm, cfg.deferred_normalization) * len(plan.batches)
         micro = [to_device(mb, self.device) for mb in plan.batches]
+        if self.fixed_shape and len({mb.batch_size[0] for mb in micro}) > 1 and not self.packed:
+            raise ValueError(
+                "pipeline parallelism with the TE spec needs equal-size micro-batches; fix: make the local batch a multiple of micro_batch_size"
+            )
+        self._call_len = max(self._row_len(mb) for mb in micro) if self.fixed_shape else 0
         if preprocess_fn is not None:
             micro = [preprocess_fn(mb, ctx) for mb in micro]
         step = partial(self._forward_step, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn)
@@ -177,7 +188,7 @@ class MegatronEngine(BaseEngine):
             data_iterator=[iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro),
             model=self.model if n_chunks > 1 else self.model[0],
             num_microbatches=len(micro),
-            seq_length=max(self._row_len(mb) for mb in micro),
+            seq_length=max(self._padded_len(mb) for mb in micro),
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
             forward_only=forward_only,
         )
@@ -194,10 +205,14 @@ class MegatronEngine(BaseEngine):
         tp = self.tconfig.tensor_model_parallel_size
         return -(-n // tp) * tp if self.tconfig.sequence_parallel else n
 
+    def _padded_len(self, mb: TensorDict) -> int:
+        """Row length a micro-batch runs at: its own, or the call's longest under PP."""
+        return max(self._row_len(mb), self._call_len)
+
     def _inputs(self, mb: TensorDict):
         """(input_ids [b, s], position_ids [b, s], attention_mask or None, real-token mask [b, s])."""
         ids = mb["input_ids"]
-        s = self._row_len(mb)
+        s = self._padded_len(mb)
         if self.packed:
             p = pack(ids)
             total = p.input_ids.shape[0]

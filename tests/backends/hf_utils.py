@@ -17,10 +17,18 @@ LENGTHS = (5, 9, 3, 12, 7, 4)
 RESPONSE = (3, 5, 2, 4, 6, 3)
 
 
-def make_model(path, family: str, seed: int = 0) -> str:
+def make_model(path, family: str, seed: int = 0, num_layers: int = 2) -> str:
     """A tiny HF model saved with save_pretrained (llama: GQA untied; qwen2: qkv bias, tied)."""
     return build_tiny_model(
-        path, family=family, seed=seed, vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+        path,
+        family=family,
+        seed=seed,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
     )
 
 
