@@ -40,6 +40,7 @@ from backends.megatron import checkpoint as ckpt
 from backends.megatron.convert import arch_info
 from backends.megatron.export import export_hf
 from backends.megatron.model import build_chunks, build_transformer_config, init_parallel, load_hf_weights, read_hf_state, use_te_spec
+from backends.megatron.offload import StorageOffloader
 from engine_api import BaseEngine, register_engine
 from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack, validate_batch
 from engine_api.dist import all_reduce
@@ -98,6 +99,8 @@ class MegatronEngine(BaseEngine):
         self.fixed_shape = pipelined
         self._call_len = 0
         self.placement = {"model": self.device, "optimizer": self.device}
+        self._offloaders = {"model": StorageOffloader(), "optimizer": StorageOffloader()}
+        self._offloaded = {"model": False, "optimizer": False}
         self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
     # ------------------------------------------------------------------ topology
@@ -137,31 +140,68 @@ class MegatronEngine(BaseEngine):
             self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
     def to(self, device, model: bool = True, optimizer: bool = True) -> None:
-        """Move params + grad buffers (``model``) and/or optimizer state to ``device``."""
-        device = torch.device(device)
-        if model and self.placement["model"] != device:
-            for chunk in self.model:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.param_data.data = buffer.param_data.data.to(device) if buffer.param_data is not None else None
-                    buffer.grad_data.data = buffer.grad_data.data.to(device)
-                chunk.module.to(device)
-            self.placement["model"] = device
-        if optimizer and self.placement["optimizer"] != device:
-            (self.optimizer.restore_from_cpu if device.type == "cuda" else self.optimizer.offload_to_cpu)()
-            self.placement["optimizer"] = device
+        """Load (``device`` = the compute device) or offload (``"cpu"`` on a GPU machine) params +
+        grad buffers (``model``) and/or optimizer state, by freeing storage in place
+        (``backends.megatron.offload``). On a CPU-only machine the compute device is the CPU,
+        so ``to`` loads; the offload policy of train/eval modes still frees storage there."""
+        if torch.device(device) != self.device:
+            self._offload(model=model, optimizer=optimizer)
+            return
+        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and self._offloaded[kind]:
+                self._offloaders[kind].restore()
+                self._offloaded[kind] = False
+                self.placement[kind] = self.device
 
     def _offload(self, model: bool, optimizer: bool) -> None:
-        if self.device.type == "cuda" and (model or optimizer):
-            self.to("cpu", model=model, optimizer=optimizer)
-        elif model or optimizer:
-            # On CPU the compute device is the CPU: offloading is a no-op, recorded as such.
-            self.placement.update({k: torch.device("cpu") for k, on in (("model", model), ("optimizer", optimizer)) if on})
+        # Tracked by flag, not by device: on a CPU machine "offloaded" and "loaded" are both "cpu".
+        model_storages = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
+        if optimizer and not self._offloaded["optimizer"]:
+            self._offloaders["optimizer"].offload(self._optimizer_tensors(), keep=model_storages)
+            self._offloaded["optimizer"], self.placement["optimizer"] = True, torch.device("cpu")
+        if model and not self._offloaded["model"]:
+            self._offloaders["model"].offload(self._model_tensors())
+            self._offloaded["model"], self.placement["model"] = True, torch.device("cpu")
+
+    def _require_loaded(self, model: bool, optimizer: bool) -> None:
+        # Offloaded storage is freed: touching it would read freed memory, so refuse clearly.
+        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and self._offloaded[kind]:
+                raise RuntimeError(
+                    f"the {kind} is offloaded; fix: call this inside engine.train_mode() / eval_mode(), or engine.to(compute device) first"
+                )
+
+    @contextlib.contextmanager
+    def _loaded(self):
+        """Everything on the compute device for the duration; the previous placement after."""
+        saved = dict(self._offloaded)
+        self.to(self.device)
+        try:
+            yield
+        finally:
+            self._offload(model=saved["model"], optimizer=saved["optimizer"])
+
+    def _model_tensors(self):
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                yield buffer.grad_data
+                if buffer.param_data is not None:
+                    yield buffer.param_data
+            yield from chunk.module.parameters()
+
+    def _optimizer_tensors(self):
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in opt.optimizer.param_groups:
+                yield from group["params"]  # distributed-optimizer shards; model params are kept
+            for state in opt.optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # ------------------------------------------------------------------ compute
     def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
         """See ``BaseEngine.forward_backward_step``; micro-batches run through megatron's schedule
         (no pipelining, 1F1B, or interleaved with VPP). Collective over the world."""
         cfg = self.config
+        self._require_loaded(model=True, optimizer=False)
         validate_batch(batch, vocab_size=self.arch.vocab)
         if not forward_only and self._loss_fn is None:
             raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
@@ -301,6 +341,7 @@ class MegatronEngine(BaseEngine):
     def optimizer_step(self) -> float:
         """Reduce grads over DP (finalize_model_grads), deferred normalization, global pre-clip
         norm, skip if not finite, clip, step. Collective."""
+        self._require_loaded(model=True, optimizer=True)
         finalize_model_grads(self.model)
         if self.config.deferred_normalization:
             scale = self.deferred.grad_scale()
@@ -327,11 +368,13 @@ class MegatronEngine(BaseEngine):
         """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
         extra = {"scheduler": self.scheduler.state_dict(), "rng": _rng_state(), "global_step": global_step}
         keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
-        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+        with self._loaded():
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
-        extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
+        with self._loaded():
+            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
         self.scheduler.load_state_dict(extra["scheduler"])
         _set_rng_state(extra["rng"])
         self.global_step = extra["global_step"]
@@ -340,7 +383,8 @@ class MegatronEngine(BaseEngine):
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors: TP shards gathered, PP stages broadcast. Collective."""
-        yield from export_hf(self.model, self.arch)
+        with self._loaded():
+            yield from export_hf(self.model, self.arch)
 
 
 class _TorchOptimizerView(torch.optim.Optimizer):

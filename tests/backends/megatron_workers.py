@@ -94,11 +94,36 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
         for name, (extra, calls) in VARIANTS.items():
             out[("step", mode, name)] = one_step(models["llama"], mode, extra, calls)
     out["resume"] = resume(models["llama"], ckpt_dir)
+    out["offload"] = _offload_round_trips(models["llama"])
     out["nonfinite"] = _non_finite(models["llama"])
     out["bad_batch"] = _bad_batch(models["llama"])
     out["sites"] = dict(cpu_compat.SITES)
     out["compat_active"] = cpu_compat.is_active()
     return out
+
+
+def _offload_round_trips(model_dir):
+    """Offload on: after eval_mode exits no param / grad / optimizer storage holds memory; two
+    train/eval rounds give bit-identical params to a run without offload."""
+    results, freed = [], None
+    for offload in (False, True):
+        flags = [f"offload.param={offload}", f"offload.optimizer={offload}"]
+        engine = engine_for(model_dir, *flags, strategy="megatron")
+        for seed in range(2):
+            with engine.train_mode():
+                engine.train_batch(make_test_batch(seed=seed))
+            with engine.eval_mode():
+                engine.infer_batch(make_test_batch())
+        if offload:
+            tensors = [*engine._model_tensors(), *engine._optimizer_tensors()]
+            freed = {
+                "all_freed": all(t.untyped_storage().nbytes() == 0 for t in tensors),
+                "host_bytes": engine._offloaders["model"].offloaded_bytes + engine._offloaders["optimizer"].offloaded_bytes,
+                "placement": {k: str(v) for k, v in engine.placement.items()},
+            }
+        results.append(full_params(engine))
+    same = all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+    return {**freed, "same_training": same}
 
 
 def _non_finite(model_dir):

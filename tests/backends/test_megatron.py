@@ -116,6 +116,13 @@ def test_exact_resume_single_process(single):
     assert all(torch.equal(r["p1"][k], r["p2"][k]) for k in r["p1"])
 
 
+def test_offload_frees_every_storage_and_keeps_the_result(single):
+    r = single["offload"]
+    assert r["all_freed"] and r["host_bytes"] > 0
+    assert r["placement"] == {"model": "cpu", "optimizer": "cpu"}
+    assert r["same_training"]
+
+
 def test_non_finite_grad_norm_skips_the_step(single):
     r = single["nonfinite"]
     assert not math.isfinite(r["metrics"]["grad_norm"]) and r["metrics"]["step_skipped"] == 1.0
