@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -90,6 +92,27 @@ def finish_load(downloaded: str | None, del_local_after_load: bool) -> None:
     dist.barrier()
     if downloaded and del_local_after_load and dist.get_rank() == 0:
         shutil.rmtree(downloaded, ignore_errors=True)
+
+
+def make_extra(scheduler, global_step: int, **more) -> dict:
+    """The per-rank resumable state every backend saves besides its sharded model/optimizer:
+    LR scheduler, RNG states (torch, CUDA when present, numpy, python), the step, and ``more``."""
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return {"scheduler": scheduler.state_dict(), "rng": rng, "global_step": global_step, **more}
+
+
+def apply_extra(extra: dict, scheduler) -> int:
+    """Restore what :func:`make_extra` captured; returns the step."""
+    scheduler.load_state_dict(extra["scheduler"])
+    rng = extra["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return extra["global_step"]
 
 
 def save_extra(directory: str, extra: dict) -> None:

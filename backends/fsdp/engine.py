@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -22,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_model
-from engine_api import BaseEngine, register_engine
+from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.batch import pack, pad, unpack
 from engine_api.dist import init_single_process_group
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
@@ -168,7 +166,7 @@ class FSDPEngine(BaseEngine):
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
-        extra = {"scheduler": self.scheduler.state_dict(), "rng": _rng_state(), "global_step": global_step}
+        extra = ckpt_layout.make_extra(self.scheduler, global_step)
         keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
         with self._on_compute_device():
             ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
@@ -177,9 +175,7 @@ class FSDPEngine(BaseEngine):
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
         with self._on_compute_device():
             extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        _set_rng_state(extra["rng"])
-        self.global_step = extra["global_step"]
+        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)
         self.deferred.reset()
         return self.global_step
 
@@ -201,18 +197,3 @@ class FSDPEngine(BaseEngine):
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 yield name, full.detach()
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

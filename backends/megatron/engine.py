@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 from collections.abc import Iterator
 from functools import partial
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from tensordict import TensorDict
 from transformers import AutoConfig
 
@@ -41,7 +40,7 @@ from backends.megatron.convert import arch_info
 from backends.megatron.export import export_hf
 from backends.megatron.model import build_chunks, build_transformer_config, init_parallel, load_hf_weights, read_hf_state, use_te_spec
 from backends.megatron.offload import StorageOffloader
-from engine_api import BaseEngine, register_engine
+from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack, validate_batch
 from engine_api.dist import all_reduce
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
@@ -366,7 +365,8 @@ class MegatronEngine(BaseEngine):
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
-        extra = {"scheduler": self.scheduler.state_dict(), "rng": _rng_state(), "global_step": global_step}
+        # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
+        extra = ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
         keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
         with self._loaded():
             ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
@@ -375,9 +375,8 @@ class MegatronEngine(BaseEngine):
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
         with self._loaded():
             extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        _set_rng_state(extra["rng"])
-        self.global_step = extra["global_step"]
+        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)
+        get_cuda_rng_tracker().set_states(extra["tracker"])
         self.deferred.reset()
         return self.global_step
 
@@ -404,28 +403,3 @@ class _TorchOptimizerView(torch.optim.Optimizer):
 
     def step(self, closure=None):  # pragma: no cover - never called; schedulers only read groups
         raise RuntimeError("the megatron optimizer steps through MegatronEngine.optimizer_step")
-
-
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

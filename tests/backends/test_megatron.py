@@ -51,13 +51,13 @@ def layouts(models, tmp_path_factory):
 def fsdp_steps(models):
     """The FSDP engine's one-step results on the same HF directory (the cross-backend reference)."""
     out = {}
-    for mode in W.MODES:
-        engine = engine_for(models["llama"], f"loss_agg_mode={mode}", *W.EPS)
+    for mode, family in ((m, f) for m in W.MODES for f in ("llama", "llama4")):
+        engine = engine_for(models[family], f"loss_agg_mode={mode}", *W.EPS)
         with engine.train_mode():
             engine.optimizer_zero_grad()
             _, loss, _ = engine.forward_backward_step(make_test_batch())
             grad_norm = engine.optimizer_step()
-        out[mode] = {"loss": loss, "grad_norm": grad_norm, "params": full_params(engine)}
+        out[mode if family == "llama" else (mode, family)] = {"loss": loss, "grad_norm": grad_norm, "params": full_params(engine)}
     return out
 
 
@@ -206,7 +206,9 @@ def test_exact_resume_tp2(layouts):
     assert all(torch.equal(r["p1"][k], r["p2"][k]) for k in r["p1"])
 
 
-def test_interleaved_pipeline_is_refused_with_a_clear_error(layouts):
-    """VPP is not yet verified exact (see backends/megatron/model.py): it must fail loudly at
-    init, naming the field and the fix, instead of training silently wrong."""
-    assert layouts["vpp_error"] and "virtual_pipeline_model_parallel_size = 2" in layouts["vpp_error"] and "fix:" in layouts["vpp_error"]
+def test_interleaved_pipeline_matches_hf_and_fsdp(layouts, models, fsdp_steps):
+    """PP=2 x VPP=2 (interleaved 1F1B) on a 4-layer model, 6 and 2 micro-batches."""
+    assert max_abs_diff(layouts[("log_probs", "vpp")], hf_log_probs(models["llama4"], make_test_batch())) <= TOL
+    for mode in W.MODES:
+        assert_same_step(layouts[("step", "vpp", mode, "mbs=1")], fsdp_steps[(mode, "llama4")], 1e-5, f"vpp/{mode} vs fsdp")
+        assert_same_step(layouts[("step", "vpp", mode, "mbs=3")], layouts[("step", "vpp", mode, "mbs=1")], 1e-6, f"vpp/{mode} mbs")
