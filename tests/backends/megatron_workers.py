@@ -180,3 +180,13 @@ def two_process_layouts(rank, world, models, ckpt_dir):
 
 
 VPP = ["megatron.pipeline_model_parallel_size=2", "megatron.virtual_pipeline_model_parallel_size=2"]
+
+
+def four_process_layout(rank, world, model_dir):
+    """TP=2 x DP=2 with the distributed optimizer on 4 ranks."""
+    layout = ["megatron.tensor_model_parallel_size=2", "megatron.use_distributed_optimizer=true"]
+    out = {"log_probs": infer(model_dir, "micro_batch_size=1", *layout)["log_probs"]}
+    for mode in MODES:
+        out[("step", mode)] = one_step(model_dir, mode, [*layout, "micro_batch_size=1"])
+        out[("split", mode)] = one_step(model_dir, mode, [*layout, "deferred_normalization=true"], calls=3)
+    return out

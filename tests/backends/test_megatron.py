@@ -212,3 +212,13 @@ def test_interleaved_pipeline_matches_hf_and_fsdp(layouts, models, fsdp_steps):
     for mode in W.MODES:
         assert_same_step(layouts[("step", "vpp", mode, "mbs=1")], fsdp_steps[(mode, "llama4")], 1e-5, f"vpp/{mode} vs fsdp")
         assert_same_step(layouts[("step", "vpp", mode, "mbs=3")], layouts[("step", "vpp", mode, "mbs=1")], 1e-6, f"vpp/{mode} mbs")
+
+
+@pytest.mark.slow
+def test_tp2_x_dp2_on_four_processes(models, fsdp_steps):
+    """4 ranks: TP=2 within each of 2 data-parallel replicas, distributed optimizer."""
+    result = run_distributed(W.four_process_layout, 4, models["llama"], timeout=600)[0]
+    assert max_abs_diff(result["log_probs"], hf_log_probs(models["llama"], make_test_batch())) <= TOL
+    for mode in W.MODES:
+        assert_same_step(result[("step", mode)], fsdp_steps[mode], 1e-5, f"tp2xdp2/{mode} vs fsdp")
+        assert_same_step(result[("split", mode)], result[("step", mode)], 1e-6, f"tp2xdp2/{mode} split calls")
