@@ -1,0 +1,88 @@
+"""roles.algos against hand-computed cases (the numbers are worked out in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from roles.algos import clipped_value_loss, gae, grpo_advantages, kl_estimate, ppo_policy_loss
+
+
+def test_gae_hand_computed():
+    # gamma = 0.5, lam = 0.5, rewards [0, 0, 1], values [0.2, 0.4, 0.6], terminal value 0.
+    # deltas: d2 = 1 - 0.6 = 0.4; d1 = 0 + 0.5*0.6 - 0.4 = -0.1; d0 = 0 + 0.5*0.4 - 0.2 = 0.0
+    # A2 = 0.4; A1 = -0.1 + 0.25*0.4 = 0.0; A0 = 0.0 + 0.25*0.0 = 0.0
+    adv, ret = gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.2, 0.4, 0.6]), gamma=0.5, lam=0.5)
+    assert torch.allclose(adv, torch.tensor([0.0, 0.0, 0.4]), atol=1e-7)
+    assert torch.allclose(ret, torch.tensor([0.2, 0.4, 1.0]), atol=1e-7)
+
+
+def test_gae_with_lambda_one_is_discounted_return_minus_value():
+    rewards, values = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, -1.0, 2.0])
+    adv, ret = gae(rewards, values, gamma=0.9, lam=1.0)
+    # Monte-Carlo returns: G2 = 3, G1 = 2 + 0.9*3 = 4.7, G0 = 1 + 0.9*4.7 = 5.23
+    assert torch.allclose(ret, torch.tensor([5.23, 4.7, 3.0]), atol=1e-6)
+    assert torch.allclose(adv, ret - values, atol=1e-6)
+
+
+def test_grpo_advantages_hand_computed():
+    # group 0: scores [1, 3] -> mean 2, unbiased std sqrt(2) -> [-1/sqrt2, 1/sqrt2]
+    # group 1: scores [2, 2, 5] -> mean 3, std sqrt(((1+1+4)/2)) = sqrt(3) -> [-1, -1, 2]/sqrt3
+    # group 2: a single sample -> 0
+    adv = grpo_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 7.0]), torch.tensor([0, 0, 1, 1, 1, 2]), eps=0.0)
+    s2, s3 = math.sqrt(2), math.sqrt(3)
+    assert torch.allclose(adv, torch.tensor([-1 / s2, 1 / s2, -1 / s3, -1 / s3, 2 / s3, 0.0]), atol=1e-6)
+    centred = grpo_advantages(torch.tensor([1.0, 3.0]), torch.tensor([4, 4]), norm_by_std=False)
+    assert centred.tolist() == [-1.0, 1.0]
+
+
+def test_kl_estimators_hand_computed_and_zero_when_equal():
+    lp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log r = 0.5
+    assert math.isclose(float(kl_estimate(lp, ref, "k1")), 0.5)
+    assert math.isclose(float(kl_estimate(lp, ref, "k2")), 0.125)
+    assert math.isclose(float(kl_estimate(lp, ref, "k3")), math.exp(-0.5) - 1 + 0.5, rel_tol=1e-6)
+    same = torch.randn(10)
+    for kind in ("k1", "k2", "k3"):
+        assert torch.equal(kl_estimate(same, same, kind), torch.zeros(10))
+    assert (kl_estimate(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(same, same, "k4")
+
+
+def test_ppo_loss_hand_computed():
+    # ratios: exp(log 1.5) = 1.5, exp(log 0.5) = 0.5, 1.0; advantages 1, 1, -2; clip 0.2
+    lp = torch.log(torch.tensor([1.5, 0.5, 1.0]))
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    loss, clipped = ppo_policy_loss(lp, old, adv)
+    # token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: max(-0.5, -0.8) = -0.5; token 2: max(2, 2) = 2
+    assert torch.allclose(loss, torch.tensor([-1.2, -0.5, 2.0]), atol=1e-6)
+    assert clipped.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_ppo_ratio_one_gives_minus_advantage_and_no_clipping():
+    adv = torch.randn(20)
+    lp = torch.randn(20)
+    loss, clipped = ppo_policy_loss(lp, lp.clone(), adv)
+    assert torch.allclose(loss, -adv) and clipped.sum() == 0
+
+
+def test_dual_clip_caps_negative_advantage_losses():
+    # ratio 10 with A = -1: standard loss max(10, 1.2) = 10; dual clip c = 3 caps it at 3.
+    loss, clipped = ppo_policy_loss(torch.log(torch.tensor([10.0, 10.0])), torch.zeros(2), torch.tensor([-1.0, 1.0]), dual_clip=3.0)
+    # A = +1: max(-10, -1.2) = -1.2, unaffected by the dual clip
+    assert torch.allclose(loss, torch.tensor([3.0, -1.2]), atol=1e-6)
+    assert clipped.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="dual_clip = 0.5"):
+        ppo_policy_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), dual_clip=0.5)
+
+
+def test_clipped_value_loss_hand_computed():
+    # v = [1.0, 0.0], v_old = [0.0, 0.0], R = [2.0, 1.0], clip 0.5
+    # token 0: unclipped (1-2)^2 = 1, clipped v = 0.5 -> (0.5-2)^2 = 2.25 -> 0.5*2.25 = 1.125
+    # token 1: v == v_old -> (0-1)^2 = 1 both -> 0.5
+    loss, clipped = clipped_value_loss(torch.tensor([1.0, 0.0]), torch.zeros(2), torch.tensor([2.0, 1.0]), clip=0.5)
+    assert torch.allclose(loss, torch.tensor([1.125, 0.5]))
+    assert clipped.tolist() == [1.0, 0.0]
