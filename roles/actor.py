@@ -1,0 +1,119 @@
+"""``Actor``: policy log-probs and the PPO/GRPO policy update, on ``BaseEngine`` calls only.
+
+Batches passed to the role are *global* (every rank holds the same one, as in a colocated
+recipe); the role shards them with ``engine.shard_data`` and gathers outputs with
+``engine.unshard_data``. Per-token fields follow the batch protocol (jagged, aligned with
+``input_ids``; the loss covers ``loss_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from engine_api import BaseEngine, agg_loss
+from engine_api.batch import unpack
+from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """PPO policy update.
+
+    Attributes:
+        clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
+        dual_clip: dual-clip constant c > 1 for negative advantages (None: off).
+        kl_coef: weight of the KL(pi || pi_ref) penalty in the loss (0: off; then
+            ``ref_log_probs`` is not needed).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (see ``roles.algos.kl_estimate``).
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        ppo_epochs: passes over the batch per update.
+        mini_batch_size: global sequences per optimizer step (None: the whole batch).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.kl_estimator not in KL_ESTIMATORS:
+            out.append(f"kl_estimator = {self.kl_estimator!r}: unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            out.append(f"dual_clip = {self.dual_clip}: must be > 1; fix: e.g. 3.0, or null")
+        if self.ppo_epochs < 1:
+            out.append(f"ppo_epochs = {self.ppo_epochs}: must be >= 1; fix: use 1 or more")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            out.append(f"mini_batch_size = {self.mini_batch_size}: must be positive; fix: use a positive size or null")
+        return out
+
+
+class Actor:
+    """The policy: an engine plus the PPO loss. Owns no backend-specific code."""
+
+    def __init__(self, engine: BaseEngine, config: ActorConfig) -> None:
+        self.engine = engine
+        self.config = config
+        engine.set_loss_fn(self.loss)
+
+    def compute_log_probs(self, batch: TensorDict, calculate_entropy: bool = False) -> TensorDict:
+        """Log-probs (and entropy) of the global batch under the current weights, on every rank."""
+        local = self.engine.shard_data(batch)
+        local.set_non_tensor("calculate_entropy", calculate_entropy)
+        with self.engine.eval_mode():
+            predictions = self.engine.infer_batch(local)
+        return self.engine.unshard_data(predictions)
+
+    def update(self, batch: TensorDict) -> list[dict]:
+        """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step.
+
+        Needs ``old_log_probs`` and ``advantages`` (and ``ref_log_probs`` when ``kl_coef > 0``)
+        as jagged per-token fields of ``batch``.
+        """
+        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if self.config.kl_coef else [])
+        missing = [k for k in needed if k not in batch.keys()]
+        if missing:
+            raise ValueError(f"Actor.update batch lacks {missing}; fix: add them as jagged per-token fields")
+        size = self.config.mini_batch_size or batch.batch_size[0]
+        metrics = []
+        with self.engine.train_mode():
+            for _ in range(self.config.ppo_epochs):
+                for start in range(0, batch.batch_size[0], size):
+                    local = self.engine.shard_data(batch[start : start + size])
+                    local.set_non_tensor("calculate_entropy", self.config.entropy_coef > 0)
+                    metrics.append(self.engine.train_batch(local))
+        return metrics
+
+    def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO clipped surrogate + KL penalty - entropy bonus, each aggregated with ``norm``."""
+        c = self.config
+        ids, mask = mb["input_ids"], mb["loss_mask"]
+        log_probs = out["log_probs"].values()
+        pg, clipped = ppo_policy_loss(
+            log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip
+        )
+        total = agg_loss(unpack(pg, ids), mask, norm)
+        with torch.no_grad():
+            tokens = mask.values().sum().clamp(min=1)
+            ratio = torch.exp(log_probs - mb["old_log_probs"].values())
+            metrics = {
+                "pg_loss": float(agg_loss(unpack(pg.detach(), ids), mask, norm)),
+                "clipfrac": float((clipped * mask.values()).sum() / tokens),
+                "ratio_mean": float((ratio * mask.values()).sum() / tokens),
+            }
+        if c.kl_coef:
+            kl = agg_loss(unpack(kl_estimate(log_probs, mb["ref_log_probs"].values(), c.kl_estimator), ids), mask, norm)
+            total = total + c.kl_coef * kl
+            metrics["kl"] = float(kl.detach())
+        if c.entropy_coef:
+            entropy = agg_loss(unpack(out["entropy"].values(), ids), mask, norm)
+            total = total - c.entropy_coef * entropy
+            metrics["entropy"] = float(entropy.detach())
+        return total, metrics

@@ -1,0 +1,75 @@
+"""``Critic``: per-token values and the clipped value update, on ``BaseEngine`` calls only
+(an engine with ``model.head: value``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from engine_api import BaseEngine, agg_loss
+from engine_api.batch import unpack
+from roles.algos import clipped_value_loss
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """Value update.
+
+    Attributes:
+        value_clip: clip range of the value change around the old values.
+        ppo_epochs: passes over the batch per update.
+        mini_batch_size: global sequences per optimizer step (None: the whole batch).
+    """
+
+    value_clip: float = 0.5
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.value_clip <= 0:
+            out.append(f"value_clip = {self.value_clip}: must be positive; fix: e.g. 0.5")
+        if self.ppo_epochs < 1:
+            out.append(f"ppo_epochs = {self.ppo_epochs}: must be >= 1; fix: use 1 or more")
+        return out
+
+
+class Critic:
+    """The value function: an engine with a value head plus the clipped value loss."""
+
+    def __init__(self, engine: BaseEngine, config: CriticConfig) -> None:
+        self.engine = engine
+        self.config = config
+        engine.set_loss_fn(self.loss)
+
+    def compute_values(self, batch: TensorDict) -> TensorDict:
+        """Values of the global batch (``values[i]`` predicted from the prefix before token i)."""
+        with self.engine.eval_mode():
+            predictions = self.engine.infer_batch(self.engine.shard_data(batch))
+        return self.engine.unshard_data(predictions)
+
+    def update(self, batch: TensorDict) -> list[dict]:
+        """Value update over ``ppo_epochs`` x mini-batches; needs jagged ``values`` (old) and ``returns``."""
+        missing = [k for k in ("values", "returns") if k not in batch.keys()]
+        if missing:
+            raise ValueError(f"Critic.update batch lacks {missing}; fix: add them as jagged per-token fields")
+        size = self.config.mini_batch_size or batch.batch_size[0]
+        metrics = []
+        with self.engine.train_mode():
+            for _ in range(self.config.ppo_epochs):
+                for start in range(0, batch.batch_size[0], size):
+                    metrics.append(self.engine.train_batch(self.engine.shard_data(batch[start : start + size])))
+        return metrics
+
+    def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
+        """Clipped value loss aggregated with ``norm``."""
+        ids, mask = mb["input_ids"], mb["loss_mask"]
+        per_token, clipped = clipped_value_loss(
+            out["values"].values(), mb["values"].values(), mb["returns"].values(), self.config.value_clip
+        )
+        total = agg_loss(unpack(per_token, ids), mask, norm)
+        with torch.no_grad():
+            tokens = mask.values().sum().clamp(min=1)
+            return total, {"vf_loss": float(total.detach()), "vf_clipfrac": float((clipped * mask.values()).sum() / tokens)}

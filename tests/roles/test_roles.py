@@ -1,0 +1,107 @@
+"""Actor and Critic on the contract (FSDP engine, one process)."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_api import build_engine, load_config
+from engine_api.batch import unpack
+from roles.actor import Actor, ActorConfig
+from roles.critic import Critic, CriticConfig
+from tests.backends.hf_utils import make_model, make_test_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+def _engine(model_dir, *overrides):
+    engine = build_engine(
+        load_config(None, ["strategy=fsdp", f"model.path={model_dir}", "optim.lr=0.01", "micro_batch_size=2", *overrides])
+    )
+    engine.init_model()
+    return engine
+
+
+def _with_old_log_probs(actor, batch, name="old_log_probs"):
+    lp = actor.compute_log_probs(batch)["log_probs"]
+    batch.set(name, unpack(lp.values(), batch["input_ids"]))
+    return batch
+
+
+def test_first_epoch_ratio_is_one_and_loss_is_minus_mean_advantage(model_dir):
+    actor = Actor(_engine(model_dir), ActorConfig())
+    batch = _with_old_log_probs(actor, make_test_batch())
+    metrics = actor.update(batch)[0]
+    assert abs(metrics["ratio_mean"] - 1.0) <= 1e-6 and metrics["clipfrac"] == 0.0
+    mask, adv = batch["loss_mask"].values(), batch["advantages"].values()
+    # metrics["loss"] is the global loss (sum of the 3 micro-batches' contributions): with ratio
+    # 1 it is the token-mean of -A over the loss mask.
+    want = float(-(adv * mask).sum() / mask.sum())
+    assert math.isclose(metrics["loss"], want, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_is_zero_when_actor_equals_reference(model_dir, estimator):
+    actor = Actor(_engine(model_dir), ActorConfig(kl_coef=0.5, kl_estimator=estimator))
+    batch = _with_old_log_probs(actor, make_test_batch())
+    batch.set("ref_log_probs", batch["old_log_probs"])
+    metrics = actor.update(batch)[0]
+    assert abs(metrics["kl"]) <= 1e-6
+
+
+def test_actor_update_raises_the_advantage_weighted_log_likelihood(model_dir):
+    actor = Actor(_engine(model_dir, "optim.lr=0.003"), ActorConfig(ppo_epochs=4, entropy_coef=0.01))
+    batch = _with_old_log_probs(actor, make_test_batch())
+    mask, adv = batch["loss_mask"].values(), batch["advantages"].values()
+
+    def objective():
+        return float((actor.compute_log_probs(batch)["log_probs"].values() * adv * mask).sum())
+
+    before = objective()
+    metrics = actor.update(batch)
+    assert objective() > before
+    assert all(math.isfinite(m["grad_norm"]) for m in metrics) and "entropy" in metrics[0]
+
+
+def test_critic_learns_the_returns(model_dir):
+    critic = Critic(_engine(model_dir, "model.head=value", "optim.lr=0.003"), CriticConfig(value_clip=10.0))
+    batch = make_test_batch()
+    returns = torch.full_like(batch["loss_mask"].values(), 0.7)
+    batch.set("returns", unpack(returns, batch["input_ids"]))
+    losses = []
+    for _ in range(15):
+        old = critic.compute_values(batch)["values"]
+        batch.set("values", unpack(old.values(), batch["input_ids"]))
+        losses.append(critic.update(batch)[0]["vf_loss"])
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def test_role_updates_refuse_batches_without_their_fields(model_dir):
+    actor = Actor(_engine(model_dir), ActorConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match=r"lacks \['old_log_probs', 'ref_log_probs'\]"):
+        actor.update(make_test_batch())
+
+
+def test_roles_never_import_a_backend():
+    forbidden = {"backends", "megatron", "transformers", "transformer_engine"}
+    for path in (ROOT / "roles").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+                assert not name.startswith("torch.distributed.fsdp"), f"{path.relative_to(ROOT)} imports {name}"
