@@ -60,6 +60,13 @@ class BaseEngine(abc.ABC):
         """Context manager for inference: on enter, params are on the compute device and the
         module is in ``eval()``; on exit, offloaded per ``config.offload``."""
 
+    def _refuse_if_frozen(self, what: str) -> None:
+        """Raise the frozen-engine error for a training call (``config.frozen``)."""
+        if self.config.frozen:
+            raise RuntimeError(
+                f"{what} on a frozen engine (engine.frozen = True: no optimizer); fix: use eval_mode/infer_batch, or set engine.frozen=false"
+            )
+
     # ------------------------------------------------------------------ compute
     def set_loss_fn(self, loss_fn: LossFn) -> None:
         """Set the loss used by :meth:`forward_backward_step` (see ``engine_api.losses.LossFn``)."""

@@ -238,6 +238,8 @@ class EngineConfig:
         deferred_normalization: normalise at ``optimizer_step`` by the counts of every call
             since the last step, so a global batch may be split over several
             ``forward_backward_step`` calls (see ``engine_api.losses``).
+        frozen: inference only: no optimizer or LR schedule is built, parameters need no
+            gradients, and training calls raise (a reference policy, a reward model).
         world_size: if set, checked against the model-parallel sizes at load time; None
             reads ``WORLD_SIZE`` from the environment when present.
     """
@@ -256,6 +258,7 @@ class EngineConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    frozen: bool = False
     world_size: int | None = None
 
     def _problems(self) -> list[str]:

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
+from roles.common import infer_global
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,7 @@ class Actor:
 
     def compute_log_probs(self, batch: TensorDict, calculate_entropy: bool = False) -> TensorDict:
         """Log-probs (and entropy) of the global batch under the current weights, on every rank."""
-        local = self.engine.shard_data(batch)
-        local.set_non_tensor("calculate_entropy", calculate_entropy)
-        with self.engine.eval_mode():
-            predictions = self.engine.infer_batch(local)
-        return self.engine.unshard_data(predictions)
+        return infer_global(self.engine, batch, calculate_entropy=calculate_entropy)
 
     def update(self, batch: TensorDict) -> list[dict]:
         """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step.

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import clipped_value_loss
+from roles.common import infer_global
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,7 @@ class Critic:
 
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """Values of the global batch (``values[i]`` predicted from the prefix before token i)."""
-        with self.engine.eval_mode():
-            predictions = self.engine.infer_batch(self.engine.shard_data(batch))
-        return self.engine.unshard_data(predictions)
+        return infer_global(self.engine, batch)
 
     def update(self, batch: TensorDict) -> list[dict]:
         """Value update over ``ppo_epochs`` x mini-batches; needs jagged ``values`` (old) and ``returns``."""

@@ -49,13 +49,15 @@ class FSDPEngine(BaseEngine):
         init_single_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.mesh = build_mesh(self.device, dist.get_world_size(), self.config.fsdp.fsdp_size)
         model = load_model(self.config, self.device)
+        if self.config.frozen:
+            model.requires_grad_(False)
         if self.config.model.gradient_checkpointing:
             apply_activation_checkpointing(model)
         apply_fsdp(model, self.mesh, self.config)
         self.model = model.to(self.device)
         self.vocab_size = model.config.vocab_size
-        self.optimizer = build_adamw(self.model.parameters(), self.config.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.optimizer = None if self.config.frozen else build_adamw(self.model.parameters(), self.config.optim)
+        self.scheduler = None if self.config.frozen else build_lr_scheduler(self.optimizer, self.config.optim)
         self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
         self.global_step = 0
         # Where params(+grads) and optimizer state live now; train/eval modes move them.
@@ -66,6 +68,7 @@ class FSDPEngine(BaseEngine):
     @contextlib.contextmanager
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
+        self._refuse_if_frozen("train_mode")
         self.to(self.device, model=True, optimizer=True)
         self.model.train()
         try:
@@ -89,7 +92,7 @@ class FSDPEngine(BaseEngine):
         if model and self.placement["model"] != device:
             self.model.to(device)  # nn.Module._apply moves .grad with each param
             self.placement["model"] = device
-        if optimizer and self.placement["optimizer"] != device:
+        if optimizer and self.optimizer is not None and self.placement["optimizer"] != device:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and key != "step":
@@ -120,6 +123,8 @@ class FSDPEngine(BaseEngine):
     def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
         """See ``BaseEngine.forward_backward_step``. Micro-batches run on the compute device;
         predictions come back on every rank, on ``batch``'s device and jagged layout."""
+        if not forward_only:
+            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
         spec = StepSpec(config=self.config, dp_group=self.dp_group, forward=self._forward, vocab_size=self.vocab_size, device=self.device)
         return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
 
@@ -147,11 +152,13 @@ class FSDPEngine(BaseEngine):
 
     def optimizer_zero_grad(self) -> None:
         """Clear grads and the deferred-normalization window."""
+        self._refuse_if_frozen("optimizer_zero_grad")
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.reset()
 
     def optimizer_step(self) -> float:
         """Deferred normalization, global pre-clip norm (collective), clip, AdamW step."""
+        self._refuse_if_frozen("optimizer_step")
         deferred = self.deferred if self.config.deferred_normalization else None
         grad_norm = clip_and_step(list(self.model.parameters()), self.optimizer, self.config.optim.clip_grad, deferred)
         if math.isfinite(grad_norm):
@@ -160,12 +167,14 @@ class FSDPEngine(BaseEngine):
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule; return the new learning rate."""
+        self._refuse_if_frozen("lr_scheduler_step")
         self.scheduler.step()
         return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
+        self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
         keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
         with self._on_compute_device():
@@ -173,6 +182,7 @@ class FSDPEngine(BaseEngine):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
+        self._refuse_if_frozen("load_checkpoint")
         with self._on_compute_device():
             extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
         self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)

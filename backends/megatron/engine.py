@@ -66,6 +66,9 @@ class MegatronEngine(BaseEngine):
         self.tconfig = build_transformer_config(self.arch, cfg)
         chunks = build_chunks(self.tconfig, self.arch, cfg)
         load_hf_weights(chunks, read_hf_state(cfg.model.path, cfg.model.head, cfg.seed), self.arch)
+        if cfg.frozen:
+            for chunk in chunks:
+                chunk.requires_grad_(False)  # megatron DDP then allocates no grad buffers
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.megatron.use_distributed_optimizer
         )
@@ -74,23 +77,27 @@ class MegatronEngine(BaseEngine):
             for i, chunk in enumerate(chunks)
         ]
         o = cfg.optim
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=o.lr,
-                weight_decay=o.weight_decay,
-                adam_beta1=o.betas[0],
-                adam_beta2=o.betas[1],
-                adam_eps=o.eps,
-                clip_grad=o.clip_grad or 0.0,
-                bf16=self.tconfig.bf16,
-                fp16=self.tconfig.fp16,
-                params_dtype=torch.float32,
-                use_distributed_optimizer=cfg.megatron.use_distributed_optimizer,
-            ),
-            self.model,
+        self.optimizer = (
+            None
+            if cfg.frozen
+            else get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=o.lr,
+                    weight_decay=o.weight_decay,
+                    adam_beta1=o.betas[0],
+                    adam_beta2=o.betas[1],
+                    adam_eps=o.eps,
+                    clip_grad=o.clip_grad or 0.0,
+                    bf16=self.tconfig.bf16,
+                    fp16=self.tconfig.fp16,
+                    params_dtype=torch.float32,
+                    use_distributed_optimizer=cfg.megatron.use_distributed_optimizer,
+                ),
+                self.model,
+            )
         )
-        self.scheduler = build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
+        self.scheduler = None if cfg.frozen else build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
         self.deferred = DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
         self.global_step = 0
         pipelined = cfg.megatron.pipeline_model_parallel_size > 1
@@ -119,6 +126,7 @@ class MegatronEngine(BaseEngine):
     @contextlib.contextmanager
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
+        self._refuse_if_frozen("train_mode")
         self.to(self.device, model=True, optimizer=True)
         for chunk in self.model:
             chunk.train()
@@ -189,6 +197,8 @@ class MegatronEngine(BaseEngine):
             yield from chunk.module.parameters()
 
     def _optimizer_tensors(self):
+        if self.optimizer is None:
+            return
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for group in opt.optimizer.param_groups:
                 yield from group["params"]  # distributed-optimizer shards; model params are kept
@@ -200,6 +210,8 @@ class MegatronEngine(BaseEngine):
         """See ``BaseEngine.forward_backward_step``; micro-batches run through megatron's schedule
         (no pipelining, 1F1B, or interleaved with VPP). Collective over the world."""
         cfg = self.config
+        if not forward_only:
+            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
         self._require_loaded(model=True, optimizer=False)
         validate_batch(batch, vocab_size=self.arch.vocab)
         if not forward_only and self._loss_fn is None:
@@ -332,6 +344,7 @@ class MegatronEngine(BaseEngine):
 
     def optimizer_zero_grad(self) -> None:
         """Zero megatron's grad buffers and the deferred window (aborts an accumulation window)."""
+        self._refuse_if_frozen("optimizer_zero_grad")
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -340,6 +353,7 @@ class MegatronEngine(BaseEngine):
     def optimizer_step(self) -> float:
         """Reduce grads over DP (finalize_model_grads), deferred normalization, global pre-clip
         norm, skip if not finite, clip, step. Collective."""
+        self._refuse_if_frozen("optimizer_step")
         self._require_loaded(model=True, optimizer=True)
         finalize_model_grads(self.model)
         if self.config.deferred_normalization:
@@ -359,12 +373,14 @@ class MegatronEngine(BaseEngine):
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule (applied to megatron's param groups); return the new lr."""
+        self._refuse_if_frozen("lr_scheduler_step")
         self.scheduler.step()
         return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
+        self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
         # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
         extra = ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
         keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
@@ -373,6 +389,7 @@ class MegatronEngine(BaseEngine):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
+        self._refuse_if_frozen("load_checkpoint")
         with self._loaded():
             extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
         self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)

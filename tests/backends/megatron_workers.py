@@ -97,6 +97,7 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
     out["offload"] = _offload_round_trips(models["llama"])
     out["nonfinite"] = _non_finite(models["llama"])
     out["bad_batch"] = _bad_batch(models["llama"])
+    out["frozen"] = _frozen(models["llama"])
     out["sites"] = dict(cpu_compat.SITES)
     out["compat_active"] = cpu_compat.is_active()
     return out
@@ -134,6 +135,19 @@ def _non_finite(model_dir):
         metrics = engine.train_batch(make_test_batch())
     after = full_params(engine)
     return {"metrics": metrics, "unchanged": all(torch.equal(after[k], v) for k, v in before.items()), "global_step": engine.global_step}
+
+
+def _frozen(model_dir):
+    engine = engine_for(model_dir, "frozen=true", strategy="megatron")
+    with engine.eval_mode():
+        log_probs = engine.infer_batch(make_test_batch())["log_probs"]
+    try:
+        engine.optimizer_step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    grad_numel = sum(b.grad_data.numel() for chunk in engine.model for b in chunk.buffers)
+    return {"log_probs": log_probs, "error": error, "optimizer": engine.optimizer, "grad_numel": grad_numel}
 
 
 def _bad_batch(model_dir):

@@ -129,6 +129,13 @@ def test_non_finite_grad_norm_skips_the_step(single):
     assert r["unchanged"] and r["global_step"] == 0
 
 
+def test_frozen_engine_infers_exactly_and_builds_no_optimizer_or_grad_buffers(single, models):
+    r = single["frozen"]
+    assert max_abs_diff(r["log_probs"], hf_log_probs(models["llama"], make_test_batch())) <= TOL
+    assert r["optimizer"] is None and r["grad_numel"] == 0
+    assert r["error"] and "frozen engine" in r["error"] and "fix:" in r["error"]
+
+
 def test_bad_batch_raises_before_state_changes(single):
     r = single["bad_batch"]
     assert r["error"] and "token id 64" in r["error"]

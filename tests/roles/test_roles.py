@@ -13,6 +13,7 @@ from engine_api import build_engine, load_config
 from engine_api.batch import unpack
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
+from roles.reference import Reference
 from tests.backends.hf_utils import make_model, make_test_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +52,26 @@ def test_first_epoch_ratio_is_one_and_loss_is_minus_mean_advantage(model_dir):
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_is_zero_when_actor_equals_reference(model_dir, estimator):
+    """Actor and a frozen Reference load the same HF weights: before any update their
+    log-probs agree, so every KL estimator is 0 in the actor's first step."""
     actor = Actor(_engine(model_dir), ActorConfig(kl_coef=0.5, kl_estimator=estimator))
+    reference = Reference(_engine(model_dir, "frozen=true"))
     batch = _with_old_log_probs(actor, make_test_batch())
-    batch.set("ref_log_probs", batch["old_log_probs"])
+    ref = reference.compute_log_probs(batch)["log_probs"]
+    batch.set("ref_log_probs", unpack(ref.values(), batch["input_ids"]))
     metrics = actor.update(batch)[0]
     assert abs(metrics["kl"]) <= 1e-6
+
+
+def test_frozen_reference_builds_no_optimizer_and_refuses_training(model_dir):
+    engine = _engine(model_dir, "frozen=true")
+    assert engine.optimizer is None and engine.scheduler is None
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    for call in (lambda: engine.train_mode().__enter__(), engine.optimizer_step, lambda: engine.save_checkpoint("/tmp/never")):
+        with pytest.raises(RuntimeError, match="frozen engine.*fix:"):
+            call()
+    with pytest.raises(ValueError, match="frozen=true"):
+        Reference(_engine(model_dir))
 
 
 def test_actor_update_raises_the_advantage_weighted_log_likelihood(model_dir):
