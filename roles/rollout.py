@@ -1,0 +1,96 @@
+"""``Rollout``: sample responses from a model whose weights are synced from the actor through
+``BaseEngine.export_weights``, on engine calls only.
+
+The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no model library;
+``recipes/hf_sampler.py`` is the plain-HF CPU implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tensordict import TensorDict
+
+from engine_api import BaseEngine, make_batch
+
+
+class Sampler(Protocol):
+    """What ``Rollout`` needs from an inference model."""
+
+    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights with ``(hf_name, tensor)`` pairs."""
+
+    def sample(
+        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One response for a 1-D prompt: ``(response_ids, log_probs)``, where ``log_probs[i]`` is
+        ``log softmax(logits / temperature)`` of ``response_ids[i]`` (before top-p filtering)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling.
+
+    Attributes:
+        max_new_tokens: response length cap.
+        temperature: softmax temperature (> 0).
+        top_p: nucleus sampling mass in (0, 1].
+        seed: base seed; each ``generate`` call's generator is seeded with seed + call index.
+    """
+
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.max_new_tokens < 1:
+            out.append(f"max_new_tokens = {self.max_new_tokens}: must be >= 1; fix: e.g. 8")
+        if self.temperature <= 0:
+            out.append(f"temperature = {self.temperature}: must be > 0; fix: e.g. 1.0")
+        if not 0 < self.top_p <= 1:
+            out.append(f"top_p = {self.top_p}: must be in (0, 1]; fix: e.g. 1.0")
+        return out
+
+
+class Rollout:
+    """Generates responses with the actor's current weights."""
+
+    def __init__(self, actor_engine: BaseEngine, sampler: Sampler, config: RolloutConfig) -> None:
+        self.engine = actor_engine
+        self.sampler = sampler
+        self.config = config
+        self._calls = 0
+
+    def sync_weights(self) -> None:
+        """Copy the actor's weights into the sampler. Collective: every rank drains the export."""
+        self.sampler.load_weights(self.engine.export_weights())
+
+    def generate(self, prompts: Sequence[torch.Tensor]) -> TensorDict:
+        """Sample one response per prompt; returns a protocol batch of prompt + response with
+        ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs``
+        (0 on the prompt), the ``temperature`` metadata, and per-sample ``prompt_len``.
+
+        Every rank samples the same responses (same seed), so the batch is the same global batch
+        everywhere, as the roles expect.
+        """
+        c = self.config
+        generator = torch.Generator().manual_seed(c.seed + self._calls)
+        self._calls += 1
+        sequences, masks, log_probs = [], [], []
+        for prompt in prompts:
+            response, lp = self.sampler.sample(prompt, c.max_new_tokens, c.temperature, c.top_p, generator)
+            sequences.append(torch.cat([prompt, response]))
+            masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
+            log_probs.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))
+        return make_batch(
+            sequences,
+            loss_mask=masks,
+            rollout_log_probs=log_probs,
+            prompt_len=torch.tensor([len(p) for p in prompts]),
+            temperature=c.temperature,
+        )

@@ -1,0 +1,47 @@
+"""Rollout: weights synced from the actor through export_weights; sampling log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_api.batch import unpack
+from recipes.hf_sampler import HFSampler
+from roles.actor import Actor, ActorConfig
+from roles.rollout import Rollout, RolloutConfig
+from tests.backends.hf_utils import make_model, make_test_batch, max_abs_diff
+from tests.roles.test_roles import _engine, _with_old_log_probs
+
+PROMPTS = [torch.tensor([1, 5, 9]), torch.tensor([2, 7]), torch.tensor([3, 3, 4, 8]), torch.tensor([6])]
+
+
+def _trained_actor(model_dir):
+    actor = Actor(_engine(model_dir), ActorConfig())
+    actor.update(_with_old_log_probs(actor, make_test_batch()))  # weights now differ from the HF dir
+    return actor
+
+
+def test_synced_rollout_log_probs_equal_the_actors(tmp_path):
+    model_dir = make_model(tmp_path / "llama", "llama")
+    actor = _trained_actor(model_dir)
+    rollout = Rollout(actor.engine, HFSampler(model_dir), RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3))
+    rollout.sync_weights()
+    batch = rollout.generate(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        assert int(batch["prompt_len"][i]) == len(p)
+        assert batch["loss_mask"][i].tolist() == [0.0] * len(p) + [1.0] * (len(batch["input_ids"][i]) - len(p))
+    # The actor scores the sampled tokens at the same temperature: equal to what the sampler recorded.
+    ours = actor.compute_log_probs(batch)["log_probs"]
+    masked = unpack(ours.values() * batch["loss_mask"].values(), batch["input_ids"])
+    assert max_abs_diff(masked, list(batch["rollout_log_probs"].unbind())) <= 1e-5
+
+
+def test_stale_weights_are_detected_and_sampling_is_seeded(tmp_path):
+    model_dir = make_model(tmp_path / "llama", "llama")
+    actor = _trained_actor(model_dir)
+    stale = Rollout(actor.engine, HFSampler(model_dir), RolloutConfig(max_new_tokens=6, temperature=0.8, seed=3))
+    batch = stale.generate(PROMPTS)  # no sync: the sampler still holds the HF directory's weights
+    ours = actor.compute_log_probs(batch)["log_probs"]
+    masked = unpack(ours.values() * batch["loss_mask"].values(), batch["input_ids"])
+    assert max_abs_diff(masked, list(batch["rollout_log_probs"].unbind())) > 1e-3
+    again = Rollout(actor.engine, HFSampler(model_dir), RolloutConfig(max_new_tokens=6, temperature=0.8, seed=3)).generate(PROMPTS)
+    assert torch.equal(again["input_ids"].values(), batch["input_ids"].values())
