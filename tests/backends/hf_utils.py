@@ -13,6 +13,18 @@ from engine_api import agg_loss, build_engine, load_config, make_batch
 from recipes.tiny_model import build_tiny_model
 
 VOCAB = 64
+# One optimizer step's variants that must all give the same update: (overrides, calls per step).
+MODES = ("token-mean", "seq-mean-token-sum")
+VARIANTS = {
+    "all": ([], 1),
+    "mbs=1": (["micro_batch_size=1"], 1),
+    "mbs=2": (["micro_batch_size=2"], 1),
+    "dynamic": (["max_token_len_per_micro_batch=16"], 1),
+    "padded": (["use_remove_padding=false", "micro_batch_size=2"], 1),
+    "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
+}
+# AdamW eps for parameter comparisons after one step (see test_fsdp_invariance's docstring).
+EPS = 1e-3
 LENGTHS = (5, 9, 3, 12, 7, 4)
 RESPONSE = (3, 5, 2, 4, 6, 3)
 

@@ -11,18 +11,11 @@ import math
 
 import torch
 
+from tests.backends import hf_utils
 from tests.backends.hf_utils import engine_for, full_params, make_test_batch
 
-EPS = ["optim.eps=1e-3"]  # Adam's first step stays Lipschitz in g (see test_fsdp_invariance)
-MODES = ("token-mean", "seq-mean-token-sum")
-VARIANTS = {
-    "all": ([], 1),
-    "mbs=1": (["micro_batch_size=1"], 1),
-    "mbs=2": (["micro_batch_size=2"], 1),
-    "dynamic": (["max_token_len_per_micro_batch=16"], 1),
-    "padded": (["use_remove_padding=false", "micro_batch_size=2"], 1),
-    "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
-}
+EPS = [f"optim.eps={hf_utils.EPS}"]
+MODES, VARIANTS = hf_utils.MODES, hf_utils.VARIANTS
 LAYOUTS = {
     "tp2": ["megatron.tensor_model_parallel_size=2"],
     "pp2": ["megatron.pipeline_model_parallel_size=2"],

@@ -22,20 +22,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.backends.hf_utils import engine_for, full_params, make_model, make_test_batch, rel
+from tests.backends.hf_utils import EPS, MODES, VARIANTS, engine_for, full_params, make_model, make_test_batch, rel
 from tests.dist_harness import run_distributed
 
 RTOL = 1e-6
-EPS = 1e-3
-MODES = ("token-mean", "seq-mean-token-sum")
-VARIANTS = {
-    "all": ([], 1),
-    "mbs=1": (["micro_batch_size=1"], 1),
-    "mbs=2": (["micro_batch_size=2"], 1),
-    "dynamic": (["max_token_len_per_micro_batch=16"], 1),
-    "padded": (["use_remove_padding=false", "micro_batch_size=2"], 1),
-    "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
-}
 
 
 @pytest.fixture(scope="module")
