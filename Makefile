@@ -1,9 +1,9 @@
-# Enginekit: `make test` (lint + the whole suite, CPU) and `make run` (the demo; arrives with the FSDP backend).
+# Enginekit: `make test` (lint + the whole suite, CPU) and `make run` (the PPO demo); `make sft` (the SFT demo).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format install clean run
+.PHONY: test lint format install clean run sft
 
 # The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
 $(VENV)/.installed: pyproject.toml ci/setup_venv.sh
@@ -23,9 +23,14 @@ format: install
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The demo: SFT of a tiny HF model on a digit-sorting task through the FSDP engine (configs/sft_tiny.yaml).
-# Extra dot-list overrides: make run ARGS="trainer.total_steps=100 engine.micro_batch_size=8".
+# The demo: PPO (critic + GAE) on a digit-sorting task through the roles and the FSDP engine
+# (configs/ppo_tiny.yaml). Overrides: make run ARGS="engine.strategy=megatron trainer.total_steps=60";
+# GRPO: make run ARGS="--config configs/grpo_tiny.yaml".
 run: install
+	$(PY) -m recipes.ppo $(if $(findstring --config,$(ARGS)),,--config configs/ppo_tiny.yaml) $(ARGS)
+
+# Supervised fine-tuning of the same tiny model (configs/sft_tiny.yaml): make sft ARGS="...".
+sft: install
 	$(PY) -m recipes.sft --config configs/sft_tiny.yaml $(ARGS)
 
 clean:

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = _parse_args(argv)
     cfg = load_sft_config(args.config, args.overrides)
-    started_dist = _init_distributed()
+    started_dist = init_distributed()
     try:
         summary = run(cfg)
         if started_dist:
@@ -184,7 +184,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     rank0 = _rank() == 0
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    cfg = _with_model_path(cfg)
+    cfg = with_model_path(cfg)
 
     engine = build_engine(cfg.engine)
     engine.init_model()
@@ -315,7 +315,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def _init_distributed() -> bool:
+def init_distributed() -> bool:
     """Join the process group when launched by torchrun; return whether this call created it.
 
     Single-process runs create nothing: the engine treats "no process group" as one rank.
@@ -335,9 +335,13 @@ def _rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 
 
-def _with_model_path(cfg: SFTConfig) -> SFTConfig:
+def with_model_path(cfg):
     """``cfg`` unchanged when ``engine.model.path`` is set; otherwise build the tiny model
-    into ``<output_dir>/tiny_model`` (rank 0 writes, the others wait) and point at it."""
+    into ``<output_dir>/tiny_model`` (rank 0 writes, the others wait) and point at it.
+
+    Works for any recipe config with ``engine``, ``tiny_model``, ``data`` (a
+    ``recipes.data.DataConfig``) and ``trainer`` fields (SFT and PPO).
+    """
     if cfg.engine.model.path is not None:
         return cfg
     path = os.path.join(cfg.trainer.output_dir, "tiny_model")

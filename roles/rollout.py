@@ -70,16 +70,18 @@ class Rollout:
         """Copy the actor's weights into the sampler. Collective: every rank drains the export."""
         self.sampler.load_weights(self.engine.export_weights())
 
-    def generate(self, prompts: Sequence[torch.Tensor]) -> TensorDict:
+    def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with
         ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs``
         (0 on the prompt), the ``temperature`` metadata, and per-sample ``prompt_len``.
 
         Every rank samples the same responses (same seed), so the batch is the same global batch
-        everywhere, as the roles expect.
+        everywhere, as the roles expect. The generator is seeded with ``seed + seed_offset``
+        (default: the number of earlier calls); recipes pass the step so a resumed run samples
+        what the uninterrupted one would have.
         """
         c = self.config
-        generator = torch.Generator().manual_seed(c.seed + self._calls)
+        generator = torch.Generator().manual_seed(c.seed + (self._calls if seed_offset is None else seed_offset))
         self._calls += 1
         sequences, masks, log_probs = [], [], []
         for prompt in prompts:
