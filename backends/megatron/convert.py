@@ -47,6 +47,8 @@ class ArchInfo:
     rope_theta: float
     eps: float
     max_positions: int
+    # HF builds embed_tokens with padding_idx = pad_token_id: lookups of it get no gradient.
+    pad_token_id: int | None = None
 
 
 def arch_info(hf_config) -> ArchInfo:
@@ -79,6 +81,7 @@ def arch_info(hf_config) -> ArchInfo:
         rope_theta=float(theta),
         eps=hf_config.rms_norm_eps,
         max_positions=hf_config.max_position_embeddings,
+        pad_token_id=getattr(hf_config, "pad_token_id", None),
     )
 
 

@@ -183,8 +183,26 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
         )
         if value and post:
             model.output_layer = ValueHead(arch.hidden, tconfig.sequence_parallel)
+        if pre and arch.pad_token_id is not None:
+            model.embedding.word_embeddings.register_forward_hook(_pad_lookup_without_grad(arch.pad_token_id))
         chunks.append(model)
     return chunks
+
+
+def _pad_lookup_without_grad(pad_id: int):
+    """HF's ``nn.Embedding(padding_idx=pad_id)`` semantics, which megatron's embedding lacks: the
+    pad row's value is used in the forward, but lookups of it add no gradient to the row (a tied
+    output layer's gradient to that row is unaffected). Without it the backends' gradients
+    differ whenever the pad id appears as an input token (found through the PPO recipe, whose
+    sampler can emit it)."""
+
+    def hook(module, args, out):
+        mask = args[0] == pad_id  # [b, s]
+        if out.shape[:2] != mask.shape:  # sequence parallel: [s/tp, b, h], already scattered
+            mask = mask.t().chunk(mpu.get_tensor_model_parallel_world_size())[mpu.get_tensor_model_parallel_rank()]
+        return torch.where(mask[..., None], out.detach(), out) if bool(mask.any()) else out
+
+    return hook
 
 
 def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch.Tensor]:

@@ -29,9 +29,14 @@ LENGTHS = (5, 9, 3, 12, 7, 4)
 RESPONSE = (3, 5, 2, 4, 6, 3)
 
 
-def make_model(path, family: str, seed: int = 0, num_layers: int = 2) -> str:
-    """A tiny HF model saved with save_pretrained (llama: GQA untied; qwen2: qkv bias, tied)."""
-    return build_tiny_model(
+def make_model(path, family: str, seed: int = 0, num_layers: int = 2, pad_token_id: int | None = None) -> str:
+    """A tiny HF model saved with save_pretrained (llama: GQA untied; qwen2: qkv bias, tied;
+    qwen3: q/k norm, decoupled head_dim). ``pad_token_id`` gives HF's embedding a padding_idx.
+
+    HF initialises norms to 1 and biases to 0, which would hide a converter that swaps two
+    norms or drops a bias; every constant-valued tensor gets a seeded perturbation.
+    """
+    path = build_tiny_model(
         path,
         family=family,
         seed=seed,
@@ -41,7 +46,16 @@ def make_model(path, family: str, seed: int = 0, num_layers: int = 2) -> str:
         num_heads=4,
         num_kv_heads=2,
         intermediate_size=64,
+        pad_token_id=pad_token_id,
     )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.flatten()[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return path
 
 
 def make_test_batch(seed: int = 0, **meta):
@@ -50,6 +64,14 @@ def make_test_batch(seed: int = 0, **meta):
     masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(LENGTHS, RESPONSE, strict=True)]
     adv = [torch.randn(n, generator=g) for n in LENGTHS]
     return make_batch(seqs, loss_mask=masks, advantages=adv, **meta)
+
+
+def make_pad_batch(seed: int = 0):
+    """:func:`make_test_batch` with token 0 (the pad id of ``make_model(..., pad_token_id=0)``)
+    as the second token of every sequence, where later tokens attend to it."""
+    base = make_test_batch(seed)
+    seqs = [torch.cat([ids[:1], torch.zeros(1, dtype=ids.dtype), ids[2:]]) for ids in base["input_ids"].unbind()]
+    return make_batch(seqs, loss_mask=list(base["loss_mask"].unbind()), advantages=list(base["advantages"].unbind()))
 
 
 def pg_loss(mb, out, norm):

@@ -38,10 +38,10 @@ def infer(model_dir, *overrides, batch=None, **meta):
         return engine.unshard_data(engine.infer_batch(engine.shard_data(batch)))
 
 
-def one_step(model_dir, mode, extra, calls=1):
+def one_step(model_dir, mode, extra, calls=1, batch_fn=make_test_batch):
     """One optimizer step on this rank's shard, split into ``calls`` forward_backward calls."""
     engine = engine_for(model_dir, f"loss_agg_mode={mode}", *EPS, *extra, strategy="megatron")
-    local = engine.shard_data(make_test_batch())
+    local = engine.shard_data(batch_fn())
     n = local.batch_size[0]
     with engine.train_mode():
         engine.optimizer_zero_grad()
@@ -91,6 +91,7 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
     out["nonfinite"] = _non_finite(models["llama"])
     out["bad_batch"] = _bad_batch(models["llama"])
     out["frozen"] = _frozen(models["llama"])
+    out["pad_step"] = one_step(models["llama_pad"], "token-mean", [], batch_fn=hf_utils.make_pad_batch)
     out["sites"] = dict(cpu_compat.SITES)
     out["compat_active"] = cpu_compat.is_active()
     return out

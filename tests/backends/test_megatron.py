@@ -20,7 +20,17 @@ import torch
 from safetensors.torch import load_file
 
 from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import engine_for, full_params, hf_log_probs, hf_values, make_model, make_test_batch, max_abs_diff, rel
+from tests.backends.hf_utils import (
+    engine_for,
+    full_params,
+    hf_log_probs,
+    hf_values,
+    make_model,
+    make_pad_batch,
+    make_test_batch,
+    max_abs_diff,
+    rel,
+)
 from tests.dist_harness import run_distributed
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -32,6 +42,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     models = {family: make_model(root / family, family) for family in FAMILIES}
     models["llama4"] = make_model(root / "llama4", "llama", num_layers=4)  # PP=2 x VPP=2 needs 4 layers
+    models["llama_pad"] = make_model(root / "llama_pad", "llama", pad_token_id=0)  # HF: padding_idx=0
     return models
 
 
@@ -134,6 +145,18 @@ def test_frozen_engine_infers_exactly_and_builds_no_optimizer_or_grad_buffers(si
     assert max_abs_diff(r["log_probs"], hf_log_probs(models["llama"], make_test_batch())) <= TOL
     assert r["optimizer"] is None and r["grad_numel"] == 0
     assert r["error"] and "frozen engine" in r["error"] and "fix:" in r["error"]
+
+
+def test_pad_token_inputs_get_no_embedding_gradient_like_hf(single, models):
+    """HF builds embed_tokens with padding_idx = pad_token_id; megatron must match it, or the
+    backends' gradients differ whenever the pad id is an input token (the PPO sampler emits it)."""
+    engine = engine_for(models["llama_pad"], "loss_agg_mode=token-mean", *W.EPS)
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        _, loss, _ = engine.forward_backward_step(make_pad_batch())
+        grad_norm = engine.optimizer_step()
+    fsdp = {"loss": loss, "grad_norm": grad_norm, "params": full_params(engine)}
+    assert_same_step(single["pad_step"], fsdp, 1e-5, "pad token: megatron vs fsdp")
 
 
 def test_bad_batch_raises_before_state_changes(single):

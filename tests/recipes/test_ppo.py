@@ -77,3 +77,19 @@ def test_resume_replays_the_uninterrupted_run(tmp_path):
     resumed = _run(tmp_path / "cut", "ppo_tiny.yaml", 4, "trainer.resume=true")
     keys = ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "entropy")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
+
+
+@pytest.mark.slow
+def test_same_roles_on_fsdp_and_megatron(tmp_path):
+    """3 PPO steps from the same HF init: same rewards (same samples), losses and grad norms.
+
+    AdamW eps = 1e-3 on both (see tests/backends/test_fsdp_invariance.py): with 1e-8 the first
+    steps are sign-like and amplify fp32 differences in near-zero gradients into 2*lr jumps.
+    """
+    common = ("engine.optim.eps=1e-3",)
+    fsdp = _run(tmp_path / "fsdp", "ppo_tiny.yaml", 3, *common)
+    megatron = _run(tmp_path / "megatron", "ppo_tiny.yaml", 3, *common, "engine.strategy=megatron")
+    for a, b in zip(fsdp, megatron, strict=True):
+        assert a["reward"] == b["reward"]
+        for key in ("actor_loss", "critic_loss", "actor_grad_norm", "critic_grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
