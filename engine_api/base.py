@@ -60,6 +60,10 @@ class BaseEngine(abc.ABC):
         """Context manager for inference: on enter, params are on the compute device and the
         module is in ``eval()``; on exit, offloaded per ``config.offload``."""
 
+    def _keep(self, max_ckpt_to_keep: int | None) -> int | None:
+        """The retention of one save: the argument, else ``config.checkpoint.max_ckpt_to_keep``."""
+        return max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
+
     def _refuse_if_frozen(self, what: str) -> None:
         """Raise the frozen-engine error for a training call (``config.frozen``)."""
         if self.config.frozen:

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
-from roles.common import infer_global
+from roles.common import infer_global, train_epochs
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,14 @@ class Actor:
         missing = [k for k in needed if k not in batch.keys()]
         if missing:
             raise ValueError(f"Actor.update batch lacks {missing}; fix: add them as jagged per-token fields")
-        size = self.config.mini_batch_size or batch.batch_size[0]
-        metrics = []
-        with self.engine.train_mode():
-            for _ in range(self.config.ppo_epochs):
-                for start in range(0, batch.batch_size[0], size):
-                    local = self.engine.shard_data(batch[start : start + size])
-                    local.set_non_tensor("calculate_entropy", self.config.entropy_coef > 0)
-                    metrics.append(self.engine.train_batch(local))
-        return metrics
+        entropy = self.config.entropy_coef > 0
+        return train_epochs(
+            self.engine,
+            batch,
+            self.config.ppo_epochs,
+            self.config.mini_batch_size,
+            lambda local: local.set_non_tensor("calculate_entropy", entropy),
+        )
 
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
         """PPO clipped surrogate + KL penalty - entropy bonus, each aggregated with ``norm``."""

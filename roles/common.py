@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tensordict import TensorDict
 
 from engine_api import BaseEngine
@@ -17,3 +19,25 @@ def infer_global(engine: BaseEngine, batch: TensorDict, **meta) -> TensorDict:
     with engine.eval_mode():
         predictions = engine.infer_batch(local)
     return engine.unshard_data(predictions)
+
+
+def train_epochs(
+    engine: BaseEngine,
+    batch: TensorDict,
+    epochs: int,
+    mini_batch_size: int | None,
+    prepare: Callable[[TensorDict], None] | None = None,
+) -> list[dict]:
+    """``epochs`` passes over a global batch in mini-batches of ``mini_batch_size`` sequences
+    (None: the whole batch), one ``train_batch`` (optimizer step) each, inside one
+    ``train_mode``. ``prepare(local)`` may set metadata on each rank's shard. Collective."""
+    size = mini_batch_size or batch.batch_size[0]
+    metrics = []
+    with engine.train_mode():
+        for _ in range(epochs):
+            for start in range(0, batch.batch_size[0], size):
+                local = engine.shard_data(batch[start : start + size])
+                if prepare is not None:
+                    prepare(local)
+                metrics.append(engine.train_batch(local))
+    return metrics

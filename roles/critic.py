@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import clipped_value_loss
-from roles.common import infer_global
+from roles.common import infer_global, train_epochs
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,7 @@ class Critic:
         missing = [k for k in ("values", "returns") if k not in batch.keys()]
         if missing:
             raise ValueError(f"Critic.update batch lacks {missing}; fix: add them as jagged per-token fields")
-        size = self.config.mini_batch_size or batch.batch_size[0]
-        metrics = []
-        with self.engine.train_mode():
-            for _ in range(self.config.ppo_epochs):
-                for start in range(0, batch.batch_size[0], size):
-                    metrics.append(self.engine.train_batch(self.engine.shard_data(batch[start : start + size])))
-        return metrics
+        return train_epochs(self.engine, batch, self.config.ppo_epochs, self.config.mini_batch_size)
 
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
         """Clipped value loss aggregated with ``norm``."""

@@ -176,9 +176,8 @@ class FSDPEngine(BaseEngine):
         """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
         self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
-        keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
         with self._on_compute_device():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""

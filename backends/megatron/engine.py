@@ -383,9 +383,8 @@ class MegatronEngine(BaseEngine):
         self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
         # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
         extra = ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
-        keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
         with self._loaded():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""

@@ -87,6 +87,20 @@ def engine_for(model_dir: str, *overrides: str, strategy: str = "fsdp"):
     return engine
 
 
+def one_step(model_dir: str, mode: str, extra=(), calls: int = 1, strategy: str = "fsdp", batch_fn=make_test_batch) -> dict:
+    """One optimizer step on this rank's shard of ``batch_fn()``, split into ``calls``
+    forward_backward calls (AdamW eps = :data:`EPS`). Returns the first call's loss (None when
+    split), the pre-clip grad norm and the full updated params."""
+    engine = engine_for(model_dir, f"loss_agg_mode={mode}", f"optim.eps={EPS}", *extra, strategy=strategy)
+    local = engine.shard_data(batch_fn())
+    n = local.batch_size[0]
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        losses = [engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls])[1] for i in range(calls)]
+        grad_norm = engine.optimizer_step()
+    return {"loss": losses[0] if calls == 1 else None, "grad_norm": grad_norm, "params": full_params(engine)}
+
+
 def hf_log_probs(model_dir: str, batch) -> list[torch.Tensor]:
     """Per-sequence aligned log-probs straight from the HF model."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

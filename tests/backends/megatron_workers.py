@@ -14,7 +14,6 @@ import torch
 from tests.backends import hf_utils
 from tests.backends.hf_utils import engine_for, full_params, make_test_batch
 
-EPS = [f"optim.eps={hf_utils.EPS}"]
 MODES, VARIANTS = hf_utils.MODES, hf_utils.VARIANTS
 LAYOUTS = {
     "tp2": ["megatron.tensor_model_parallel_size=2"],
@@ -39,15 +38,8 @@ def infer(model_dir, *overrides, batch=None, **meta):
 
 
 def one_step(model_dir, mode, extra, calls=1, batch_fn=make_test_batch):
-    """One optimizer step on this rank's shard, split into ``calls`` forward_backward calls."""
-    engine = engine_for(model_dir, f"loss_agg_mode={mode}", *EPS, *extra, strategy="megatron")
-    local = engine.shard_data(batch_fn())
-    n = local.batch_size[0]
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        losses = [engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls])[1] for i in range(calls)]
-        grad_norm = engine.optimizer_step()
-    return {"loss": losses[0] if calls == 1 else None, "grad_norm": grad_norm, "params": full_params(engine)}
+    """``hf_utils.one_step`` on the megatron engine."""
+    return hf_utils.one_step(model_dir, mode, extra, calls, strategy="megatron", batch_fn=batch_fn)
 
 
 def resume(model_dir, ckpt_dir, *layout):

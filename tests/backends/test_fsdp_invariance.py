@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.backends.hf_utils import EPS, MODES, VARIANTS, engine_for, full_params, make_model, make_test_batch, rel
+from tests.backends.hf_utils import EPS, MODES, VARIANTS, make_model, make_test_batch, one_step, rel
 from tests.dist_harness import run_distributed
 
 RTOL = 1e-6
@@ -51,17 +51,6 @@ def raw_step(model_dir, mode):
     return {"loss": float(loss.detach()), "grad_norm": norm, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def engine_step(model_dir, mode, extra, calls):
-    engine = engine_for(model_dir, f"loss_agg_mode={mode}", f"optim.eps={EPS}", *extra)
-    local = engine.shard_data(make_test_batch())
-    n = local.batch_size[0]
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        losses = [engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls])[1] for i in range(calls)]
-        grad_norm = engine.optimizer_step()
-    return {"loss": losses[0] if calls == 1 else None, "grad_norm": grad_norm, "params": full_params(engine)}
-
-
 def assert_same(got, want, label):
     if got["loss"] is not None:
         assert math.isclose(got["loss"], want["loss"], rel_tol=RTOL), f"{label}: loss {got['loss']} vs {want['loss']}"
@@ -73,14 +62,14 @@ def assert_same(got, want, label):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_single_process_variants_match_raw_step(model_dir, mode, variant):
     extra, calls = VARIANTS[variant]
-    assert_same(engine_step(model_dir, mode, extra, calls), raw_step(model_dir, mode), f"{mode}/{variant}")
+    assert_same(one_step(model_dir, mode, extra, calls), raw_step(model_dir, mode), f"{mode}/{variant}")
 
 
 DP_VARIANTS = ("mbs=1", "dynamic", "split3-deferred")
 
 
 def _dp_worker(rank, world, model_dir):
-    return {(mode, v): engine_step(model_dir, mode, *VARIANTS[v]) for mode in MODES for v in DP_VARIANTS}
+    return {(mode, v): one_step(model_dir, mode, *VARIANTS[v]) for mode in MODES for v in DP_VARIANTS}
 
 
 def test_two_processes_match_raw_step(model_dir):

@@ -22,13 +22,13 @@ from safetensors.torch import load_file
 from tests.backends import megatron_workers as W
 from tests.backends.hf_utils import (
     engine_for,
-    full_params,
     hf_log_probs,
     hf_values,
     make_model,
     make_pad_batch,
     make_test_batch,
     max_abs_diff,
+    one_step,
     rel,
 )
 from tests.dist_harness import run_distributed
@@ -61,14 +61,8 @@ def layouts(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_steps(models):
     """The FSDP engine's one-step results on the same HF directory (the cross-backend reference)."""
-    out = {}
-    for mode, family in ((m, f) for m in W.MODES for f in ("llama", "llama4")):
-        engine = engine_for(models[family], f"loss_agg_mode={mode}", *W.EPS)
-        with engine.train_mode():
-            engine.optimizer_zero_grad()
-            _, loss, _ = engine.forward_backward_step(make_test_batch())
-            grad_norm = engine.optimizer_step()
-        out[mode if family == "llama" else (mode, family)] = {"loss": loss, "grad_norm": grad_norm, "params": full_params(engine)}
+    out = {mode: one_step(models["llama"], mode) for mode in W.MODES}
+    out.update({(mode, "llama4"): one_step(models["llama4"], mode) for mode in W.MODES})
     return out
 
 
@@ -150,12 +144,7 @@ def test_frozen_engine_infers_exactly_and_builds_no_optimizer_or_grad_buffers(si
 def test_pad_token_inputs_get_no_embedding_gradient_like_hf(single, models):
     """HF builds embed_tokens with padding_idx = pad_token_id; megatron must match it, or the
     backends' gradients differ whenever the pad id is an input token (the PPO sampler emits it)."""
-    engine = engine_for(models["llama_pad"], "loss_agg_mode=token-mean", *W.EPS)
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        _, loss, _ = engine.forward_backward_step(make_pad_batch())
-        grad_norm = engine.optimizer_step()
-    fsdp = {"loss": loss, "grad_norm": grad_norm, "params": full_params(engine)}
+    fsdp = one_step(models["llama_pad"], "token-mean", batch_fn=make_pad_batch)
     assert_same_step(single["pad_step"], fsdp, 1e-5, "pad token: megatron vs fsdp")
 
 
