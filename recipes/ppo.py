@@ -16,29 +16,28 @@ line per step and, at the end, a PNG of the reward curve.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 
-from engine_api import EngineConfig, build_engine
+from engine_api import EngineConfig
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.hf_sampler import HFSampler
 from recipes.sft import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
-from roles.actor import Actor, ActorConfig
+from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
-from roles.critic import Critic, CriticConfig
-from roles.reference import Reference
+from roles.critic import CriticConfig
+from roles.factory import FLAG_VALUES, build_roles, legacy_problems
 from roles.rollout import Rollout, RolloutConfig
 
 ADVANTAGES = ("gae", "grpo")
@@ -71,6 +70,29 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class RLTrainerConfig(TrainerConfig):
+    """The RL loop: ``TrainerConfig`` plus the role implementation switch.
+
+    Attributes:
+        use_legacy_worker_impl: ``auto`` / ``disable`` / false: the engine roles (any backend);
+            ``enable`` / true: the deprecated legacy FSDP workers (``roles/legacy``), the
+            parity baseline. Only ``roles.build_roles`` reads it.
+    """
+
+    total_steps: int = 120
+    output_dir: str = "outputs/ppo_tiny"
+    use_legacy_worker_impl: Union[str, bool] = "auto"  # noqa: UP007 (OmegaConf needs typing.Union)
+
+    def _problems(self) -> list[str]:
+        out = super()._problems()
+        if self.use_legacy_worker_impl not in FLAG_VALUES:
+            out.append(
+                f"use_legacy_worker_impl = {self.use_legacy_worker_impl!r}: unknown; fix: use one of auto, enable, disable, true, false"
+            )
+        return out
+
+
+@dataclass(frozen=True)
 class PPOConfig:
     """Everything ``recipes.ppo`` reads; ``configs/ppo_tiny.yaml`` documents each key.
 
@@ -84,7 +106,13 @@ class PPOConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
+
+    def _problems(self) -> list[str]:
+        # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
+        if self.trainer.use_legacy_worker_impl not in FLAG_VALUES:
+            return []  # reported by trainer._problems
+        return legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
 
 
 def prompts_at(cfg: task.DataConfig, step: int) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -122,10 +150,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def run(cfg: PPOConfig) -> dict[str, Any]:
     """Build the roles and train; see the module docstring for one step."""
     t = cfg.trainer
-    actor = Actor(_engine(cfg.engine), cfg.actor)
-    critic = Critic(_engine(_critic_engine(cfg)), cfg.critic) if cfg.algo.advantage == "gae" else None
-    reference = Reference(_engine(dataclasses.replace(cfg.engine, frozen=True))) if cfg.actor.kl_coef else None
-    rollout = Rollout(actor.engine, HFSampler(cfg.engine.model.path, eos_token_id=task.EOS), cfg.rollout)
+    roles = build_roles(cfg)
+    actor, critic, reference = roles.actor, roles.critic, roles.reference
+    rollout = Rollout(actor, HFSampler(cfg.engine.model.path, eos_token_id=task.EOS), cfg.rollout)
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     start = _resume(actor, critic, ckpt_dir) if t.resume else 0
@@ -137,7 +164,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     rewards = []
     bar = _progress(t, start, rank0)
     for step in range(start, t.total_steps):
-        m = _step(cfg, step, actor, critic, reference, rollout)
+        m = rl_step(cfg, step, actor, critic, reference, rollout)
         rewards.append(m["reward"])
         if rank0:
             with open(metrics_path, "a") as f:
@@ -145,9 +172,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             bar.set_postfix(reward=f"{m['reward']:.3f}")
             bar.update()
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
-            actor.engine.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step + 1)
+            actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step + 1)
             if critic is not None:
-                critic.engine.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step + 1)
+                critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step + 1)
     bar.close()
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
     summary = {"steps": t.total_steps, "first_reward": _mean(history[:5]), "last_reward": _mean(history[-5:])}
@@ -159,7 +186,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     return summary
 
 
-def _step(cfg: PPOConfig, step: int, actor, critic, reference, rollout) -> dict[str, Any]:
+def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout) -> dict[str, Any]:
+    """One RL step (see the module docstring) on any role implementation; returns its metrics."""
     timings, t0 = {}, time.perf_counter()
     prompts, targets = prompts_at(cfg.data, step)
     n = cfg.algo.n_samples
@@ -222,23 +250,12 @@ def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):
     return adv, returns
 
 
-def _engine(config: EngineConfig):
-    engine = build_engine(config)
-    engine.init_model()
-    return engine
-
-
-def _critic_engine(cfg: PPOConfig) -> EngineConfig:
-    model = dataclasses.replace(cfg.engine.model, head="value")
-    return dataclasses.replace(cfg.engine, model=model, optim=dataclasses.replace(cfg.engine.optim, lr=cfg.algo.critic_lr))
-
-
 def _resume(actor, critic, ckpt_dir: str) -> int:
     if not os.path.isdir(os.path.join(ckpt_dir, "actor")):
         return 0
-    step = actor.engine.load_checkpoint(os.path.join(ckpt_dir, "actor"))
+    step = actor.load_checkpoint(os.path.join(ckpt_dir, "actor"))
     if critic is not None:
-        critic.engine.load_checkpoint(os.path.join(ckpt_dir, "critic"))
+        critic.load_checkpoint(os.path.join(ckpt_dir, "critic"))
     return step
 
 

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
-from roles.common import infer_global, train_epochs
+from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ActorConfig:
         return out
 
 
-class Actor:
+class Actor(TrainableRole):
     """The policy: an engine plus the PPO loss. Owns no backend-specific code."""
 
     def __init__(self, engine: BaseEngine, config: ActorConfig) -> None:
@@ -74,10 +74,7 @@ class Actor:
         Needs ``old_log_probs`` and ``advantages`` (and ``ref_log_probs`` when ``kl_coef > 0``)
         as jagged per-token fields of ``batch``.
         """
-        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if self.config.kl_coef else [])
-        missing = [k for k in needed if k not in batch.keys()]
-        if missing:
-            raise ValueError(f"Actor.update batch lacks {missing}; fix: add them as jagged per-token fields")
+        require_fields(batch, update_fields(self.config), "Actor.update")
         entropy = self.config.entropy_coef > 0
         return train_epochs(
             self.engine,
@@ -88,28 +85,36 @@ class Actor:
         )
 
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
-        """PPO clipped surrogate + KL penalty - entropy bonus, each aggregated with ``norm``."""
-        c = self.config
-        ids, mask = mb["input_ids"], mb["loss_mask"]
-        log_probs = out["log_probs"].values()
-        pg, clipped = ppo_policy_loss(
-            log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip
-        )
-        total = agg_loss(unpack(pg, ids), mask, norm)
-        with torch.no_grad():
-            tokens = mask.values().sum().clamp(min=1)
-            ratio = torch.exp(log_probs - mb["old_log_probs"].values())
-            metrics = {
-                "pg_loss": float(agg_loss(unpack(pg.detach(), ids), mask, norm)),
-                "clipfrac": float((clipped * mask.values()).sum() / tokens),
-                "ratio_mean": float((ratio * mask.values()).sum() / tokens),
-            }
-        if c.kl_coef:
-            kl = agg_loss(unpack(kl_estimate(log_probs, mb["ref_log_probs"].values(), c.kl_estimator), ids), mask, norm)
-            total = total + c.kl_coef * kl
-            metrics["kl"] = float(kl.detach())
-        if c.entropy_coef:
-            entropy = agg_loss(unpack(out["entropy"].values(), ids), mask, norm)
-            total = total - c.entropy_coef * entropy
-            metrics["entropy"] = float(entropy.detach())
-        return total, metrics
+        """The engine's loss function: :func:`policy_objective`."""
+        return policy_objective(self.config, mb, out, norm)
+
+
+def update_fields(config: ActorConfig) -> list[str]:
+    """The per-token fields a policy update needs."""
+    return ["old_log_probs", "advantages"] + (["ref_log_probs"] if config.kl_coef else [])
+
+
+def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate + KL penalty - entropy bonus of one micro-batch, each aggregated
+    with ``norm`` (an ``engine_api.NormContext``); returns the loss and its metrics."""
+    ids, mask = mb["input_ids"], mb["loss_mask"]
+    log_probs = out["log_probs"].values()
+    pg, clipped = ppo_policy_loss(log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
+    total = agg_loss(unpack(pg, ids), mask, norm)
+    with torch.no_grad():
+        tokens = mask.values().sum().clamp(min=1)
+        ratio = torch.exp(log_probs - mb["old_log_probs"].values())
+        metrics = {
+            "pg_loss": float(agg_loss(unpack(pg.detach(), ids), mask, norm)),
+            "clipfrac": float((clipped * mask.values()).sum() / tokens),
+            "ratio_mean": float((ratio * mask.values()).sum() / tokens),
+        }
+    if c.kl_coef:
+        kl = agg_loss(unpack(kl_estimate(log_probs, mb["ref_log_probs"].values(), c.kl_estimator), ids), mask, norm)
+        total = total + c.kl_coef * kl
+        metrics["kl"] = float(kl.detach())
+    if c.entropy_coef:
+        entropy = agg_loss(unpack(out["entropy"].values(), ids), mask, norm)
+        total = total - c.entropy_coef * entropy
+        metrics["entropy"] = float(entropy.detach())
+    return total, metrics

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
+import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine
@@ -41,3 +42,30 @@ def train_epochs(
                     prepare(local)
                 metrics.append(engine.train_batch(local))
     return metrics
+
+
+def require_fields(batch: TensorDict, needed: Iterable[str], who: str) -> None:
+    """Raise a ValueError naming the per-token fields ``who`` needs that ``batch`` lacks."""
+    missing = [k for k in needed if k not in batch.keys()]
+    if missing:
+        raise ValueError(f"{who} batch lacks {missing}; fix: add them as jagged per-token fields")
+
+
+class TrainableRole:
+    """What a recipe needs from a trained role besides its algorithm: weight export (for the
+    rollout) and checkpoints. Engine roles delegate to their engine; the legacy workers
+    implement the same methods directly."""
+
+    engine: BaseEngine
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` pairs, one at a time. Collective."""
+        return self.engine.export_weights()
+
+    def save_checkpoint(self, path: str, global_step: int) -> None:
+        """Model, optimizer, LR schedule, RNG and step under ``path``. Collective."""
+        self.engine.save_checkpoint(path, global_step=global_step)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore the newest complete checkpoint under ``path``; return its step. Collective."""
+        return self.engine.load_checkpoint(path)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from roles.algos import clipped_value_loss
-from roles.common import infer_global, train_epochs
+from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class CriticConfig:
         return out
 
 
-class Critic:
+class Critic(TrainableRole):
     """The value function: an engine with a value head plus the clipped value loss."""
 
     def __init__(self, engine: BaseEngine, config: CriticConfig) -> None:
@@ -51,18 +51,22 @@ class Critic:
 
     def update(self, batch: TensorDict) -> list[dict]:
         """Value update over ``ppo_epochs`` x mini-batches; needs jagged ``values`` (old) and ``returns``."""
-        missing = [k for k in ("values", "returns") if k not in batch.keys()]
-        if missing:
-            raise ValueError(f"Critic.update batch lacks {missing}; fix: add them as jagged per-token fields")
+        require_fields(batch, VALUE_UPDATE_FIELDS, "Critic.update")
         return train_epochs(self.engine, batch, self.config.ppo_epochs, self.config.mini_batch_size)
 
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
-        """Clipped value loss aggregated with ``norm``."""
-        ids, mask = mb["input_ids"], mb["loss_mask"]
-        per_token, clipped = clipped_value_loss(
-            out["values"].values(), mb["values"].values(), mb["returns"].values(), self.config.value_clip
-        )
-        total = agg_loss(unpack(per_token, ids), mask, norm)
-        with torch.no_grad():
-            tokens = mask.values().sum().clamp(min=1)
-            return total, {"vf_loss": float(total.detach()), "vf_clipfrac": float((clipped * mask.values()).sum() / tokens)}
+        """The engine's loss function: :func:`value_objective`."""
+        return value_objective(self.config, mb, out, norm)
+
+
+VALUE_UPDATE_FIELDS = ("values", "returns")
+
+
+def value_objective(c: CriticConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of one micro-batch aggregated with ``norm``, and its metrics."""
+    ids, mask = mb["input_ids"], mb["loss_mask"]
+    per_token, clipped = clipped_value_loss(out["values"].values(), mb["values"].values(), mb["returns"].values(), c.value_clip)
+    total = agg_loss(unpack(per_token, ids), mask, norm)
+    with torch.no_grad():
+        tokens = mask.values().sum().clamp(min=1)
+        return total, {"vf_loss": float(total.detach()), "vf_clipfrac": float((clipped * mask.values()).sum() / tokens)}

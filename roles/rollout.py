@@ -1,5 +1,5 @@
 """``Rollout``: sample responses from a model whose weights are synced from the actor through
-``BaseEngine.export_weights``, on engine calls only.
+``export_weights`` (``BaseEngine.export_weights``, or a role delegating to it), on engine calls only.
 
 The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no model library;
 ``recipes/hf_sampler.py`` is the plain-HF CPU implementation.
@@ -14,7 +14,15 @@ from typing import Protocol
 import torch
 from tensordict import TensorDict
 
-from engine_api import BaseEngine, make_batch
+from engine_api import make_batch
+
+
+class WeightSource(Protocol):
+    """Where the rollout's weights come from: an engine, or a role (``Actor`` or the legacy
+    actor) exposing the same method."""
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` pairs. Collective."""
 
 
 class Sampler(Protocol):
@@ -60,15 +68,15 @@ class RolloutConfig:
 class Rollout:
     """Generates responses with the actor's current weights."""
 
-    def __init__(self, actor_engine: BaseEngine, sampler: Sampler, config: RolloutConfig) -> None:
-        self.engine = actor_engine
+    def __init__(self, source: WeightSource, sampler: Sampler, config: RolloutConfig) -> None:
+        self.source = source
         self.sampler = sampler
         self.config = config
         self._calls = 0
 
     def sync_weights(self) -> None:
         """Copy the actor's weights into the sampler. Collective: every rank drains the export."""
-        self.sampler.load_weights(self.engine.export_weights())
+        self.sampler.load_weights(self.source.export_weights())
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with
