@@ -43,6 +43,18 @@ class BaseEngine(abc.ABC):
         self._loss_fn: LossFn | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> list[str]:
+        """Problems of ``config`` that only this backend knows about (layouts the model's
+        shape cannot take, features it does not support), found without building anything.
+
+        ``build_engine`` reports them together with the general config problems, so a bad
+        config fails there and not in ``init_model`` or mid-run. Each string names the field,
+        the value and the fix. The config may have general problems too: be defensive.
+        Default: none.
+        """
+        return []
+
     @abc.abstractmethod
     def init_model(self) -> None:
         """Build/load the model from ``config.model.path``, the optimizer and LR scheduler
@@ -111,18 +123,24 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def optimizer_zero_grad(self) -> None:
-        """Clear gradients (and backend grad buffers) and the deferred-normalization window.
-        Calling it between ``forward_backward_step`` calls aborts that accumulation window
-        without a trace."""
+        """Clear gradients (and backend grad buffers) and the accumulation window (deferred
+        counts, recorded losses). Calling it between ``forward_backward_step`` calls aborts
+        that window without a trace: params, optimizer state, step counter and LR are as
+        before the window, and the next window equals one on an engine that never saw the
+        aborted data. Also the way to recover after a ``forward_backward_step`` that raised
+        part-way (e.g. in the loss function)."""
 
     @abc.abstractmethod
     def optimizer_step(self) -> float:
         """Finish the gradient sync, apply deferred normalization, clip, and step.
 
         Returns:
-            The global gradient norm before clipping (the same on every rank). If it is not
-            finite the step is skipped on every rank: params and optimizer state are
-            untouched and the value is returned as is. Collective.
+            The global gradient norm before clipping (the same on every rank). If the norm,
+            or the loss of any call since the last step, is not finite on *any* rank, the
+            step is skipped on *every* rank (the decision is agreed collectively): params,
+            optimizer state and the step counter are untouched, the window is reset, and a
+            non-finite value is returned (the norm itself, or NaN when only a loss was not
+            finite). Collective.
         """
 
     @abc.abstractmethod
@@ -221,8 +239,9 @@ class BaseEngine(abc.ABC):
 
         Returns:
             Metrics: ``loss``, ``grad_norm``, ``lr`` (after the scheduler step),
-            ``step_skipped`` (1.0 when the grad norm was not finite: the scheduler does not
-            advance either), and the mean over micro-batches of each loss-function metric.
+            ``step_skipped`` (1.0 when :meth:`optimizer_step` skipped the step for a
+            non-finite loss or grad norm: the scheduler does not advance either), and the
+            mean over micro-batches of each loss-function metric.
         """
         self.optimizer_zero_grad()
         _, loss, ctx = self.forward_backward_step(batch)

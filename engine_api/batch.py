@@ -91,13 +91,25 @@ def make_batch(sequences, loss_mask=None, **fields) -> TensorDict:
     return batch
 
 
-def validate_batch(batch: TensorDict, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
+def validate_batch(
+    batch: TensorDict,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    max_seq_len_field: str = "max_seq_len",
+) -> None:
     """Raise a ``ValueError`` naming the field and value if ``batch`` breaks the protocol.
 
     Checks: a non-empty 1-D batch; ``input_ids`` present, jagged, integer, every sequence
     non-empty (and within ``vocab_size`` / ``max_seq_len`` when given); every jagged field
-    has ``input_ids``' lengths; ``loss_mask`` (if present) is 0 at every position 0.
-    Reads only: nothing is modified, so engines call it before touching any state.
+    has ``input_ids``' lengths; ``loss_mask`` (if present) is finite, non-negative and 0 at
+    every position 0. Reads only: nothing is modified, so engines call it before touching
+    any state.
+
+    Args:
+        batch: the batch to check.
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_seq_len: the longest sequence allowed.
+        max_seq_len_field: the setting ``max_seq_len`` comes from, named in the error.
     """
     if not isinstance(batch, TensorDict):
         raise ValueError(f"batch is a {type(batch).__name__}; fix: build it with engine_api.make_batch")
@@ -118,7 +130,10 @@ def validate_batch(batch: TensorDict, vocab_size: int | None = None, max_seq_len
         raise ValueError(f"input_ids[{int(lengths.argmin())}] is empty; fix: drop empty sequences")
     if max_seq_len is not None and int(lengths.max()) > max_seq_len:
         i = int(lengths.argmax())
-        raise ValueError(f"input_ids[{i}] has {int(lengths[i])} tokens, more than the max of {max_seq_len}; fix: truncate it")
+        raise ValueError(
+            f"input_ids[{i}] has {int(lengths[i])} tokens, more than the max of {max_seq_len} ({max_seq_len_field}); "
+            f"fix: truncate or drop the sequence, or raise {max_seq_len_field}"
+        )
     if vocab_size is not None:
         v = ids.values()
         bad = (v < 0) | (v >= vocab_size)
@@ -130,6 +145,12 @@ def validate_batch(batch: TensorDict, vocab_size: int | None = None, max_seq_len
         if isinstance(field, torch.Tensor) and field.is_nested and name != "input_ids":
             _check_lengths(name, (field.offsets()[1:] - field.offsets()[:-1]).tolist(), lengths.tolist())
     if "loss_mask" in batch.keys():
+        if not batch["loss_mask"].is_nested:
+            raise ValueError(
+                f"loss_mask is a dense tensor of shape {tuple(batch['loss_mask'].shape)}; fix: per-token fields must be jagged "
+                "(torch.nested, layout=torch.jagged); build the batch with engine_api.make_batch"
+            )
+        _check_mask_values(batch["loss_mask"].values())
         first = batch["loss_mask"].values()[ids.offsets()[:-1]]
         if bool((first != 0).any()):
             i = int((first != 0).nonzero()[0])
@@ -296,6 +317,17 @@ def _as_list(value, name: str) -> list[torch.Tensor]:
             return list(value.unbind())
         raise ValueError(f"{name} is a dense tensor; fix: pass a list of 1-D tensors or a jagged nested tensor")
     return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value]
+
+
+def _check_mask_values(values: torch.Tensor) -> None:
+    # A NaN or negative weight would silently poison the global denominators (the counts).
+    if values.is_complex():
+        raise ValueError(f"loss_mask has dtype {values.dtype}; fix: use a real (float or bool) mask")
+    values = values.float()
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"loss_mask holds {float(values[i])} at flat position {i}; fix: mask weights must be finite and >= 0")
 
 
 def _check_lengths(name: str, got: Sequence[int], want: Sequence[int]) -> None:

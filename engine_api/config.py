@@ -292,7 +292,7 @@ class EngineConfig:
                     "set it, e.g. to the max response length",
                 )
             )
-        world = self.world_size if self.world_size is not None else _env_world_size()
+        world = self.world_size if self.world_size is not None else _known_world_size()
         mp = self.megatron.model_parallel_size
         if self.strategy == "megatron" and world is not None and mp >= 1 and world % mp:
             out.append(
@@ -332,6 +332,17 @@ def config_problems(config: EngineConfig) -> list[str]:
     return check(config)
 
 
-def _env_world_size() -> int | None:
+def format_problem(field_name: str, value: object, problem: str, fix: str) -> str:
+    """One config problem in the house format (backends' ``check_config`` use it too)."""
+    return _p(field_name, value, problem, fix)
+
+
+def _known_world_size() -> int | None:
+    """``WORLD_SIZE`` (torchrun sets it), else the initialised default group's size, else None
+    (unknown: a config loaded before the ranks exist is not judged against a guess)."""
     value = os.environ.get("WORLD_SIZE")
-    return int(value) if value and value.isdigit() else None
+    if value and value.isdigit():
+        return int(value)
+    import torch.distributed as dist  # imported here: this module itself stays free of torch
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None

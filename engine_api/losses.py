@@ -35,6 +35,7 @@ Two engine-side corrections turn these contributions into the right gradient:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -133,7 +134,8 @@ def build_norm_context(
     denom = denominator(mode, counts, constant)
     if denom <= 0:
         raise ValueError(
-            "loss_mask selects no token in the global batch (all ranks): the loss would be 0/0; "
+            f"loss_mask selects no token in the global batch (all ranks): sum(loss_mask) = {counts.tokens:g}, "
+            f"{counts.seqs:g} sequences with a loss token, so the loss would be 0/0; "
             "fix: drop fully masked batches before training or set loss_mask on the response tokens"
         )
     return NormContext(mode=mode, counts=counts, denominator=denom, dp_size=group_size(group), constant=constant)
@@ -191,11 +193,16 @@ def backward_scale(norm: NormContext, deferred: bool, grads_averaged_over_dp: bo
 
 
 class DeferredNormalizer:
-    """Accumulates global counts over an accumulation window (deferred mode).
+    """The bookkeeping of one accumulation window (the calls between two optimizer steps).
 
-    The engine calls :meth:`add` once per ``forward_backward_step`` with the call's global
-    counts, :meth:`grad_scale` in ``optimizer_step``, and :meth:`reset` when the window ends
-    (``optimizer_step`` or ``optimizer_zero_grad``).
+    * Deferred mode: the engine calls :meth:`add` once per ``forward_backward_step`` with the
+      call's global counts and :meth:`grad_scale` in ``optimizer_step``.
+    * Every mode: :meth:`note_loss` records each training call's global loss, so
+      ``optimizer_step`` can skip a window whose loss was not finite even when its gradient is
+      (e.g. a NaN in a masked-out position of a per-token loss).
+
+    :meth:`reset` starts a new window (``optimizer_step`` and ``optimizer_zero_grad``, so an
+    aborted window leaves no counts behind).
     """
 
     def __init__(self, mode: str, constant: float | None = None) -> None:
@@ -203,10 +210,16 @@ class DeferredNormalizer:
         self.mode = mode
         self.constant = constant
         self.counts = NormCounts(0.0, 0.0)
+        self.nonfinite_loss = False
 
     def add(self, counts: NormCounts) -> None:
         """Add one call's global counts to the window."""
         self.counts = self.counts + counts
+
+    def note_loss(self, loss: float) -> None:
+        """Record one training call's loss; a non-finite one marks the window for skipping."""
+        if not math.isfinite(loss):
+            self.nonfinite_loss = True
 
     def grad_scale(self) -> float:
         """``1 / denominator`` of the window; raises if nothing was accumulated."""
@@ -221,6 +234,7 @@ class DeferredNormalizer:
     def reset(self) -> None:
         """Start a new accumulation window."""
         self.counts = NormCounts(0.0, 0.0)
+        self.nonfinite_loss = False
 
 
 class LossFn(Protocol):

@@ -71,13 +71,32 @@ def get_engine_class(name: str) -> type[BaseEngine]:
 def build_engine(config: EngineConfig) -> BaseEngine:
     """Validate ``config`` and construct (not initialise) the engine named by ``config.strategy``.
 
+    The general checks and the backend's own (``BaseEngine.check_config``: e.g. a tensor-parallel
+    size that does not divide the model's heads) run here, before any model, process group or
+    optimizer exists, so a bad config never fails mid-run.
+
     Raises:
-        ValueError: the config has problems (all listed), or the strategy is unknown.
+        ValueError: the config has problems (all listed at once), or the strategy is unknown.
     """
     problems = config_problems(config)
+    try:
+        cls = get_engine_class(config.strategy)
+    except ValueError:
+        if not problems:
+            raise
+        cls = None
+        problems.append(f"strategy = {config.strategy!r}: not a registered engine; fix: use one of {', '.join(available_engines())}")
+    if cls is not None:
+        problems += cls.check_config(config)
     if problems:
         raise ValueError(f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    return get_engine_class(config.strategy)(config)
+    return cls(config)
+
+
+def builtin_engines() -> list[str]:
+    """The built-in backends that are installed (they train HF model directories); test
+    suites parametrized over it cover a backend added to ``_BUILTINS`` automatically."""
+    return sorted(n for n, mod in _BUILTINS.items() if _module_exists(mod))
 
 
 def _module_exists(module: str) -> bool:

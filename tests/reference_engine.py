@@ -145,7 +145,9 @@ class ReferenceEngine(BaseEngine):
     def optimizer_step(self) -> float:
         # DDP already all-reduced the grads, so the norm is the same on every rank.
         deferred = self.deferred if self.config.deferred_normalization else None
-        grad_norm = clip_and_step(list(self.module.parameters()), self.optimizer, self.config.optim.clip_grad, deferred)
+        grad_norm = clip_and_step(
+            list(self.module.parameters()), self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred
+        )
         if math.isfinite(grad_norm):
             self.global_step += 1
         return grad_norm

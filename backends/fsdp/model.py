@@ -8,6 +8,7 @@ head the config asks for) -> :func:`apply_activation_checkpointing` -> :func:`ap
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from backends.hf import load_hf_model
-from engine_api.config import EngineConfig
+from engine_api.config import EngineConfig, format_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +28,18 @@ def attn_implementation(device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
+
+
+def config_problems(config: EngineConfig) -> list[str]:
+    """What ``load_model`` would refuse, found at ``build_engine``: no model directory, or a
+    directory that is not an HF model (no ``config.json``). A missing directory is already a
+    general config problem."""
+    path = config.model.path
+    if path is None:
+        return [format_problem("model.path", None, "FSDPEngine loads an HF directory", "set engine.model.path")]
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return [format_problem("model.path", path, "has no config.json (not an HF model directory)", "save the model with save_pretrained")]
+    return []
 
 
 def load_model(config: EngineConfig, device: torch.device) -> nn.Module:

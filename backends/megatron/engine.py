@@ -21,7 +21,6 @@ PackedSeqParams awaits a GPU run to be validated), and PP > 1 needs equal-size m
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from functools import partial
 
@@ -38,15 +37,25 @@ from transformers import AutoConfig
 from backends.megatron import checkpoint as ckpt
 from backends.megatron.convert import arch_info
 from backends.megatron.export import export_hf
-from backends.megatron.model import build_chunks, build_transformer_config, init_parallel, load_hf_weights, read_hf_state, use_te_spec
+from backends.megatron.model import (
+    build_chunks,
+    build_transformer_config,
+    config_problems,
+    init_parallel,
+    load_hf_weights,
+    read_hf_state,
+    use_te_spec,
+)
 from backends.megatron.offload import StorageOffloader
 from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack, validate_batch
+from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack
 from engine_api.dist import all_reduce
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.microbatch import make_micro_batches
+from engine_api.optim import agree_to_skip, skipped_norm
+from engine_api.step import validate_call
 
 
 @register_engine("megatron")
@@ -54,6 +63,11 @@ class MegatronEngine(BaseEngine):
     """megatron-core engine with the FSDP engine's outputs (``log_probs``, ``entropy``,
     ``values``), metadata (``calculate_entropy``, ``temperature``) and contract. Predictions and
     the loss are produced on the last pipeline stage and broadcast to every rank."""
+
+    @classmethod
+    def check_config(cls, config) -> list[str]:
+        """Megatron-specific problems found at ``build_engine`` (``backends.megatron.model.config_problems``)."""
+        return config_problems(config)
 
     def init_model(self) -> None:
         """Parallel state, GPTModel chunks from the HF directory, megatron DDP and optimizer,
@@ -213,7 +227,8 @@ class MegatronEngine(BaseEngine):
         if not forward_only:
             self._refuse_if_frozen("forward_backward_step(forward_only=False)")
         self._require_loaded(model=True, optimizer=False)
-        validate_batch(batch, vocab_size=self.arch.vocab)
+        # Over the whole world: model-parallel peers hold the same shard, and all must stop together.
+        validate_call(batch, cfg, self.arch.vocab, self.arch.max_positions, None)
         if not forward_only and self._loss_fn is None:
             raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
         ctx = {} if ctx is None else ctx
@@ -248,6 +263,7 @@ class MegatronEngine(BaseEngine):
             return predictions, ctx
         if cfg.deferred_normalization:
             self.deferred.add(norm.counts)
+        self.deferred.note_loss(total)  # a non-finite loss skips the window's optimizer step
         return predictions, total, ctx
 
     def _row_len(self, mb: TensorDict) -> int:
@@ -352,19 +368,23 @@ class MegatronEngine(BaseEngine):
 
     def optimizer_step(self) -> float:
         """Reduce grads over DP (finalize_model_grads), deferred normalization, global pre-clip
-        norm, skip if not finite, clip, step. Collective."""
+        norm, skip (agreed by every rank) if the norm or a loss of the window was not finite,
+        clip, step. Collective."""
         self._refuse_if_frozen("optimizer_step")
         self._require_loaded(model=True, optimizer=True)
         finalize_model_grads(self.model)
+        nonfinite_loss = self.deferred.nonfinite_loss
         if self.config.deferred_normalization:
             scale = self.deferred.grad_scale()
-            self.deferred.reset()
             for chunk in self.model:
                 chunk.scale_gradients(scale)
+        self.deferred.reset()  # the next window starts clean, whether this step runs or not
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        if not math.isfinite(grad_norm):
-            return grad_norm
+        # Over the whole world: TP peers compute the loss separately, so a non-finite loss can
+        # be rank-local; every rank of every layout must take the same decision.
+        if agree_to_skip(grad_norm, nonfinite_loss, None):
+            return skipped_norm(grad_norm)
         if self.config.optim.clip_grad is not None:
             self.optimizer.clip_grad_norm(self.config.optim.clip_grad)
         self.optimizer.step_with_ready_grads()

@@ -21,11 +21,12 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from backends.hf import value_head_state
 from backends.megatron import cpu_compat
-from backends.megatron.convert import ArchInfo, padded_vocab, to_megatron, transformer_config_kwargs
-from engine_api.config import EngineConfig
+from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
+from engine_api.config import EngineConfig, format_problem
 from engine_api.dist import init_single_process_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,6 +74,75 @@ def init_parallel(config: EngineConfig) -> torch.device:
         )
     model_parallel_cuda_manual_seed(config.seed)
     return device
+
+
+def config_problems(config: EngineConfig) -> list[str]:
+    """What megatron-core or this engine would refuse in ``init_model``, found at
+    ``build_engine`` from the config and the HF ``config.json`` alone (nothing is built).
+
+    Checked: the model directory is an HF model of a supported family; TP divides the heads,
+    the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
+    layers; context parallelism (the engine does not split sequences over CP ranks, and the
+    local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE.
+    """
+    m = config.megatron
+    out = []
+    try:
+        te = use_te_spec(config)
+    except ValueError as exc:
+        out.append(str(exc))
+        te = False
+    if m.sequence_parallel and not te:
+        out.append(
+            format_problem(
+                "megatron.sequence_parallel",
+                True,
+                "needs the Transformer-Engine layer spec (the local spec's torch norm cannot shard the sequence)",
+                "set megatron.sequence_parallel=false, or layer_spec=te on a GPU machine",
+            )
+        )
+    if m.context_parallel_size > 1:
+        out.append(
+            format_problem(
+                "megatron.context_parallel_size",
+                m.context_parallel_size,
+                "not supported: the engine does not split sequences over context-parallel ranks",
+                "use 1 (and tensor/pipeline parallelism for long sequences)",
+            )
+        )
+    path = config.model.path
+    if path is None:
+        return [*out, format_problem("model.path", None, "MegatronEngine loads an HF directory", "set engine.model.path")]
+    if not os.path.isdir(path):
+        return out  # a general config problem already
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return [*out, format_problem("model.path", path, "has no config.json (not an HF model directory)", "save it with save_pretrained")]
+    try:
+        arch = arch_info(AutoConfig.from_pretrained(path))
+    except ValueError as exc:
+        return [*out, f"model.path = {path!r}: {exc}"]
+    tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    if tp >= 1:
+        for name, count in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.groups), ("intermediate_size", arch.ffn)):
+            if count % tp:
+                out.append(
+                    format_problem(
+                        "megatron.tensor_model_parallel_size",
+                        tp,
+                        f"does not divide the model's {name} = {count}",
+                        f"use a TP size that divides {count}",
+                    )
+                )
+    if pp >= 1 and vpp >= 1 and arch.num_layers % (pp * vpp):
+        out.append(
+            format_problem(
+                "megatron.pipeline_model_parallel_size",
+                pp,
+                f"x virtual_pipeline_model_parallel_size ({vpp}) = {pp * vpp} does not divide the model's num_hidden_layers = {arch.num_layers}",
+                "use pipeline sizes whose product divides the layer count",
+            )
+        )
+    return out
 
 
 def use_te_spec(config: EngineConfig) -> bool:

@@ -64,6 +64,11 @@ class FSDPWorker:
             for mb in self._micro_batches(local):
                 for key, value in hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding).items():
                     outputs.setdefault(key, []).append(value.values().cpu())
+        # FSDP2 records each forward for backward prefetching and clears the record only in a
+        # backward: without this reset, forward-only calls grow it forever.
+        reset = getattr(self.model, "reset_iter_state", None)
+        if reset is not None:
+            reset()
         ids = local["input_ids"]
         result = TensorDict({k: unpack(torch.cat(v), ids) for k, v in outputs.items()}, batch_size=local.batch_size)
         return unshard_batch(result, dist.group.WORLD)

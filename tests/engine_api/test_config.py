@@ -39,7 +39,8 @@ def test_overrides_win_and_result_is_typed_and_frozen():
 
 
 def test_mapping_source():
-    cfg = load_config({"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2}})
+    # world_size explicit: otherwise it comes from WORLD_SIZE or an initialised process group.
+    cfg = load_config({"strategy": "megatron", "world_size": 2, "megatron": {"tensor_model_parallel_size": 2}})
     assert cfg.megatron == MegatronConfig(tensor_model_parallel_size=2)
 
 
