@@ -1,16 +1,38 @@
 """The checkpoint directory protocol shared by backends (what goes *in* a checkpoint is the
 backend's business: DCP shards for FSDP, dist_checkpointing for megatron).
 
-Layout under a checkpoint root::
+Layout under a checkpoint root (one training job writes a root)::
 
-    global_step_<k>/                    one complete checkpoint (+ enginekit.json)
-    latest_checkpointed_iteration.txt   the newest complete step
+    global_step_<k>/                    one complete checkpoint: backend files, extra_rank<r>.pt,
+                                        enginekit.json (written last: the completeness proof)
+    latest_checkpointed_iteration.txt   the step of the newest committed checkpoint
+    .tmp_global_step_<k>/               a save in progress, or one that crashed: never loaded
+    .tmp_download_*/                    a remote copy being downloaded: never loaded as such
+    .del_global_step_<k>/               a checkpoint being deleted by retention: never loaded
 
-:func:`begin` returns a temporary ``.tmp_global_step_<k>`` directory for every rank to write
-into; :func:`commit` waits for all ranks, then rank 0 writes ``enginekit.json``, renames the
-directory into place (atomic), replaces the ``latest`` marker atomically, applies retention and
-uploads the optional remote copy. A crash before the rename leaves the previous checkpoint the
-newest complete one. Retention never deletes the checkpoint just written.
+Saving (collective): :func:`begin` removes the leftovers of crashed saves and creates an empty
+``.tmp_global_step_<k>``; every rank writes its files into it; :func:`commit` waits for all
+ranks, then rank 0 (1) writes ``enginekit.json`` into the temporary directory, (2) moves an
+existing ``global_step_<k>`` aside (a re-save of the same step), (3) replaces the ``latest``
+marker with ``k`` (write + fsync + rename), (4) renames the temporary directory to
+``global_step_<k>`` (atomic: the checkpoint appears complete or not at all), (5) applies
+retention by moving old checkpoints aside (atomic) before deleting them, never the one just
+written, and (6) uploads the optional remote copy, ``enginekit.json`` last.
+
+Loading resolves a root to: the checkpoint ``latest`` names, if it is complete; else the newest
+complete checkpoint with a smaller step; without a readable marker, the newest complete one.
+A directory is complete iff it holds ``enginekit.json``. ``latest`` is written before the
+rename so that it never lags a visible checkpoint: a crash between (3) and (4) leaves it naming
+a step that is not there, and the fallback finds the previous one. Trusting ``latest`` rather
+than the highest step keeps a deliberate rollback (resume from an older step, save again) from
+resurrecting the abandoned, higher-numbered branch.
+
+So a crash (SIGKILL) anywhere before (4) leaves the previous checkpoint the one that loads, and
+anywhere after (4) the new one; leftovers are ignored and cleaned by the next :func:`begin`
+(``tests/reliability/test_checkpoint_crash.py`` kills a saving process at each step).
+
+Rank-0-only steps (commit, download) share their outcome with every rank: an error there
+raises the same :class:`CheckpointError` on all ranks instead of leaving peers in a barrier.
 """
 
 from __future__ import annotations
@@ -19,81 +41,126 @@ import json
 import os
 import random
 import shutil
-import tempfile
+import uuid
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from engine_api.dist import barrier, broadcast_object, group_rank, group_size
 
 LATEST = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
 MARKER = "enginekit.json"
+TMP = ".tmp_"
+TRASH = ".del_"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (raised on every rank alike)."""
+
+
+# ---------------------------------------------------------------------------------- save
 def begin(root: str, step: int) -> str:
-    """Create a clean temporary directory for step ``step``; returns its path. Collective."""
-    tmp = os.path.join(root, f".tmp_{PREFIX}{step}")
-    if dist.get_rank() == 0:
+    """Clean leftovers of crashed saves under ``root`` and create an empty temporary directory
+    for ``step``; returns its path. Collective."""
+    tmp = os.path.join(root, f"{TMP}{PREFIX}{step}")
+
+    def prepare() -> None:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name in os.listdir(root):
+            if name.startswith((TMP, TRASH)):
+                _remove(os.path.join(root, name))
         os.makedirs(tmp)
-    dist.barrier()  # tmp exists and is empty before anyone writes into it
+
+    _on_rank0(prepare, f"preparing {tmp}")
     return tmp
 
 
 def commit(root: str, step: int, keep: int | None, remote: str | None, info: dict) -> str:
-    """Publish the temporary directory of ``step`` as ``global_step_<step>``. Collective.
+    """Publish the temporary directory of ``step`` as ``global_step_<step>`` (steps 1-6 of the
+    module docstring). Collective; returns the checkpoint's path.
 
-    ``remote`` (an fsspec URL) receives a copy of the checkpoint's contents; pass the same URL
-    to :func:`resolve` to load it back.
+    Args:
+        keep: keep at most this many complete checkpoints (None: all); never deletes this one.
+        remote: optional fsspec URL that receives a copy of this checkpoint's contents; pass it
+            to :func:`resolve` to load it back.
+        info: backend facts recorded in ``enginekit.json``.
     """
-    tmp = os.path.join(root, f".tmp_{PREFIX}{step}")
+    tmp = os.path.join(root, f"{TMP}{PREFIX}{step}")
     final = os.path.join(root, f"{PREFIX}{step}")
-    dist.barrier()  # every rank's files are on disk
-    if dist.get_rank() == 0:
-        _write_atomic(os.path.join(tmp, MARKER), json.dumps({"global_step": step, "world_size": dist.get_world_size(), **info}))
+    barrier(None)  # every rank's files are written (and fsynced) before the marker vouches for them
+
+    def publish() -> None:
+        _write_marker(tmp, {"global_step": step, "world_size": group_size(None), **info})
         if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(os.path.join(root, LATEST), str(step))
+            _discard(final)
+        _set_latest(root, step)
+        _publish(tmp, final)
         if keep:
-            for old in step_dirs(root)[:-keep]:
-                shutil.rmtree(old)
+            _apply_retention(root, keep, final)
         if remote:
             _upload(final, remote)
-    dist.barrier()  # nobody returns before the checkpoint is visible
+
+    _on_rank0(publish, f"committing {final}")
     return final
 
 
-def resolve(local_path: str, remote: str | None) -> tuple[str, str | None]:
-    """The checkpoint directory to load, and a downloaded temp dir to delete afterwards (or None).
+def save_extra(directory: str, extra: dict) -> None:
+    """This rank's small non-sharded state (scheduler, RNG, step) as ``extra_rank<r>.pt``."""
+    with open(os.path.join(directory, f"extra_rank{group_rank(None)}.pt"), "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable before commit's marker vouches for it
 
-    ``local_path`` may be one checkpoint or a root (its ``latest`` marker, else its highest
-    complete step). Without a local checkpoint, ``remote`` is downloaded (rank 0; others wait)
-    into a temporary directory. Collective when downloading.
+
+# ---------------------------------------------------------------------------------- load
+def resolve(local_path: str, remote: str | None, keep_download: bool = False) -> tuple[str, str | None]:
+    """The checkpoint directory to load, and a downloaded directory to delete afterwards (or None).
+
+    ``local_path`` may be one checkpoint or a root (resolved as the module docstring says).
+    Without a complete local checkpoint, ``remote`` (one checkpoint's fsspec URL) is downloaded
+    by rank 0 into ``local_path``: kept as a regular ``global_step_<k>`` there when
+    ``keep_download``, else into a temporary directory that :func:`finish_load` deletes.
+    Collective.
+
+    Raises:
+        FileNotFoundError: no complete local checkpoint and no ``remote``.
+        CheckpointError: the remote copy is incomplete or cannot be read (on every rank).
     """
-    found = _find_local(local_path)
+    found = latest_checkpoint(local_path)
     if found is not None:
         return found, None
     if remote is None:
         raise FileNotFoundError(
-            f"no complete checkpoint under {local_path!r}; fix: pass the directory given to save_checkpoint, or hdfs_path"
+            f"no complete checkpoint under {local_path!r} (a complete one holds {MARKER}); "
+            "fix: pass the directory given to save_checkpoint, or hdfs_path for a remote copy"
         )
-    holder = [tempfile.mkdtemp(prefix="enginekit_ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder, src=0)
-    if dist.get_rank() == 0:
-        _download(remote, holder[0])
-    dist.barrier()
-    return holder[0], holder[0]
+    path = _on_rank0(lambda: _download_into(local_path, remote, keep_download), f"downloading {remote}")
+    return path, (None if keep_download else path)
 
 
-def finish_load(downloaded: str | None, del_local_after_load: bool) -> None:
-    """Delete a checkpoint :func:`resolve` downloaded, once every rank has read it. Collective."""
-    dist.barrier()
-    if downloaded and del_local_after_load and dist.get_rank() == 0:
+def finish_load(downloaded: str | None) -> None:
+    """Delete a temporary download of :func:`resolve` once every rank has read it. Collective."""
+    barrier(None)
+    if downloaded and group_rank(None) == 0:
         shutil.rmtree(downloaded, ignore_errors=True)
 
 
+def load_extra(directory: str) -> dict:
+    """This rank's ``extra_rank<r>.pt`` of a checkpoint.
+
+    Raises:
+        ValueError: no file for this rank (the checkpoint was saved by a different world size).
+    """
+    path = os.path.join(directory, f"extra_rank{group_rank(None)}.pt")
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
+        )
+    return torch.load(path, weights_only=False)
+
+
+# ---------------------------------------------------------------------------------- per-rank state
 def make_extra(scheduler, global_step: int, **more) -> dict:
     """The per-rank resumable state every backend saves besides its sharded model/optimizer:
     LR scheduler, RNG states (torch, CUDA when present, numpy, python), the step, and ``more``."""
@@ -115,45 +182,88 @@ def apply_extra(extra: dict, scheduler) -> int:
     return extra["global_step"]
 
 
-def save_extra(directory: str, extra: dict) -> None:
-    """This rank's small non-sharded state (scheduler, RNG, step) as ``extra_rank<r>.pt``."""
-    torch.save(extra, os.path.join(directory, f"extra_rank{dist.get_rank()}.pt"))
-
-
-def load_extra(directory: str) -> dict:
-    """This rank's ``extra_rank<r>.pt`` of a checkpoint.
-
-    Raises:
-        ValueError: no file for this rank (the checkpoint was saved by a different world size).
-    """
-    path = os.path.join(directory, f"extra_rank{dist.get_rank()}.pt")
-    if not os.path.exists(path):
-        raise ValueError(
-            f"{path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
-        )
-    return torch.load(path, weights_only=False)
-
-
+# ---------------------------------------------------------------------------------- resolution
 def step_dirs(root: str) -> list[str]:
-    """Complete checkpoint directories under ``root``, oldest first."""
+    """Complete checkpoint directories under ``root``, oldest (smallest step) first."""
+    return [os.path.join(root, f"{PREFIX}{s}") for s in complete_steps(root)]
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, ascending (e.g. to find the newest step
+    that two roles' roots both hold)."""
     if not os.path.isdir(root):
         return []
-    names = [d for d in os.listdir(root) if d.startswith(PREFIX) and d[len(PREFIX) :].isdigit()]
-    dirs = [os.path.join(root, d) for d in sorted(names, key=lambda d: int(d[len(PREFIX) :]))]
-    return [d for d in dirs if os.path.exists(os.path.join(d, MARKER))]
+    steps = sorted(int(d[len(PREFIX) :]) for d in os.listdir(root) if d.startswith(PREFIX) and d[len(PREFIX) :].isdigit())
+    return [s for s in steps if _is_complete(os.path.join(root, f"{PREFIX}{s}"))]
 
 
-def _find_local(path: str) -> str | None:
-    if os.path.exists(os.path.join(path, MARKER)):
+def latest_checkpoint(path: str) -> str | None:
+    """The complete checkpoint ``path`` means (itself, or under a root; see the module
+    docstring), or None when there is none."""
+    if _is_complete(path):
         return path
-    marker = os.path.join(path, LATEST)
-    if os.path.exists(marker):
-        with open(marker) as f:
-            candidate = os.path.join(path, f"{PREFIX}{f.read().strip()}")
-        if os.path.exists(os.path.join(candidate, MARKER)):
-            return candidate
-    complete = step_dirs(path)
-    return complete[-1] if complete else None
+    steps = complete_steps(path)
+    if not steps:
+        return None
+    latest = _read_latest(path)
+    if latest is not None:
+        if latest in steps:
+            return os.path.join(path, f"{PREFIX}{latest}")
+        older = [s for s in steps if s < latest]
+        if older:  # `latest` names a checkpoint whose rename never happened (crash)
+            return os.path.join(path, f"{PREFIX}{older[-1]}")
+    return os.path.join(path, f"{PREFIX}{steps[-1]}")
+
+
+def _is_complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MARKER))
+
+
+def _read_latest(root: str) -> int | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- commit steps
+# One function per step, so a test can stop a saving process between any two of them.
+def _write_marker(tmp: str, info: dict) -> None:
+    _write_atomic(os.path.join(tmp, MARKER), json.dumps(info))
+
+
+def _set_latest(root: str, step: int) -> None:
+    _write_atomic(os.path.join(root, LATEST), str(step))
+
+
+def _publish(tmp: str, final: str) -> None:
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))  # the rename itself survives a power loss
+
+
+def _apply_retention(root: str, keep: int, final: str) -> None:
+    """Delete the oldest complete checkpoints beyond ``keep``; ``final`` (just written) is never
+    one of them, whatever its step; incomplete directories are neither counted nor touched."""
+    others = [d for d in step_dirs(root) if d != final]
+    for old in others[: max(0, len(others) - (keep - 1))]:
+        _discard(old)
+
+
+def _discard(directory: str) -> None:
+    """Remove a checkpoint so that it is never seen half-deleted: an atomic rename out of the
+    ``global_step_*`` namespace first, then the slow delete."""
+    trash = os.path.join(os.path.dirname(directory), f"{TRASH}{os.path.basename(directory)}")
+    _remove(trash)
+    os.replace(directory, trash)
+    _remove(trash)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -165,16 +275,76 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _on_rank0(fn, what: str):
+    """Run ``fn`` on rank 0 and give its result to every rank; an exception on rank 0 raises
+    :class:`CheckpointError` everywhere (peers would otherwise wait in the next collective)."""
+    outcome: tuple[bool, object] = (True, None)
+    if group_rank(None) == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            outcome = (False, f"{type(exc).__name__}: {exc}")
+    ok, value = broadcast_object(outcome, src=0, group=None)
+    if not ok:
+        raise CheckpointError(f"rank 0 failed {what}: {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------- remote copy
 def _upload(local_dir: str, remote: str) -> None:
+    """Copy a checkpoint's files to ``remote``, ``enginekit.json`` last, so a copy cut short is
+    recognisably incomplete (a stale marker from an earlier upload is removed first)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(remote)
+    root = root.rstrip("/")
+    if fs.exists(f"{root}/{MARKER}"):
+        fs.rm(f"{root}/{MARKER}")
     fs.makedirs(root, exist_ok=True)
-    fs.put(f"{local_dir}/", f"{root.rstrip('/')}/", recursive=True)
+    for name in sorted(os.listdir(local_dir)):
+        src = os.path.join(local_dir, name)
+        if name == MARKER:
+            continue
+        if os.path.isdir(src):
+            fs.put(f"{src}/", f"{root}/{name}/", recursive=True)
+        else:
+            fs.put_file(src, f"{root}/{name}")
+    _upload_marker(fs, local_dir, root)
 
 
-def _download(remote: str, local_dir: str) -> None:
+def _upload_marker(fs, local_dir: str, root: str) -> None:
+    fs.put_file(os.path.join(local_dir, MARKER), f"{root}/{MARKER}")
+
+
+def _download_into(local_root: str, remote: str, keep: bool) -> str:
+    """Rank 0: download ``remote`` under ``local_root``; a kept copy is published like a save."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(remote)
-    fs.get(f"{root.rstrip('/')}/", f"{local_dir}/", recursive=True)
+    root = root.rstrip("/")
+    if not fs.exists(f"{root}/{MARKER}"):
+        raise CheckpointError(
+            f"remote checkpoint {remote!r} has no {MARKER}: it is missing or its upload did not finish; "
+            "fix: point hdfs_path at a complete copy (save_checkpoint uploads the marker last)"
+        )
+    os.makedirs(local_root, exist_ok=True)
+    tmp = os.path.join(local_root, f"{TMP}download_{uuid.uuid4().hex[:8]}")
+    fs.get(f"{root}/", f"{tmp}/", recursive=True)
+    if not keep:
+        return tmp
+    with open(os.path.join(tmp, MARKER)) as f:
+        step = int(json.load(f)["global_step"])
+    final = os.path.join(local_root, f"{PREFIX}{step}")
+    if os.path.exists(final):
+        _discard(final)
+    _set_latest(local_root, step)
+    _publish(tmp, final)
+    return final

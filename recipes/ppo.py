@@ -27,7 +27,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from engine_api import EngineConfig
+from engine_api import EngineConfig, ckpt_layout
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
@@ -251,12 +251,21 @@ def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):
 
 
 def _resume(actor, critic, ckpt_dir: str) -> int:
-    if not os.path.isdir(os.path.join(ckpt_dir, "actor")):
+    """Load the newest step every role checkpointed completely; 0 when there is none (a save
+    killed between the actor's and the critic's checkpoint leaves the actor a step ahead)."""
+    roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    roots = {name: os.path.join(ckpt_dir, name) for name in roles}
+    latest = ckpt_layout.latest_checkpoint(roots["actor"])
+    if latest is None:
         return 0
-    step = actor.load_checkpoint(os.path.join(ckpt_dir, "actor"))
-    if critic is not None:
-        critic.load_checkpoint(os.path.join(ckpt_dir, "critic"))
-    return step
+    newest = int(os.path.basename(latest)[len(ckpt_layout.PREFIX) :])  # honour `latest` (rollbacks)
+    common = set.intersection(*(set(ckpt_layout.complete_steps(r)) for r in roots.values()))
+    steps = [s for s in common if s <= newest]
+    if not steps:
+        return 0
+    for name, role in roles.items():
+        role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{max(steps)}"))
+    return max(steps)
 
 
 def _progress(t: TrainerConfig, start: int, rank0: bool):

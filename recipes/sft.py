@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine
-from engine_api.dist import all_reduce, comm_device, is_initialized
+from engine_api.dist import all_reduce, comm_device, init_process_group, is_initialized
 from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.tiny_model import FAMILIES, build_tiny_model
@@ -325,9 +325,9 @@ def init_distributed() -> bool:
     if torch.cuda.is_available():
         # One GPU per process; NCCL collectives run on the current device.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl")
+        init_process_group("nccl")
     else:
-        dist.init_process_group(backend="gloo")
+        init_process_group("gloo")
     return True
 
 

@@ -41,6 +41,8 @@ def test_a_failing_rank_is_reported_with_its_traceback_and_peers_are_killed():
 
 def test_a_hanging_rank_is_killed_at_the_timeout():
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within 8s"):
-        run_distributed(_rank0_hangs, 2, timeout=8)
-    assert time.monotonic() - start < 40
+    # The timeout includes process start-up (seconds on a loaded 2-core machine), so it leaves
+    # room for rank 1 to start and finish; the bound checks the hang is cut at the timeout.
+    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within 25s"):
+        run_distributed(_rank0_hangs, 2, timeout=25)
+    assert time.monotonic() - start < 60

@@ -21,12 +21,15 @@ def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, 
 
 
 def load(model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool) -> dict:
-    """Load into ``model``/``optimizer`` in place; return this rank's ``extra``. Collective."""
-    path, downloaded = ckpt_layout.resolve(local_path, remote)
+    """Load into ``model``/``optimizer`` in place; return this rank's ``extra``. Collective.
+
+    ``local_path`` without a complete checkpoint: ``remote`` is downloaded into it first, and
+    deleted after loading when ``del_local_after_load`` (else kept as a local checkpoint)."""
+    path, downloaded = ckpt_layout.resolve(local_path, remote, keep_download=not del_local_after_load)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     extra = ckpt_layout.load_extra(path)
-    ckpt_layout.finish_load(downloaded, del_local_after_load)
+    ckpt_layout.finish_load(downloaded)
     return extra

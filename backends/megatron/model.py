@@ -27,7 +27,7 @@ from backends.hf import value_head_state
 from backends.megatron import cpu_compat
 from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
 from engine_api.config import EngineConfig, format_problem
-from engine_api.dist import init_single_process_group
+from engine_api.dist import init_single_process_group, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,6 +71,9 @@ def init_parallel(config: EngineConfig) -> torch.device:
             pipeline_model_parallel_size=m.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
             context_parallel_size=m.context_parallel_size,
+            # megatron builds its groups with its own 30-minute default, not the world group's
+            # timeout: without this a rank that fails but stays alive hangs its peers for 30 min.
+            distributed_timeout_minutes=process_group_timeout().total_seconds() / 60,
         )
     model_parallel_cuda_manual_seed(config.seed)
     return device
