@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format install clean run sft
+.PHONY: test lint format install clean run sft bench
 
 # The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
 $(VENV)/.installed: pyproject.toml ci/setup_venv.sh
@@ -35,3 +35,8 @@ sft: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+
+# Benchmarks (engine vs hand-written baselines, as ratios): regenerates BENCHMARKS.md on CPU in
+# under 10 minutes; the GPU row runs when CUDA is present. Extra flags: make bench ARGS="--quick".
+bench: install
+	$(PY) -m benchmarks.run_all $(ARGS)

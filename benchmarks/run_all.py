@@ -1,0 +1,199 @@
+"""Run every benchmark and regenerate ``BENCHMARKS.md`` (``make bench``).
+
+Each script runs in its own process (``python -m benchmarks.<name> --json ...``), so imports,
+process groups, megatron's global state and peak-memory counters never leak between them; the
+profiles of :mod:`benchmarks.profile_step` run for each benchmark that missed a target. The
+markdown gets the machine, the date, the load average around each script (the numbers of a
+shared machine are only comparable as ratios), the command of every table, and the hand-written
+analysis in ``benchmarks/FINDINGS.md``.
+
+Run: ``.venv/bin/python -m benchmarks.run_all [--quick] [--only overhead packing ...] [--out BENCHMARKS.md]``;
+``--render-only`` rewrites the markdown from the last run's saved results (after editing FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import machine_info
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "gpu_throughput")
+# The one column of each benchmark that the summary shows.
+KEY = {
+    "overhead": "ratio",
+    "packing": "time_vs_padded",
+    "dynamic_batching": "balanced_max_mean",
+    "memory": "actor_update_peak_mb",
+    "gpu_throughput": "mfu",
+}
+PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}
+
+
+def _profile_args(rep: dict) -> list[str]:
+    """profile_step arguments for a report with missed rows (overhead: only the missing backends)."""
+    args = list(PROFILES[rep["benchmark"]])
+    if rep["benchmark"] == "overhead":
+        missed = {r["case"].split(",")[0] for r in rep["rows"] if r["met"] is False}
+        args += ["--backends", *sorted(missed)]
+    return args
+
+
+TIMEOUT_S = 420
+# Full output of every script, and the last run's results for --render-only (outputs/ is git-ignored).
+LOG = os.path.join(ROOT, "outputs", "bench", "run_all.log")
+RESULTS = os.path.join(ROOT, "outputs", "bench", "results.json")
+
+
+def _run(module: str, args: list[str], log) -> tuple[int, str, float, tuple]:
+    """Run ``python -m module args`` from the repo root; returns (rc, stdout, seconds, load before/after)."""
+    load0 = os.getloadavg()
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRANSFORMERS_VERBOSITY": "error"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+        )
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out, err = 124, exc.stdout or "", f"timed out after {TIMEOUT_S}s"
+        out, err = (out.decode() if isinstance(out, bytes) else out), err
+    log.write(f"$ python -m {module} {' '.join(args)}  (rc {rc})\n{out}\n{err}\n")
+    seconds = time.perf_counter() - start
+    print(f"  {module}: rc {rc}, {seconds:.0f} s, load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    if rc != 0:
+        print(err[-3000:], file=sys.stderr)
+    return rc, out, seconds, (load0[0], os.getloadavg()[0])
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _table(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r["values"]))
+    head = ["case", *columns, "target", "verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        note = r["note"].strip()
+        verdict = {True: f"met {note}", False: f"**missed** {note}", None: note or "-"}[r["met"]].strip()
+        cells = [r["case"], *(_fmt(r["values"].get(c, "")) for c in columns), r["target"] or "-", verdict]
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _summary(reports: list[dict]) -> str:
+    lines = ["| benchmark | case | result | target | verdict |", "|---|---|---|---|---|"]
+    for rep in reports:
+        for r in rep["rows"]:
+            key = KEY.get(rep["benchmark"])
+            value = r["values"].get(key, r["values"].get("status", ""))
+            verdict = {True: "met", False: "**missed**", None: "-"}[r["met"]]
+            lines.append(f"| {rep['benchmark']} | {r['case']} | {key}: {_fmt(value)} | {r['target'] or '-'} | {verdict} |")
+    return "\n".join(lines)
+
+
+def render(reports: list[dict], profiles: dict[str, tuple[str, str]], info: dict, loads: dict, failures: list[str], quick: bool) -> str:
+    """The whole BENCHMARKS.md."""
+    cores = info["cores"] or 1
+    busiest = max((max(v) for v in loads.values()), default=0.0)
+    loaded = busiest > 0.5 * cores
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`.venv/bin/python -m benchmarks.run_all`); every table below also names the command that "
+        "produced it. Each comparison is measured within one run, interleaved, as a ratio (see `benchmarks/common.py`), so "
+        "the ratios, not the absolute times, are the results.",
+        "",
+        f"Date: {info.get('date', '?')}." + (" **Quick mode** (fewer rounds): smoke numbers only." if quick else ""),
+        "",
+        "| machine | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in info.items() if k not in ("loadavg", "date")),
+        "",
+        "Load average (1 min) before -> after each script: "
+        + ", ".join(f"{name} {a:.1f} -> {b:.1f}" for name, (a, b) in loads.items())
+        + f" on {cores} cores."
+        + (
+            " **These numbers were taken while other jobs were running on the machine** (concurrent load); CPU-time ratios "
+            "with one compute thread are used to keep them meaningful."
+            if loaded
+            else ""
+        ),
+        "",
+    ]
+    if failures:
+        out += ["**Failed scripts:** " + ", ".join(failures) + " (see outputs/bench/run_all.log).", ""]
+    out += ["## Summary", "", _summary(reports), ""]
+    for i, rep in enumerate(reports, 1):
+        out += [f"## {i}. {rep['title']}", "", f"Command: `{rep['command']}` ({rep['seconds']:.0f} s)", "", rep["setup"], ""]
+        out += [_table(rep["rows"]), ""]
+        out += [f"- {n}" for n in rep["notes"]] + [""]
+    findings = os.path.join(ROOT, "benchmarks", "FINDINGS.md")
+    if os.path.exists(findings):
+        with open(findings) as f:
+            out += [f.read().strip(), ""]
+    if profiles:
+        out += ["## Profiles of the missed targets (generated)", ""]
+        for command, text in profiles.values():
+            out += [f"`{command}`", "", "```", text.strip(), "```", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds everywhere (smoke test)")
+    parser.add_argument("--only", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
+    parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    parser.add_argument("--no-profiles", action="store_true", help="skip the profiles of missed targets")
+    parser.add_argument("--render-only", action="store_true", help="re-render the last run's results (e.g. after editing FINDINGS.md)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.render_only:
+        with open(RESULTS) as f:
+            saved = json.load(f)
+        with open(args.out, "w") as f:
+            f.write(render(saved["reports"], saved["profiles"], saved["info"], saved["loads"], saved["failures"], saved["quick"]))
+        print(f"re-rendered {args.out} from {RESULTS}")
+        return
+    info = machine_info()
+    info["torch_threads"] = "1 (benchmarks set it; see benchmarks/common.py)"
+    info["date"] = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    reports, profiles, loads, failures = [], {}, {}, []
+    os.makedirs(os.path.dirname(LOG), exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ek_bench_json_") as tmp, open(LOG, "w") as log:
+        for name in args.only:
+            path = os.path.join(tmp, f"{name}.json")
+            rc, _, _, loads[name] = _run(f"benchmarks.{name}", ["--json", path, *(["--quick"] if args.quick else [])], log)
+            if rc != 0 or not os.path.exists(path):
+                failures.append(name)
+                continue
+            with open(path) as f:
+                reports.append(json.load(f))
+        for rep in reports:
+            name = rep["benchmark"]
+            if not args.no_profiles and name in PROFILES and any(r["met"] is False for r in rep["rows"]):
+                prof_args = _profile_args(rep)
+                rc, text, _, loads[f"profile {name}"] = _run("benchmarks.profile_step", prof_args, log)
+                command = " ".join([".venv/bin/python -m benchmarks.profile_step", *prof_args])
+                profiles[name] = (command, text if rc == 0 else f"(profile failed, rc {rc}; see {LOG})")
+    with open(RESULTS, "w") as f:
+        json.dump({"reports": reports, "profiles": profiles, "info": info, "loads": loads, "failures": failures, "quick": args.quick}, f)
+    with open(args.out, "w") as f:
+        f.write(render(reports, profiles, info, loads, failures, args.quick))
+    print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s" + (f"; FAILED: {failures}" if failures else ""))
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
