@@ -102,8 +102,13 @@ def init_process_group(
             raise ValueError(f"{source} = {raw!r}: not a number; fix: the process-group timeout in seconds, e.g. 600") from None
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"{source} = {timeout_s!r}: the process-group timeout must be positive; fix: seconds > 0, e.g. 600")
-    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    # Only the given arguments: torch's own defaults (rank = world_size = -1) mean "read the
+    # environment"; passing None instead fails the env:// rendezvous under torchrun.
+    given = {"init_method": init_method, "rank": rank, "world_size": world_size}
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, **kwargs)
 
 
 def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
