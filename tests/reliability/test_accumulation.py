@@ -24,9 +24,8 @@ import math
 import pytest
 
 from engine_api import AGG_MODES
-from tests.backends.hf_utils import make_model, pg_loss
+from tests.backends.hf_utils import pg_loss
 from tests.reliability._step_common import (
-    BACKENDS,
     local_batch,
     new_engine,
     rel_diff,
@@ -152,16 +151,6 @@ def accumulation_worker(rank, world, strategy, model_dir, layouts, modes, groupi
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend(request):
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def results(backend, model_dir):
     """{"single": results of the 1-rank run, "ranks": [results of each rank of the 2-rank run]}."""

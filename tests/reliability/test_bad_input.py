@@ -30,10 +30,9 @@ from omegaconf import OmegaConf
 
 from engine_api import build_engine
 from engine_api.config import EngineConfig
-from tests.backends.hf_utils import make_model, pg_loss
+from tests.backends.hf_utils import pg_loss
 from tests.reliability import _step_bad_batches as bad
 from tests.reliability._step_common import (
-    BACKENDS,
     local_batch,
     new_engine,
     reset_layout,
@@ -241,16 +240,6 @@ def single_worker(rank, world, strategy, model_dir, empty_dir):
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend(request):
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def single(backend, model_dir, tmp_path_factory):
     empty = tmp_path_factory.mktemp("not_hf")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from recipes.tiny_model import build_tiny_model
 from tests.backends.hf_utils import VOCAB
-from tests.reliability._step_common import BACKENDS, local_batch, new_engine, run, snapshot, worker_setup
+from tests.reliability._step_common import local_batch, new_engine, run, snapshot, worker_setup
 from tests.reliability._step_memory import cuda_bytes, freeze_heap, growth, rss_bytes
 
 CYCLES = 50
@@ -107,11 +107,6 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(
         path, "llama", seed=0, vocab_size=VOCAB, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256
     )
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend(request):
-    return request.param
 
 
 @pytest.fixture(scope="module")
