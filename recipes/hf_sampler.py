@@ -1,20 +1,25 @@
-"""A plain-HF sampler for ``roles.rollout.Rollout`` (CPU; one sequence at a time with a KV cache).
+"""A plain-HF sampler for ``roles.rollout.Rollout`` (CPU; KV cache, prompts batched by length).
 
 Exactness over speed: the recorded log-prob of each sampled token is
 ``log_softmax(logits / temperature)`` from the same forward that sampled it, which is what the
-actor computes for that token with the same ``temperature`` metadata.
+actor computes for that token with the same ``temperature`` metadata. Prompts are batched only
+with prompts of the same length, so no row is padded and no attention mask is needed: each
+row's logits are those of a forward of that sequence alone (up to batched-matmul rounding).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
 class HFSampler:
-    """Owns an HF causal LM built from ``model_path``'s config; weights arrive via ``load_weights``."""
+    """Owns an HF causal LM built from ``model_path``'s config; weights arrive via ``load_weights``.
+
+    ``eos_token_id``: a row stops after sampling it (None: every row runs ``max_new_tokens``).
+    """
 
     def __init__(self, model_path: str, eos_token_id: int | None = None) -> None:
         config = AutoConfig.from_pretrained(model_path)
@@ -33,28 +38,57 @@ class HFSampler:
                 state[name].copy_(tensor.to(state[name].device, state[name].dtype))
 
     @torch.no_grad()
-    def sample(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator):
-        """Sample up to ``max_new_tokens`` (stopping after ``eos_token_id``); see ``Sampler.sample``."""
-        out = self.model(prompt[None], use_cache=True)
-        past, logits = out.past_key_values, out.logits[0, -1]
+    def sample(
+        self, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Sample up to ``max_new_tokens`` per prompt (a row stops after ``eos_token_id``); see
+        ``Sampler.sample``. Groups of equal-length prompts are decoded together, in order of
+        first appearance, so the draws from ``generator`` depend only on the prompts."""
+        groups: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(len(prompt), []).append(i)
+        results: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(prompts)  # type: ignore[list-item]
+        for members in groups.values():
+            for i, result in zip(
+                members,
+                self._sample_group(torch.stack([prompts[i] for i in members]), max_new_tokens, temperature, top_p, generator),
+                strict=True,
+            ):
+                results[i] = result
+        return results
+
+    def _sample_group(self, prompts: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator):
+        """Decode a [B, P] block of equal-length prompts; rows that sampled EOS keep being fed
+        it (their later draws are discarded), so the batch keeps one shape and one KV cache."""
+        out = self.model(prompts, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
         tokens, log_probs = [], []
-        for _ in range(max_new_tokens):
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        lengths = torch.full((len(prompts),), max_new_tokens)
+        for step in range(max_new_tokens):
             logp = torch.log_softmax(logits.float() / temperature, dim=-1)
             token = _sample_top_p(logp, top_p, generator)
+            token = torch.where(done, torch.full_like(token, self.eos_token_id or 0), token)
             tokens.append(token)
-            log_probs.append(logp[token])
-            if token == self.eos_token_id:
+            log_probs.append(logp.gather(1, token[:, None])[:, 0])
+            if self.eos_token_id is not None:
+                ended = ~done & (token == self.eos_token_id)
+                lengths[ended] = step + 1
+                done |= ended
+            if bool(done.all()) or step + 1 == max_new_tokens:
                 break
-            out = self.model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
-        return torch.tensor(tokens, dtype=torch.long), torch.stack(log_probs)
+            out = self.model(token[:, None], past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+        ids, lps = torch.stack(tokens, 1), torch.stack(log_probs, 1)
+        return [(ids[r, : int(n)].clone(), lps[r, : int(n)].clone()) for r, n in enumerate(lengths.tolist())]
 
 
-def _sample_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
+def _sample_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logp`` [B, V] from the smallest prefix of mass >= ``top_p``."""
     probs = logp.exp()
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)[:, 0]

@@ -79,7 +79,7 @@ class RLTrainerConfig(TrainerConfig):
             parity baseline. Only ``roles.build_roles`` reads it.
     """
 
-    total_steps: int = 120
+    total_steps: int = 160
     output_dir: str = "outputs/ppo_tiny"
     use_legacy_worker_impl: Union[str, bool] = "auto"  # noqa: UP007 (OmegaConf needs typing.Union)
 

@@ -32,10 +32,11 @@ class Sampler(Protocol):
         """Replace the model's weights with ``(hf_name, tensor)`` pairs."""
 
     def sample(
-        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One response for a 1-D prompt: ``(response_ids, log_probs)``, where ``log_probs[i]`` is
-        ``log softmax(logits / temperature)`` of ``response_ids[i]`` (before top-p filtering)."""
+        self, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One response per 1-D prompt, in order: ``(response_ids, log_probs)``, where
+        ``log_probs[i]`` is ``log softmax(logits / temperature)`` of ``response_ids[i]`` (before
+        top-p filtering). Deterministic given ``generator``'s state and the prompts."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ class Rollout:
         generator = torch.Generator().manual_seed(c.seed + (self._calls if seed_offset is None else seed_offset))
         self._calls += 1
         sequences, masks, log_probs = [], [], []
-        for prompt in prompts:
-            response, lp = self.sampler.sample(prompt, c.max_new_tokens, c.temperature, c.top_p, generator)
+        responses = self.sampler.sample(list(prompts), c.max_new_tokens, c.temperature, c.top_p, generator)
+        for prompt, (response, lp) in zip(prompts, responses, strict=True):
             sequences.append(torch.cat([prompt, response]))
             masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
             log_probs.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))

@@ -13,10 +13,12 @@ from engine_api.typed_config import load_typed
 from recipes.ppo import PPOConfig, prompts_at, score
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["data.batch_size=8", "algo.n_samples=4", "trainer.progress_bar=false"]
+FAST = ["data.batch_size=8", "algo.n_samples=4"]
 
 
-def _run(out: Path, config: str, steps: int, *extra: str) -> list[dict]:
+def _run(out: Path, config: str, steps: int, *extra: str, fast: bool = True) -> list[dict]:
+    """``steps`` steps of ``config`` in a fresh process (with :data:`FAST`'s small batches
+    unless ``fast`` is False); returns the metrics rows."""
     cmd = [
         sys.executable,
         "-m",
@@ -25,7 +27,8 @@ def _run(out: Path, config: str, steps: int, *extra: str) -> list[dict]:
         str(ROOT / "configs" / config),
         f"trainer.output_dir={out}",
         f"trainer.total_steps={steps}",
-        *FAST,
+        "trainer.progress_bar=false",
+        *(FAST if fast else ()),
         *extra,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -58,14 +61,20 @@ def test_prompts_are_a_pure_function_of_seed_and_step():
 
 
 @pytest.mark.slow
-def test_ppo_reward_rises_and_the_plot_is_written(tmp_path):
-    rows = _run(tmp_path, "ppo_tiny.yaml", 40)
+@pytest.mark.parametrize("config", ["ppo_tiny.yaml", "grpo_tiny.yaml"])
+def test_reward_rises_on_the_default_config_and_the_plot_is_written(tmp_path, config):
+    """The first 60 of the demo's 160 steps, default batch sizes. Measured (2 sampling/data
+    seeds): the mean reward of steps 51-60 is 0.40-0.45 for both configs, from 0.04-0.05 over
+    the first 5 steps; the bound (0.25 and 4x the start) leaves room for another CPU's
+    rounding sending sampling down a different path."""
+    rows = _run(tmp_path, config, 60, fast=False)
     first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-10:]) / 10
-    assert last >= 2 * first + 0.02, (first, last)
+    assert last >= max(0.25, 4 * first), (first, last)
     assert (tmp_path / "reward.png").stat().st_size > 1000
-    assert {"reward", "entropy", "actor_loss", "actor_grad_norm", "critic_loss", "lr", "tokens_per_s", "rollout_s", "update_s"} <= set(
-        rows[0]
-    )
+    keys = {"reward", "entropy", "actor_loss", "actor_grad_norm", "lr", "tokens_per_s", "rollout_s", "update_s"}
+    if config == "ppo_tiny.yaml":
+        keys |= {"critic_loss", "critic_grad_norm"}
+    assert keys <= set(rows[0])
 
 
 @pytest.mark.slow

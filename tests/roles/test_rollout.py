@@ -11,7 +11,8 @@ from roles.rollout import Rollout, RolloutConfig
 from tests.backends.hf_utils import make_model, make_test_batch, max_abs_diff
 from tests.roles.test_roles import _engine, _with_old_log_probs
 
-PROMPTS = [torch.tensor([1, 5, 9]), torch.tensor([2, 7]), torch.tensor([3, 3, 4, 8]), torch.tensor([6])]
+# Lengths 3, 2, 4, 1, 3, 2, 3: the sampler decodes equal-length prompts as one batch.
+PROMPTS = [torch.tensor(p) for p in ([1, 5, 9], [2, 7], [3, 3, 4, 8], [6], [4, 4, 2], [9, 1], [7, 7, 7])]
 
 
 def _trained_actor(model_dir):
@@ -23,12 +24,22 @@ def _trained_actor(model_dir):
 def test_synced_rollout_log_probs_equal_the_actors(tmp_path):
     model_dir = make_model(tmp_path / "llama", "llama")
     actor = _trained_actor(model_dir)
-    rollout = Rollout(actor.engine, HFSampler(model_dir), RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3))
+    eos = 5
+    rollout = Rollout(
+        actor.engine, HFSampler(model_dir, eos_token_id=eos), RolloutConfig(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)
+    )
     rollout.sync_weights()
     batch = rollout.generate(PROMPTS)
+    responses = []
     for i, p in enumerate(PROMPTS):
         assert int(batch["prompt_len"][i]) == len(p)
+        assert torch.equal(batch["input_ids"][i][: len(p)], p)
         assert batch["loss_mask"][i].tolist() == [0.0] * len(p) + [1.0] * (len(batch["input_ids"][i]) - len(p))
+        responses.append(batch["input_ids"][i][len(p) :].tolist())
+    # A response stops right after its first EOS (rows of a batch that ended keep no tokens).
+    for r in responses:
+        assert eos not in r[:-1] and (len(r) == 6 or r[-1] == eos), r
+    assert any(len(r) < 6 for r in responses) and any(len(r) == 6 for r in responses), "seed should give both kinds"
     # The actor scores the sampled tokens at the same temperature: equal to what the sampler recorded.
     ours = actor.compute_log_probs(batch)["log_probs"]
     masked = unpack(ours.values() * batch["loss_mask"].values(), batch["input_ids"])
