@@ -94,10 +94,11 @@ def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0):
 
 
 def nll_loss(mb, out, norm):
-    """Token-mean negative log-likelihood through the engine's normalization (``agg_loss``)."""
+    """Token-mean negative log-likelihood through the engine's normalization (``agg_loss``), on
+    the flat per-token values (as the roles write their losses; the raw loops are flat too)."""
     from engine_api import agg_loss
 
-    return agg_loss(-out["log_probs"], mb["loss_mask"], norm), {}
+    return agg_loss(-out["log_probs"].values(), mb["loss_mask"], norm), {}
 
 
 def engine_overrides(path: str, *extra: str) -> list[str]:

@@ -2,8 +2,9 @@
 
 Same model directory, same ``fully_shard`` layout (each decoder layer, then the root), same
 AdamW hyper-parameters, gradient clipping and constant LR schedule as the engine. The step
-packs the batch into one row with per-sequence positions (HF's remove-padding input, exactly
-what the engine feeds the model), computes the token-mean NLL of the loss-mask tokens with
+packs the batch with per-sequence positions into the rows ``backends.fsdp.forward.packed_rows``
+lays out (HF's remove-padding input, exactly what the engine feeds the model: the same rows,
+so both sides do the same attention work; that layout helper is the only shared code), computes the token-mean NLL of the loss-mask tokens with
 a plain log-softmax, and steps; with ``micro_batches > 1`` it accumulates gradients over
 consecutive slices of the batch, each scaled by the batch's token count. No engine_api code
 runs inside the timed step.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from backends.fsdp.forward import packed_rows
 
 
 class RawFSDPTrainer:
@@ -46,7 +49,9 @@ class RawFSDPTrainer:
             mb_ids, mb_mask = ids[a:b], mask[a:b]
             lengths = offsets[lo + 1 : hi + 1] - offsets[lo:hi]
             positions = torch.arange(b - a) - torch.repeat_interleave(offsets[lo:hi] - a, lengths)
-            logits = self.model(input_ids=mb_ids[None], position_ids=positions[None], use_cache=False).logits[0]
+            rows, row_pos, index = packed_rows(mb_ids, positions, offsets[lo : hi + 1] - a, self.model.config)
+            logits = self.model(input_ids=rows, position_ids=row_pos, use_cache=False).logits.flatten(0, 1)
+            logits = logits if index is None else logits[index]
             # Position t predicts t + 1; predictions across a sequence boundary land on a sequence
             # start, where the loss mask is 0.
             logp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, mb_ids[1:, None]).squeeze(-1)

@@ -2,7 +2,7 @@
 protocol, micro-batching and loss normalization. Imports no backend, no megatron and no
 transformers; backends are found lazily through the registry."""
 
-from engine_api.base import BaseEngine
+from engine_api.base import RETURN_PREDICTIONS, BaseEngine
 from engine_api.batch import make_batch, validate_batch
 from engine_api.config import EngineConfig, load_config
 from engine_api.losses import AGG_MODES, NormContext, agg_loss
@@ -13,6 +13,7 @@ __all__ = [
     "BaseEngine",
     "EngineConfig",
     "NormContext",
+    "RETURN_PREDICTIONS",
     "agg_loss",
     "available_engines",
     "build_engine",

@@ -18,6 +18,10 @@ from engine_api.losses import LossFn
 
 PreprocessFn = Callable[[TensorDict, dict], TensorDict]
 PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
+# ``ctx`` key of a training ``forward_backward_step``: False lets the backend skip assembling the
+# predictions (returned as None), which ``train_batch`` discards anyway; saves the per-micro-batch
+# relayout and the final reorder.
+RETURN_PREDICTIONS = "return_predictions"
 
 
 class BaseEngine(abc.ABC):
@@ -103,7 +107,9 @@ class BaseEngine(abc.ABC):
             batch: this rank's shard of the global batch.
             ctx: a dict passed to the hooks and returned; the engine adds ``ctx["norm"]``
                 (the call's ``NormContext``, training only) and ``ctx["metrics"]`` (per key, a
-                list with one value per micro-batch, from the loss function).
+                list with one value per micro-batch, from the loss function). A training
+                call with ``ctx[RETURN_PREDICTIONS] = False`` may skip assembling the
+                predictions and return None for them (``train_batch`` does this).
             forward_only: no backward, no loss; gradients untouched.
             preprocess_fn: ``fn(micro_batch, ctx) -> micro_batch`` before each forward.
             postprocess_fn: ``fn(micro_batch, outputs, ctx) -> outputs`` after each forward,
@@ -244,7 +250,8 @@ class BaseEngine(abc.ABC):
             mean over micro-batches of each loss-function metric.
         """
         self.optimizer_zero_grad()
-        _, loss, ctx = self.forward_backward_step(batch)
+        # The predictions are not returned, so the backend need not assemble them.
+        _, loss, ctx = self.forward_backward_step(batch, ctx={RETURN_PREDICTIONS: False})
         grad_norm = self.optimizer_step()
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "step_skipped": 0.0}
         if math.isfinite(grad_norm):

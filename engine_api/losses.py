@@ -149,9 +149,15 @@ def agg_numerator(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tor
     masked token sum.
     """
     _check_mode(mode)
-    values, offsets = _flat(loss)
     mask, mask_offsets = _flat(loss_mask)
-    if values.shape != mask.shape or not torch.equal(offsets, mask_offsets):
+    if loss.is_nested or not loss_mask.is_nested:
+        values, offsets = _flat(loss)
+    else:
+        # Flat per-token values in the mask's layout: no jagged op on the autograd path (each
+        # costs a Python-level dispatch in forward and in backward).
+        values, offsets = _flat(loss)[0], mask_offsets
+    # Fields that share one offsets tensor need no comparison (torch.equal syncs on GPU).
+    if values.shape != mask.shape or (offsets is not mask_offsets and not torch.equal(offsets, mask_offsets)):
         raise ValueError(
             f"loss has layout {tuple(values.shape)} / offsets {offsets.tolist()} but loss_mask has "
             f"{tuple(mask.shape)} / {mask_offsets.tolist()}; fix: compute the loss on the micro-batch's tokens"

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from engine_api.base import RETURN_PREDICTIONS
 from engine_api.batch import loss_mask_of, relayout, to_device, validate_batch
 from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
@@ -129,6 +130,7 @@ def forward_backward_loop(
         ctx["norm"] = norm
         scale = backward_scale(norm, cfg.deferred_normalization, spec.grads_averaged_over_dp)
     outputs = []
+    keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
     total = torch.zeros((), dtype=torch.float64)
     for mb in plan.batches:
         if spec.device is not None:
@@ -145,9 +147,10 @@ def forward_backward_loop(
                 total += loss.detach().double().cpu()
                 for key, value in metrics.items():
                     ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
-        # Outputs go back to the caller's device, then onto the caller's jagged layout.
-        outputs.append(to_device(relayout(out.detach()), batch["input_ids"].device))
-    predictions = plan.restore(outputs, like=batch["input_ids"])
+        if keep:
+            # Outputs go back to the caller's device, then onto the caller's jagged layout.
+            outputs.append(to_device(relayout(out.detach()), batch["input_ids"].device))
+    predictions = plan.restore(outputs, like=batch["input_ids"]) if keep else None
     if forward_only:
         return predictions, ctx
     if cfg.deferred_normalization:

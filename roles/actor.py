@@ -14,7 +14,6 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
-from engine_api.batch import unpack
 from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
@@ -97,24 +96,24 @@ def update_fields(config: ActorConfig) -> list[str]:
 def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate + KL penalty - entropy bonus of one micro-batch, each aggregated
     with ``norm`` (an ``engine_api.NormContext``); returns the loss and its metrics."""
-    ids, mask = mb["input_ids"], mb["loss_mask"]
+    mask = mb["loss_mask"]
     log_probs = out["log_probs"].values()
     pg, clipped = ppo_policy_loss(log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
-    total = agg_loss(unpack(pg, ids), mask, norm)
+    total = agg_loss(pg, mask, norm)
     with torch.no_grad():
         tokens = mask.values().sum().clamp(min=1)
         ratio = torch.exp(log_probs - mb["old_log_probs"].values())
         metrics = {
-            "pg_loss": float(agg_loss(unpack(pg.detach(), ids), mask, norm)),
+            "pg_loss": float(agg_loss(pg.detach(), mask, norm)),
             "clipfrac": float((clipped * mask.values()).sum() / tokens),
             "ratio_mean": float((ratio * mask.values()).sum() / tokens),
         }
     if c.kl_coef:
-        kl = agg_loss(unpack(kl_estimate(log_probs, mb["ref_log_probs"].values(), c.kl_estimator), ids), mask, norm)
+        kl = agg_loss(kl_estimate(log_probs, mb["ref_log_probs"].values(), c.kl_estimator), mask, norm)
         total = total + c.kl_coef * kl
         metrics["kl"] = float(kl.detach())
     if c.entropy_coef:
-        entropy = agg_loss(unpack(out["entropy"].values(), ids), mask, norm)
+        entropy = agg_loss(out["entropy"].values(), mask, norm)
         total = total - c.entropy_coef * entropy
         metrics["entropy"] = float(entropy.detach())
     return total, metrics

@@ -9,7 +9,6 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
-from engine_api.batch import unpack
 from roles.algos import clipped_value_loss
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
@@ -64,9 +63,9 @@ VALUE_UPDATE_FIELDS = ("values", "returns")
 
 def value_objective(c: CriticConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss of one micro-batch aggregated with ``norm``, and its metrics."""
-    ids, mask = mb["input_ids"], mb["loss_mask"]
+    mask = mb["loss_mask"]
     per_token, clipped = clipped_value_loss(out["values"].values(), mb["values"].values(), mb["returns"].values(), c.value_clip)
-    total = agg_loss(unpack(per_token, ids), mask, norm)
+    total = agg_loss(per_token, mask, norm)
     with torch.no_grad():
         tokens = mask.values().sum().clamp(min=1)
         return total, {"vf_loss": float(total.detach()), "vf_clipfrac": float((clipped * mask.values()).sum() / tokens)}

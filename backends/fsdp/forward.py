@@ -3,11 +3,19 @@ the legacy FSDP workers (``roles/legacy``), so both read the same logits."""
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 import torch.nn as nn
 from tensordict import TensorDict
 
 from engine_api.batch import pack, pad, unpack
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
+
+# FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
+# in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs
+# out of place (slicing, gather, division into new tensors), so the warning never applies here.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool) -> TensorDict:
@@ -17,15 +25,23 @@ def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool
     True; logits are divided by metadata ``temperature``, default 1); ``head: value`` gives
     ``values``, where ``values[i]`` is predicted from the prefix before token i (0 at 0).
 
-    ``remove_padding``: one packed row with per-sequence positions, no mask and no KV cache, so
-    HF starts a new sequence wherever the positions restart (varlen kernels with flash-attn);
-    otherwise a right-padded batch with an attention mask.
+    ``remove_padding``: packed rows with per-sequence positions, no mask and no KV cache, so
+    HF starts a new sequence wherever the positions restart: one row with flash-attn's varlen
+    kernels, else the rows of :func:`packed_rows`. Otherwise a right-padded batch with an
+    attention mask.
     """
     ids = mb["input_ids"]
     packed = pack(ids)
-    if remove_padding:
+    if remove_padding and _varlen_kernels(model):
         out = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
         flat = out.logits[0]
+    elif remove_padding:
+        # No varlen kernel (SDPA / eager): attention over one packed row costs (row tokens)^2
+        # whatever the block-diagonal mask hides; several narrower rows cost rows x width^2
+        # (measured: benchmarks/packing.py).
+        rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
+        out = model(input_ids=rows, position_ids=pos, use_cache=False)
+        flat = out.logits.flatten(0, 1) if index is None else out.logits.flatten(0, 1)[index]
     else:
         padded, mask = pad(ids)
         out = model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
@@ -39,3 +55,94 @@ def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool
     if mb.get_non_tensor("calculate_entropy", False):
         outputs["entropy"] = unpack(token_entropy(logits, packed.cu_seqlens), ids)
     return TensorDict(outputs, batch_size=mb.batch_size)
+
+
+def _varlen_kernels(model: nn.Module) -> bool:
+    """Whether attention runs varlen kernels (cost per sequence, not per packed row)."""
+    return getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+
+
+def packed_rows(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: torch.Tensor, config
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Lay packed sequences out in rows of the width :func:`row_width` picks for ``config``.
+
+    Args:
+        input_ids: flat token ids of the packed micro-batch, shape [total].
+        position_ids: their per-sequence positions, shape [total].
+        offsets: sequence boundaries, shape [B + 1].
+        config: the HF model config (sizes for the cost model).
+
+    Returns:
+        ``(input_ids [R, L], position_ids [R, L], index)``: ``index[t]`` is packed token t's
+        place in the flattened ``[R * L]`` rows, or None when everything fits one row
+        (``R == 1``, no gather needed). Sequences go first-fit-decreasing into rows; a
+        row's unused tail gets positions restarting at 0, so HF treats it as a sequence of
+        its own that no real token attends to.
+    """
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    width = row_width(lengths, config)
+    if width >= len(input_ids):
+        return input_ids[None], position_ids[None], None
+    rows = _first_fit_decreasing(lengths, width)
+    device = input_ids.device
+    starts = [0] * len(lengths)  # flat start of each sequence in [R * L]
+    loads = []
+    for r, members in enumerate(rows):
+        col = r * width
+        for i in members:
+            starts[i] = col
+            col += lengths[i]
+        loads.append(col - r * width)
+    total = input_ids.numel()
+    shift = torch.tensor(starts, device=device) - offsets[:-1]
+    index = torch.repeat_interleave(shift, offsets[1:] - offsets[:-1], output_size=total) + torch.arange(total, device=device)
+    flat_ids = input_ids.new_zeros(len(rows) * width)
+    flat_ids[index] = input_ids
+    # Real tokens keep their per-sequence positions; each row's tail restarts at 0.
+    tail_start = torch.tensor(loads, device=device).repeat_interleave(width)
+    flat_pos = torch.arange(len(rows) * width, device=device) % width - tail_start
+    flat_pos[index] = position_ids
+    return flat_ids.view(len(rows), width), flat_pos.view(len(rows), width), index
+
+
+def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
+    """Sequence indices per row: longest first, each into the first row with room."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, load in enumerate(loads) if load + lengths[i] <= width), len(rows))
+        if j == len(rows):
+            rows.append([])
+            loads.append(0)
+        rows[j].append(i)
+        loads[j] += lengths[i]
+    return rows
+
+
+def row_width(lengths: list[int], config) -> int:
+    """The row width with the fewest modelled FLOPs: rows x width x (per-token linear cost +
+    per-token attention cost x width), over the longest sequence times powers of two and
+    everything in one row (``sum(lengths)``). Wider rows waste less padding; narrower rows
+    do less masked attention. Powers of two keep the search to log(total / longest) packings.
+
+    The model counts the attention of a dense (block-diagonal masked) row, which is what SDPA
+    and eager attention compute; it is not used with varlen kernels.
+    """
+    h, layers = config.hidden_size, config.num_hidden_layers
+    kv = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    kv *= getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = layers * 2 * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size) + 2 * h * config.vocab_size
+    per_token_per_col = layers * 4 * h  # QK^T and AV over the whole row
+    longest, total = max(lengths), sum(lengths)
+    widths = [total]
+    width = longest
+    while width < total:
+        widths.append(width)
+        width *= 2
+
+    def cost(width: int) -> int:
+        n_rows = 1 if width == total else len(_first_fit_decreasing(lengths, width))
+        return n_rows * width * (per_token + per_token_per_col * width)
+
+    return min(widths, key=cost)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from tensordict import TensorDict
@@ -48,6 +49,7 @@ from backends.megatron.model import (
 )
 from backends.megatron.offload import StorageOffloader
 from engine_api import BaseEngine, ckpt_layout, register_engine
+from engine_api.base import RETURN_PREDICTIONS
 from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack
 from engine_api.dist import all_reduce
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
@@ -258,7 +260,7 @@ class MegatronEngine(BaseEngine):
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
             forward_only=forward_only,
         )
-        predictions, total = self._collect(store, plan, batch, ctx)
+        predictions, total = self._collect(store, plan, batch, ctx, keep=forward_only or ctx.get(RETURN_PREDICTIONS, True))
         if forward_only:
             return predictions, ctx
         if cfg.deferred_normalization:
@@ -335,16 +337,17 @@ class MegatronEngine(BaseEngine):
             out["entropy"] = unpack(token_entropy(logits, cu), ids)
         return TensorDict(out, batch_size=mb.batch_size)
 
-    def _collect(self, store: list, plan, batch: TensorDict, ctx: dict):
-        """Restore outputs on the last stage, then broadcast outputs and loss over the PP group."""
+    def _collect(self, store: list, plan, batch: TensorDict, ctx: dict, keep: bool = True):
+        """Restore outputs on the last stage (``keep``: else predictions are None), then broadcast
+        outputs and loss over the PP group."""
         payload = None
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store]
+            outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store] if keep else None
             local = float(sum(item["loss"] for item in store if "loss" in item)) if store and "loss" in store[0] else 0.0
             for item in store:
                 for key, value in item.get("metrics", {}).items():
                     ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
-            payload = (plan.restore(outputs), ctx.get("metrics", {}), local)
+            payload = (plan.restore(outputs) if keep else None, ctx.get("metrics", {}), local)
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             holder = [payload]
             last = mpu.get_pipeline_model_parallel_last_rank()
@@ -355,6 +358,8 @@ class MegatronEngine(BaseEngine):
         total = torch.tensor([local], dtype=torch.float64)
         # Contributions are normalised globally: the global loss is their sum over DP ranks.
         all_reduce(total, "sum", self.dp_group)
+        if predictions is None:
+            return None, float(total)
         predictions = to_device(relayout(predictions, None), batch["input_ids"].device)
         return relayout(predictions, batch["input_ids"].offsets()), float(total)
 
@@ -386,7 +391,14 @@ class MegatronEngine(BaseEngine):
         if agree_to_skip(grad_norm, nonfinite_loss, None):
             return skipped_norm(grad_norm)
         if self.config.optim.clip_grad is not None:
-            self.optimizer.clip_grad_norm(self.config.optim.clip_grad)
+            # Clip with the norm measured above: megatron's clip_grad_norm() would compute it
+            # again (one more pass over every grad, and a collective over the DP/MP groups).
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(
+                        params, self.config.optim.clip_grad, grad_norm, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                    )
         self.optimizer.step_with_ready_grads()
         self.global_step += 1
         return grad_norm

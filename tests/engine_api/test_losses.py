@@ -97,6 +97,27 @@ def _direct_tensor(mode, rows, masks):
     return {"token-mean": total / tokens, "seq-mean-token-sum-norm": total / (len(seqs) * C)}.get(mode, sum(seqs) / len(seqs))
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_flat_values_in_the_mask_layout_equal_the_jagged_loss(mode):
+    """Roles pass flat per-token values (no jagged wrapper on the autograd path): same value,
+    same gradient as the jagged loss."""
+    loss, mask, _, _ = _case(empty_row=1)
+    norm = build_norm_context(mask, mode, None, C)
+    flat = loss.values().clone().requires_grad_(True)
+    jag = loss.values().clone().requires_grad_(True)
+    a = agg_loss(flat, mask, norm)
+    b = agg_loss(torch.nested.nested_tensor_from_jagged(jag, loss.offsets()), mask, norm)
+    (a + b).backward()
+    assert float(a) == float(b)
+    assert torch.equal(flat.grad, jag.grad)
+
+
+def test_flat_values_of_the_wrong_length_are_rejected():
+    _, mask, _, _ = _case()
+    with pytest.raises(ValueError, match="loss_mask"):
+        agg_numerator(torch.ones(mask.values().numel() + 1, dtype=torch.float64), mask, "token-mean")
+
+
 def test_counts_skip_sequences_with_empty_mask():
     _, mask, _, mask_rows = _case(empty_row=2)
     counts = NormCounts.from_mask(mask)
