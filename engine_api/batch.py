@@ -227,9 +227,12 @@ def unpack(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Sharing ``like``'s offsets makes the result composable with the batch's other jagged
     fields; autograd flows through.
     """
-    if values.shape[0] != like.values().shape[0]:
-        raise ValueError(f"unpack got {values.shape[0]} values for {like.values().shape[0]} tokens")
-    return torch.nested.nested_tensor_from_jagged(values, like.offsets())
+    offsets = like.offsets()
+    # The token count from the offsets: like.values() would cost a jagged dispatch per call.
+    tokens = int(offsets[-1])
+    if values.shape[0] != tokens:
+        raise ValueError(f"unpack got {values.shape[0]} values for {tokens} tokens")
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 def pad(jagged: torch.Tensor, value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,10 +92,18 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the process passes here: the common case (no device argument,
+        # not one of the three rewritten methods) returns after one dict lookup and two
+        # identity tests.
+        if func not in _SPECIAL and (not kwargs or "device" not in kwargs):
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             _record()
