@@ -249,7 +249,10 @@ class MegatronEngine(BaseEngine):
         self._call_len = max(self._row_len(mb) for mb in micro) if self.fixed_shape else 0
         if preprocess_fn is not None:
             micro = [preprocess_fn(mb, ctx) for mb in micro]
-        step = partial(self._forward_step, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn)
+        keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
+        step = partial(
+            self._forward_step, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn, keep=keep
+        )
         n_chunks = len(self.model)
         store = get_forward_backward_func()(
             forward_step_func=step,
@@ -260,7 +263,7 @@ class MegatronEngine(BaseEngine):
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
             forward_only=forward_only,
         )
-        predictions, total = self._collect(store, plan, batch, ctx, keep=forward_only or ctx.get(RETURN_PREDICTIONS, True))
+        predictions, total = self._collect(store, plan, batch, ctx, keep=keep)
         if forward_only:
             return predictions, ctx
         if cfg.deferred_normalization:
@@ -304,23 +307,36 @@ class MegatronEngine(BaseEngine):
         positions = torch.arange(s, device=self.device).expand_as(padded)
         return padded, positions, None, real
 
-    def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn):
+    def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn, keep):
         mb = next(data_iterator)
         tokens, positions, mask, real = self._inputs(mb)
         output = model(tokens, positions, attention_mask=mask)
         return output, partial(
-            self._loss_func, mb=mb, real=real, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn
+            self._loss_func,
+            mb=mb,
+            real=real,
+            ctx=ctx,
+            norm=norm,
+            scale=scale,
+            forward_only=forward_only,
+            postprocess_fn=postprocess_fn,
+            keep=keep,
         )
 
-    def _loss_func(self, output, mb, real, ctx, norm, scale, forward_only, postprocess_fn):
-        """Last stage: logits/values -> jagged outputs -> the user's loss (scaled for the schedule)."""
+    def _loss_func(self, output, mb, real, ctx, norm, scale, forward_only, postprocess_fn, keep):
+        """Last stage: logits/values -> jagged outputs -> the user's loss (scaled for the schedule).
+        ``keep``: store the detached outputs for the caller (skipped when predictions are not
+        returned: detaching every jagged field costs a dispatch each)."""
         out = self._outputs(output, mb, real)
         if postprocess_fn is not None:
             out = postprocess_fn(mb, out, ctx)
         if forward_only:
             return output.new_zeros(()), {"outputs": out.detach()}
         loss, metrics = self._loss_fn(mb, out, norm)
-        return loss * scale, {"outputs": out.detach(), "loss": loss.detach().double(), "metrics": metrics}
+        stored = {"loss": loss.detach().double(), "metrics": metrics}
+        if keep:
+            stored["outputs"] = out.detach()
+        return loss * scale, stored
 
     def _outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
         ids = mb["input_ids"]
