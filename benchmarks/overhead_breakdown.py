@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import tempfile
 import time
 
@@ -48,8 +49,6 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args(argv)
     set_threads(1)
-    import importlib
-
     table: collections.Counter = collections.Counter()
     for module_name, names in PIECES.items():
         module = importlib.import_module(module_name)

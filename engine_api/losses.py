@@ -150,12 +150,12 @@ def agg_numerator(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> tor
     """
     _check_mode(mode)
     mask, mask_offsets = _flat(loss_mask)
-    if loss.is_nested or not loss_mask.is_nested:
-        values, offsets = _flat(loss)
-    else:
+    if not loss.is_nested and loss_mask.is_nested:
         # Flat per-token values in the mask's layout: no jagged op on the autograd path (each
-        # costs a Python-level dispatch in forward and in backward).
-        values, offsets = _flat(loss)[0], mask_offsets
+        # costs a Python-level dispatch in forward and in backward). A wrong shape fails below.
+        values, offsets = loss, mask_offsets
+    else:
+        values, offsets = _flat(loss)
     # Fields that share one offsets tensor need no comparison (torch.equal syncs on GPU).
     if values.shape != mask.shape or (offsets is not mask_offsets and not torch.equal(offsets, mask_offsets)):
         raise ValueError(

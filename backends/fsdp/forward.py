@@ -41,7 +41,8 @@ def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool
         # (measured: benchmarks/packing.py).
         rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
         out = model(input_ids=rows, position_ids=pos, use_cache=False)
-        flat = out.logits.flatten(0, 1) if index is None else out.logits.flatten(0, 1)[index]
+        flat = out.logits.flatten(0, 1)
+        flat = flat if index is None else flat[index]  # back to packed order
     else:
         padded, mask = pad(ids)
         out = model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
@@ -65,7 +66,7 @@ def _varlen_kernels(model: nn.Module) -> bool:
 def packed_rows(
     input_ids: torch.Tensor, position_ids: torch.Tensor, offsets: torch.Tensor, config
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Lay packed sequences out in rows of the width :func:`row_width` picks for ``config``.
+    """Lay packed sequences out in the rows :func:`row_layout` picks for ``config``.
 
     Args:
         input_ids: flat token ids of the packed micro-batch, shape [total].
@@ -81,10 +82,9 @@ def packed_rows(
         its own that no real token attends to.
     """
     lengths = (offsets[1:] - offsets[:-1]).tolist()
-    width = row_width(lengths, config)
-    if width >= len(input_ids):
+    width, rows = row_layout(lengths, config)
+    if len(rows) == 1:
         return input_ids[None], position_ids[None], None
-    rows = _first_fit_decreasing(lengths, width)
     device = input_ids.device
     starts = [0] * len(lengths)  # flat start of each sequence in [R * L]
     loads = []
@@ -120,11 +120,12 @@ def _first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     return rows
 
 
-def row_width(lengths: list[int], config) -> int:
-    """The row width with the fewest modelled FLOPs: rows x width x (per-token linear cost +
-    per-token attention cost x width), over the longest sequence times powers of two and
-    everything in one row (``sum(lengths)``). Wider rows waste less padding; narrower rows
-    do less masked attention. Powers of two keep the search to log(total / longest) packings.
+def row_layout(lengths: list[int], config) -> tuple[int, list[list[int]]]:
+    """The row width with the fewest modelled FLOPs and its rows (sequence indices per row,
+    first-fit-decreasing). Cost: rows x width x (per-token linear cost + per-token attention
+    cost x width), over the longest sequence times powers of two and everything in one row
+    (``sum(lengths)``). Wider rows waste less padding; narrower rows do less masked attention.
+    Powers of two keep the search to log(total / longest) packings.
 
     The model counts the attention of a dense (block-diagonal masked) row, which is what SDPA
     and eager attention compute; it is not used with varlen kernels.
@@ -134,15 +135,14 @@ def row_width(lengths: list[int], config) -> int:
     kv *= getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     per_token = layers * 2 * (2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size) + 2 * h * config.vocab_size
     per_token_per_col = layers * 4 * h  # QK^T and AV over the whole row
-    longest, total = max(lengths), sum(lengths)
-    widths = [total]
-    width = longest
+    total = sum(lengths)
+    best = (total, [list(range(len(lengths)))])
+    best_cost = total * (per_token + per_token_per_col * total)
+    width = max(lengths)
     while width < total:
-        widths.append(width)
+        rows = _first_fit_decreasing(lengths, width)
+        cost = len(rows) * width * (per_token + per_token_per_col * width)
+        if cost < best_cost:
+            best, best_cost = (width, rows), cost
         width *= 2
-
-    def cost(width: int) -> int:
-        n_rows = 1 if width == total else len(_first_fit_decreasing(lengths, width))
-        return n_rows * width * (per_token + per_token_per_col * width)
-
-    return min(widths, key=cost)
+    return best

@@ -358,12 +358,12 @@ class MegatronEngine(BaseEngine):
         outputs and loss over the PP group."""
         payload = None
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store] if keep else None
+            restored = plan.restore([to_device(relayout(item["outputs"]), "cpu") for item in store]) if keep else None
             local = float(sum(item["loss"] for item in store if "loss" in item)) if store and "loss" in store[0] else 0.0
             for item in store:
                 for key, value in item.get("metrics", {}).items():
                     ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
-            payload = (plan.restore(outputs) if keep else None, ctx.get("metrics", {}), local)
+            payload = (restored, ctx.get("metrics", {}), local)
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             holder = [payload]
             last = mpu.get_pipeline_model_parallel_last_rank()

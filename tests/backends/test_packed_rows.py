@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def narrow_rows(monkeypatch):
     """Force rows as narrow as the longest sequence (the tiny test batch would fit one row)."""
-    monkeypatch.setattr(fwd, "row_width", lambda lengths, config: max(lengths))
+    monkeypatch.setattr(fwd, "row_layout", lambda lengths, config: (max(lengths), fwd._first_fit_decreasing(lengths, max(lengths))))
 
 
 def _flat_case(lengths):
@@ -63,9 +63,9 @@ def test_width_follows_the_cost_model():
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=32
     )
     # Attention dominates a 6k-token row for a small model: rows as narrow as the longest.
-    assert fwd.row_width(lengths, small) == 1024
+    assert fwd.row_layout(lengths, small)[0] == 1024
     # Short sequences cost little attention: one row.
-    assert fwd.row_width([5, 9, 3, 12], small) == 29
+    assert fwd.row_layout([5, 9, 3, 12], small)[0] == 29
     ids, pos, offsets = _flat_case([5, 9, 3, 12])
     rows, _, index = fwd.packed_rows(ids, pos, offsets, small)
     assert rows.shape == (1, 29) and index is None

@@ -22,16 +22,18 @@ def _worker(rank, world, strategy, model_dir):
         predictions, loss, _ = kept.forward_backward_step(batch)
         grad_norm = kept.optimizer_step()
         kept.lr_scheduler_step()  # train_batch steps the schedule after a taken step
-        # The flag alone: no predictions come back, the loss is the same.
+        # The flag alone, on the stepped weights: no predictions come back, the same loss.
         kept.optimizer_zero_grad()
-        none, again, _ = kept.forward_backward_step(batch, ctx={RETURN_PREDICTIONS: False})
+        none, loss_dropped, _ = kept.forward_backward_step(batch, ctx={RETURN_PREDICTIONS: False})
+        kept.optimizer_zero_grad()
+        _, loss_kept, _ = kept.forward_backward_step(batch)
         kept.optimizer_zero_grad()
     return {
         "train_batch": (metrics["loss"], metrics["grad_norm"]),
         "kept": (loss, grad_norm),
         "kept_has_predictions": predictions is not None and "log_probs" in predictions.keys(),
         "dropped_predictions": none,
-        "dropped_loss_after_step": again,
+        "losses_after_step": (loss_dropped, loss_kept),
         "diff": snapshot_diff(snapshot(dropped), snapshot(kept)),
     }
 
@@ -40,5 +42,6 @@ def test_dropping_predictions_changes_only_the_predictions(backend, model_dir):
     (out,) = run(_worker, 1, backend, model_dir)
     assert out["train_batch"] == out["kept"]
     assert out["kept_has_predictions"] and out["dropped_predictions"] is None
-    assert isinstance(out["dropped_loss_after_step"], float)
+    dropped, kept = out["losses_after_step"]
+    assert dropped == kept and dropped != out["kept"][0]  # the step changed the weights
     assert out["diff"] == [], out["diff"]
