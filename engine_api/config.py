@@ -242,6 +242,10 @@ class EngineConfig:
             gradients, and training calls raise (a reference policy, a reward model).
         world_size: if set, checked against the model-parallel sizes at load time; None
             reads ``WORLD_SIZE`` from the environment when present.
+        dist_timeout_s: seconds a collective waits for a missing peer before raising, for the
+            process group an engine creates or joins (None: ``$ENGINEKIT_DIST_TIMEOUT_S``, else
+            torch's default of 30 minutes). Ignored when the caller already initialised
+            ``torch.distributed``.
     """
 
     strategy: str = "fsdp"
@@ -260,6 +264,7 @@ class EngineConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     frozen: bool = False
     world_size: int | None = None
+    dist_timeout_s: float | None = None
 
     def _problems(self) -> list[str]:
         out = []
@@ -267,6 +272,8 @@ class EngineConfig:
             out.append(_p("strategy", self.strategy, "empty", "name a registered engine, e.g. fsdp or megatron"))
         if self.seed < 0:
             out.append(_p("seed", self.seed, "negative", "use a seed >= 0"))
+        if self.dist_timeout_s is not None and not self.dist_timeout_s > 0:
+            out.append(_p("dist_timeout_s", self.dist_timeout_s, "must be positive", "seconds > 0, e.g. 600, or null for the default"))
         if self.micro_batch_size is not None and self.max_token_len_per_micro_batch is not None:
             out.append(
                 _p(

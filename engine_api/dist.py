@@ -123,19 +123,71 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
         return dist.default_pg_timeout
 
 
-def init_single_process_group(backend: str) -> None:
-    """Initialise a 1-rank default group if none exists (a plain ``python`` run).
+# What a launcher (torchrun, torch.distributed.run, a Slurm wrapper exporting torch's variables)
+# sets to describe the world a process belongs to; env:// reads exactly these.
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
-    Backends built on torch.distributed (FSDP2 meshes, megatron parallel_state) then run the
-    same code path in one process as under torchrun. The rendezvous is a fresh file, so
-    concurrent single-process runs never collide on a port.
+
+def launcher_world() -> tuple[int, int] | None:
+    """``(world_size, rank)`` when the environment describes a launcher's world, else None.
+
+    Raises:
+        ValueError: the environment describes a world of more than one process but lacks
+            what env:// needs to join it (a partial launcher environment would otherwise
+            make every rank train alone).
+    """
+    present = {k: os.environ.get(k) for k in LAUNCHER_ENV if os.environ.get(k)}
+    if "WORLD_SIZE" not in present:
+        return None
+    try:
+        world = int(present["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"$WORLD_SIZE = {present['WORLD_SIZE']!r}: not an integer; fix: launch with torchrun, or unset it") from None
+    missing = [k for k in LAUNCHER_ENV if k not in present]
+    if missing:
+        if world <= 1:
+            return None  # WORLD_SIZE=1 alone (e.g. left over in a shell): one process, nothing to join
+        raise ValueError(
+            f"$WORLD_SIZE = {world} but {', '.join('$' + k for k in missing)} not set: this process cannot join the other "
+            f"{world - 1} rank(s); fix: launch with torchrun (it sets {', '.join(LAUNCHER_ENV)}), or initialise "
+            "torch.distributed yourself before init_model()"
+        )
+    return world, int(present["RANK"])
+
+
+def ensure_process_group(backend: str, timeout_s: float | None = None) -> None:
+    """Make sure a default process group exists that spans the launcher's world.
+
+    * A group exists: kept (the caller chose it). If it has one rank while the launcher's
+      environment describes more (``$WORLD_SIZE > 1``), every rank would train alone without
+      a word: that raises.
+    * No group, and the environment describes a world (torchrun sets ``WORLD_SIZE``, ``RANK``,
+      ``MASTER_ADDR``, ``MASTER_PORT``): join it through env:// with the collective timeout
+      ``timeout_s`` (see :func:`init_process_group`).
+    * No group and no launcher (plain ``python``): a 1-rank group, so backends built on
+      torch.distributed (FSDP2 meshes, megatron parallel_state) run the same code in one process
+      as under torchrun. Its rendezvous is a fresh file, so concurrent runs never collide.
+
+    Raises:
+        ValueError: a 1-rank group under a larger launcher world, or a partial launcher
+            environment (see :func:`launcher_world`).
     """
     if is_initialized():
+        wanted = os.environ.get("WORLD_SIZE", "")
+        if wanted.isdigit() and int(wanted) > 1 and dist.get_world_size() == 1:
+            raise ValueError(
+                f"torch.distributed has a 1-rank group but $WORLD_SIZE = {wanted}: each rank would train alone; "
+                "fix: let the engine join the launcher's world (do not initialise a 1-rank group yourself), or "
+                "initialise it with init_method='env://'"
+            )
+        return
+    if launcher_world() is not None:
+        init_process_group(backend, timeout_s=timeout_s)
         return
     import tempfile
 
     store = tempfile.NamedTemporaryFile(prefix="enginekit_pg_", delete=False).name
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout_s=timeout_s)
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_typed(PPOConfig, args.config, overrides)
-    started = init_distributed()
+    started = init_distributed(cfg.engine.dist_timeout_s)
     try:
         return run(with_model_path(cfg))
     finally:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine
-from engine_api.dist import all_reduce, comm_device, init_process_group, is_initialized
+from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_initialized, launcher_world
 from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.tiny_model import FAMILIES, build_tiny_model
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = _parse_args(argv)
     cfg = load_sft_config(args.config, args.overrides)
-    started_dist = init_distributed()
+    started_dist = init_distributed(cfg.engine.dist_timeout_s)
     try:
         summary = run(cfg)
         if started_dist:
@@ -315,19 +315,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def init_distributed() -> bool:
-    """Join the process group when launched by torchrun; return whether this call created it.
+def init_distributed(timeout_s: float | None = None) -> bool:
+    """Join the launcher's process group (torchrun) with the collective timeout ``timeout_s``
+    (``engine.dist_timeout_s``); return whether this call created it, so the recipe tears
+    down only what it set up.
 
-    Single-process runs create nothing: the engine treats "no process group" as one rank.
+    Single-process runs create nothing here; the engine makes its own 1-rank group.
     """
-    if is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    if is_initialized() or launcher_world() is None:
         return False
+    backend = "gloo"
     if torch.cuda.is_available():
         # One GPU per process; NCCL collectives run on the current device.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        init_process_group("nccl")
-    else:
-        init_process_group("gloo")
+        backend = "nccl"
+    ensure_process_group(backend, timeout_s)
     return True
 
 

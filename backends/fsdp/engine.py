@@ -22,7 +22,7 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
 from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.dist import init_single_process_group
+from engine_api.dist import ensure_process_group
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.optim import build_adamw, clip_and_step
@@ -44,13 +44,14 @@ class FSDPEngine(BaseEngine):
     def init_model(self) -> None:
         """Load the HF model, shard it with FSDP2, build AdamW + LR schedule, apply offload.
 
-        Collective. Without torch.distributed initialised (plain ``python``), a 1-rank group
-        is created so one process runs the same FSDP2 code as N.
+        Collective. Joins the launcher's world when there is one (torchrun), else creates a
+        1-rank group so one process runs the same FSDP2 code as N
+        (``engine_api.dist.ensure_process_group``).
         """
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", self.config.dist_timeout_s)
         self.mesh = build_mesh(self.device, dist.get_world_size(), self.config.fsdp.fsdp_size)
         model = load_model(self.config, self.device)
         if self.config.frozen:

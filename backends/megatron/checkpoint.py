@@ -5,8 +5,11 @@ incl. megatron's tracker, step), inside the shared directory protocol of
 
 from __future__ import annotations
 
+import queue
+
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from engine_api import ckpt_layout
@@ -24,8 +27,24 @@ def _sharded(model_chunks, optimizer, is_loading: bool) -> dict:
     return {**model_sd, "optimizer": optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA))}
 
 
+def _results_in_process() -> None:
+    """Make megatron's checkpoint writer report its results through an in-process queue.
+
+    megatron-core creates that queue lazily with ``multiprocessing.get_context("spawn").Manager()``,
+    which starts a helper process by re-running the user's ``__main__``: a script without an
+    ``if __name__ == "__main__":`` guard crashes there (EOFError), and every process that saves
+    keeps a ~270 MB manager alive. The engine saves synchronously (``execute_sync``: the writer
+    function runs in this process and puts its results on the queue that this process then reads),
+    so a plain ``queue.Queue`` carries them; the writer's worker processes are forked and report
+    through their own queue. ``tests/launch`` saves from a script without the guard.
+    """
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
     """Save the sharded model + optimizer state and ``extra``. Collective."""
+    _results_in_process()
     tmp = ckpt_layout.begin(root, step)
     dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
     ckpt_layout.save_extra(tmp, extra)

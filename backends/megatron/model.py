@@ -27,13 +27,14 @@ from backends.hf import value_head_state
 from backends.megatron import cpu_compat
 from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
 from engine_api.config import EngineConfig, format_problem
-from engine_api.dist import init_single_process_group, process_group_timeout
+from engine_api.dist import ensure_process_group, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def init_parallel(config: EngineConfig) -> torch.device:
-    """Initialise torch.distributed (1-rank group for plain python) and megatron's
+    """Join the launcher's world (torchrun) or create a 1-rank group for plain python
+    (``engine_api.dist.ensure_process_group``), then initialise megatron's
     ``parallel_state`` with the configured TP/PP/VPP/CP sizes; seed megatron's RNG tracker.
 
     megatron's parallel state is process-global: one layout per process. A second engine in
@@ -45,7 +46,7 @@ def init_parallel(config: EngineConfig) -> torch.device:
         torch.cuda.set_device(device)
     else:
         cpu_compat.enable()
-    init_single_process_group("nccl" if cuda else "gloo")
+    ensure_process_group("nccl" if cuda else "gloo", config.dist_timeout_s)
     m = config.megatron
     world = dist.get_world_size()
     if world % m.model_parallel_size:

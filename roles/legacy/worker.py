@@ -20,7 +20,7 @@ from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, buil
 from engine_api import ckpt_layout
 from engine_api.batch import loss_mask_of, shard_batch, split_by_size, to_device, unpack, unshard_batch, validate_batch
 from engine_api.config import EngineConfig
-from engine_api.dist import all_reduce, comm_device, init_single_process_group
+from engine_api.dist import all_reduce, comm_device, ensure_process_group
 from engine_api.losses import build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from roles.factory import legacy_problems
@@ -38,7 +38,7 @@ class FSDPWorker:
             raise ValueError("; ".join(problems))
         self.config = config
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        init_single_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", config.dist_timeout_s)
         mesh = build_mesh(self.device, dist.get_world_size(), config.fsdp.fsdp_size)
         model = load_model(config, self.device)
         if config.frozen:
