@@ -3,9 +3,19 @@ megatron engine converts its weights, and needs the same seeded value-head init)
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+
 import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers.utils import logging as hf_logging
+
+# What loading a causal-LM directory as a value model leaves out or adds, by design: the LM head
+# is not used and the one-output ``score`` layer is new.
+_VALUE_HEAD_UNEXPECTED = ("lm_head.",)
+_VALUE_HEAD_MISSING = ("score.",)
 
 
 def load_hf_model(path: str, head: str, seed: int, attn_implementation: str = "sdpa") -> nn.Module:
@@ -20,10 +30,37 @@ def load_hf_model(path: str, head: str, seed: int, attn_implementation: str = "s
     if head == "value":
         hf_config = AutoConfig.from_pretrained(path, num_labels=1)
         hf_config.classifier_dropout = 0.0  # HF defaults it to 0.1: values would be noisy in train mode
-        return AutoModelForTokenClassification.from_pretrained(
-            path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        # HF logs a multi-line LOAD REPORT (lm_head UNEXPECTED, score MISSING) that newcomers read
+        # as an error; it is silenced here, anything beyond those keys is reported below.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        _report_value_head_load(path, info)
+        return model
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def _report_value_head_load(path: str, info: dict) -> None:
+    """One line for the expected outcome (once per process), every surprising key in full."""
+    missing, unexpected = list(info.get("missing_keys", [])), list(info.get("unexpected_keys", []))
+    odd = [f"missing {k}" for k in missing if not k.startswith(_VALUE_HEAD_MISSING)]
+    odd += [f"unexpected {k}" for k in unexpected if not k.startswith(_VALUE_HEAD_UNEXPECTED)]
+    if odd:
+        print(f"[enginekit] WARNING: loading {path} as a value model: {', '.join(odd)}", file=sys.stderr, flush=True)
+    elif missing:
+        note_once(f"[enginekit] value model from {path}: new one-output `score` head (seeded), LM head unused (expected)")
+
+
+@functools.cache
+def note_once(line: str) -> None:
+    """Print an informational ``line`` to stderr once per process, on rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 def value_head_state(path: str, seed: int) -> dict[str, torch.Tensor]:

@@ -25,13 +25,14 @@ import time
 from benchmarks.common import machine_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "gpu_throughput")
+SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "checkpoint_verify", "gpu_throughput")
 # The one column of each benchmark that the summary shows.
 KEY = {
     "overhead": "ratio",
     "packing": "time_vs_padded",
     "dynamic_batching": "balanced_max_mean",
     "memory": "actor_update_peak_mb",
+    "checkpoint_verify": "s_per_GB",
     "gpu_throughput": "mfu",
 }
 PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}

@@ -45,6 +45,8 @@ class BaseEngine(abc.ABC):
         """Store the typed config; build nothing heavy (no model, no process groups)."""
         self.config = config
         self._loss_fn: LossFn | None = None
+        # Why the weights are invalid (an optimizer step wrote NaN/inf into them), else None.
+        self._broken: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -86,6 +88,14 @@ class BaseEngine(abc.ABC):
             raise RuntimeError(
                 f"{what} on a frozen engine (engine.frozen = True: no optimizer); fix: use eval_mode/infer_batch, or set engine.frozen=false"
             )
+
+    def _refuse_if_broken(self, what: str) -> None:
+        """Raise for ``what`` while the weights are invalid: an optimizer step wrote non-finite
+        values (``engine_api.optim.check_update_finite``). Training, saving (which could rotate
+        good checkpoints out) and exporting them are refused until ``load_checkpoint``."""
+        broken = getattr(self, "_broken", None)
+        if broken:
+            raise RuntimeError(f"{what} refused: {broken}")
 
     # ------------------------------------------------------------------ compute
     def set_loss_fn(self, loss_fn: LossFn) -> None:
@@ -147,6 +157,11 @@ class BaseEngine(abc.ABC):
             optimizer state and the step counter are untouched, the window is reset, and a
             non-finite value is returned (the norm itself, or NaN when only a loss was not
             finite). Collective.
+
+        Raises:
+            engine_api.optim.NonFiniteUpdateError: the step ran and left a parameter NaN or
+                inf (on every rank, naming the step). The engine then refuses to train, save
+                or export until a checkpoint is loaded (see ``_refuse_if_broken``).
         """
 
     @abc.abstractmethod

@@ -13,6 +13,7 @@ order restoration (:func:`restore_order`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,11 +100,15 @@ def validate_batch(
 ) -> None:
     """Raise a ``ValueError`` naming the field and value if ``batch`` breaks the protocol.
 
-    Checks: a non-empty 1-D batch; ``input_ids`` present, jagged, integer, every sequence
-    non-empty (and within ``vocab_size`` / ``max_seq_len`` when given); every jagged field
-    has ``input_ids``' lengths; ``loss_mask`` (if present) is finite, non-negative and 0 at
-    every position 0. Reads only: nothing is modified, so engines call it before touching
-    any state.
+    Checks: a non-empty 1-D batch; ``input_ids`` present, jagged (``layout=torch.jagged``, not
+    torch's default strided nested layout), integer, every sequence non-empty (and within
+    ``vocab_size`` / ``max_seq_len`` when given); every other jagged field is jagged too and
+    built on ``input_ids``' offsets (same lengths is not enough: torch refuses arithmetic
+    between jagged tensors with different offsets, so the loss would fail mid-step);
+    ``loss_mask`` (if present) is finite, non-negative and 0 at every position 0; the
+    run-time switches the engines read (:data:`METADATA_RULES`: ``temperature`` a finite
+    number > 0, ``calculate_entropy`` a bool). Reads only: nothing is modified, so engines
+    call it before touching any state.
 
     Args:
         batch: the batch to check.
@@ -118,12 +123,8 @@ def validate_batch(
     if "input_ids" not in batch.keys():
         raise ValueError(f"batch has no 'input_ids' (fields: {sorted(batch.keys())}); fix: add the token ids")
     ids = batch["input_ids"]
-    if not ids.is_nested:
-        raise ValueError(
-            f"input_ids is a dense tensor of shape {tuple(ids.shape)}; fix: per-token fields must be jagged "
-            "(torch.nested, layout=torch.jagged); build the batch with engine_api.make_batch"
-        )
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    _check_jagged("input_ids", ids)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"input_ids has dtype {ids.dtype}; fix: token ids must be an integer dtype")
     lengths = seq_lengths(batch)
     if int(lengths.min()) < 1:
@@ -144,8 +145,17 @@ def validate_batch(
     for name in batch.keys():
         field = batch.get(name)
         # A field built on input_ids' offsets tensor (make_batch, unpack) has its lengths.
-        if isinstance(field, torch.Tensor) and field.is_nested and name != "input_ids" and field.offsets() is not offsets:
-            _check_lengths(name, (field.offsets()[1:] - field.offsets()[:-1]).tolist(), lengths.tolist())
+        if isinstance(field, torch.Tensor) and field.is_nested and name != "input_ids":
+            _check_jagged(name, field)
+            if field.offsets() is not offsets:
+                _check_lengths(name, (field.offsets()[1:] - field.offsets()[:-1]).tolist(), lengths.tolist())
+                raise ValueError(
+                    f"{name} has input_ids' lengths but its own offsets tensor: torch cannot combine jagged tensors with "
+                    f"different offsets (the loss would fail mid-step); fix: build it on input_ids' offsets, "
+                    f"torch.nested.nested_tensor_from_jagged(values, batch['input_ids'].offsets()), or build the batch "
+                    "with engine_api.make_batch"
+                )
+    _check_metadata(batch)
     if "loss_mask" in batch.keys():
         if not batch["loss_mask"].is_nested:
             raise ValueError(
@@ -330,6 +340,38 @@ def _as_list(value, name: str) -> list[torch.Tensor]:
             return list(value.unbind())
         raise ValueError(f"{name} is a dense tensor; fix: pass a list of 1-D tensors or a jagged nested tensor")
     return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in value]
+
+
+def _check_jagged(name: str, field: torch.Tensor) -> None:
+    if not field.is_nested:
+        raise ValueError(
+            f"{name} is a dense tensor of shape {tuple(field.shape)}; fix: per-token fields must be jagged "
+            "(torch.nested, layout=torch.jagged); build the batch with engine_api.make_batch"
+        )
+    if field.layout != torch.jagged:
+        raise ValueError(
+            f"{name} is a nested tensor with layout {field.layout} (torch.nested.nested_tensor's default); fix: use "
+            "layout=torch.jagged, e.g. torch.nested.nested_tensor(seqs, layout=torch.jagged), or engine_api.make_batch"
+        )
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+# Batch metadata the engines read: name -> (accepts the value, what it must be).
+METADATA_RULES = {
+    "temperature": (_positive_number, "a finite number > 0 (log-probs are of logits / temperature)"),
+    "calculate_entropy": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+def _check_metadata(batch: TensorDict) -> None:
+    for name, (ok, what) in METADATA_RULES.items():
+        if name in batch.keys():
+            value = batch.get_non_tensor(name)
+            if not ok(value):
+                raise ValueError(f"batch metadata {name} = {value!r}; fix: {what}, set with batch.set_non_tensor({name!r}, ...)")
 
 
 def _check_mask_values(values: torch.Tensor) -> None:

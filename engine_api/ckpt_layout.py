@@ -4,6 +4,7 @@ backend's business: DCP shards for FSDP, dist_checkpointing for megatron).
 Layout under a checkpoint root (one training job writes a root)::
 
     global_step_<k>/                    one complete checkpoint: backend files, extra_rank<r>.pt,
+                                        manifest.json (size + sha256 of every file), and
                                         enginekit.json (written last: the completeness proof)
     latest_checkpointed_iteration.txt   the step of the newest committed checkpoint
     .tmp_global_step_<k>/               a save in progress, or one that crashed: never loaded
@@ -12,7 +13,9 @@ Layout under a checkpoint root (one training job writes a root)::
 
 Saving (collective): :func:`begin` removes the leftovers of crashed saves and creates an empty
 ``.tmp_global_step_<k>``; every rank writes its files into it; :func:`commit` waits for all
-ranks, then rank 0 (1) writes ``enginekit.json`` into the temporary directory, (2) moves an
+ranks and records every file in ``manifest.json`` (``engine_api.ckpt_integrity``; the ranks
+share the hashing), then rank 0 (1) writes ``enginekit.json`` (which records the manifest's
+sha256) into the temporary directory, (2) moves an
 existing ``global_step_<k>`` aside (a re-save of the same step), (3) replaces the ``latest``
 marker with ``k`` (write + fsync + rename), (4) renames the temporary directory to
 ``global_step_<k>`` (atomic: the checkpoint appears complete or not at all), (5) applies
@@ -31,21 +34,30 @@ So a crash (SIGKILL) anywhere before (4) leaves the previous checkpoint the one 
 anywhere after (4) the new one; leftovers are ignored and cleaned by the next :func:`begin`
 (``tests/reliability/test_checkpoint_crash.py`` kills a saving process at each step).
 
+Loading verifies the resolved checkpoint against its manifest before any file is unpickled
+(:func:`open_checkpoint`; ``engine_api.ckpt_integrity``), and reads the per-rank state with
+``torch.load(weights_only=True)``: RNG states are stored as tensors and plain numbers.
+
 Rank-0-only steps (commit, download) share their outcome with every rank: an error there
 raises the same :class:`CheckpointError` on all ranks instead of leaving peers in a barrier.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 import uuid
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from engine_api.ckpt_integrity import CorruptCheckpointError, verify, write_manifest
 from engine_api.dist import barrier, broadcast_object, group_rank, group_size
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -88,10 +100,11 @@ def commit(root: str, step: int, keep: int | None, remote: str | None, info: dic
     """
     tmp = os.path.join(root, f"{TMP}{PREFIX}{step}")
     final = os.path.join(root, f"{PREFIX}{step}")
-    barrier(None)  # every rank's files are written (and fsynced) before the marker vouches for them
+    barrier(None)  # every rank's files are written (and fsynced) before the manifest lists them
+    manifest_sha256 = write_manifest(tmp, exclude=(MARKER,))  # collective
 
     def publish() -> None:
-        _write_marker(tmp, {"global_step": step, "world_size": group_size(None), **info})
+        _write_marker(tmp, {"global_step": step, "world_size": group_size(None), "manifest_sha256": manifest_sha256, **info})
         if os.path.exists(final):
             _discard(final)
         _set_latest(root, step)
@@ -146,40 +159,161 @@ def finish_load(downloaded: str | None) -> None:
         shutil.rmtree(downloaded, ignore_errors=True)
 
 
-def load_extra(directory: str) -> dict:
-    """This rank's ``extra_rank<r>.pt`` of a checkpoint.
+def open_checkpoint(local_path: str, remote: str | None, keep_download: bool, hash_files: bool = True) -> tuple[str, str | None, dict]:
+    """:func:`resolve` ``local_path`` (or download ``remote``), then verify the checkpoint
+    against its manifest before anything in it is unpickled. Collective.
+
+    Returns:
+        ``(checkpoint directory, temporary download to delete after loading or None, the
+        completion marker's contents)``.
 
     Raises:
-        ValueError: no file for this rank (the checkpoint was saved by a different world size).
+        FileNotFoundError, CheckpointError: as :func:`resolve`.
+        CorruptCheckpointError: verification failed (on every rank; nothing was loaded; a
+            temporary download is deleted).
     """
-    path = os.path.join(directory, f"extra_rank{group_rank(None)}.pt")
-    if not os.path.exists(path):
-        raise ValueError(
-            f"{path} is missing: the checkpoint was saved with a different world size; fix: resume with the same number of ranks"
-        )
-    return torch.load(path, weights_only=False)
+    path, downloaded = resolve(local_path, remote, keep_download)
+    try:
+        info = verify(path, MARKER, hash_files)
+    except CorruptCheckpointError:
+        finish_load(downloaded)
+        raise
+    return path, downloaded, info
+
+
+@contextlib.contextmanager
+def reading(directory: str):
+    """Turn any failure of a backend's loader inside the block into a :class:`CheckpointError`
+    that names the checkpoint: torch DCP raises ``CheckpointException``, a ``BaseException``
+    that ``except Exception`` does not catch, naming no file."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"loading checkpoint {directory} failed ({type(exc).__name__}: {detail}); the engine's state may be partly "
+            "loaded; fix: load an intact checkpoint (an earlier global_step_*) into this engine before training"
+        ) from exc
+
+
+def candidates(root: str) -> list[str]:
+    """The complete checkpoints a resume from ``root`` may use, best first: the one
+    :func:`latest_checkpoint` picks, then every complete one older than it, newest first
+    (a recipe falls back along this list when a checkpoint fails verification)."""
+    best = latest_checkpoint(root)
+    if best is None:
+        return []
+    if os.path.normpath(best) == os.path.normpath(root):
+        return [best]
+    step = int(os.path.basename(best)[len(PREFIX) :])
+    return [best] + [os.path.join(root, f"{PREFIX}{s}") for s in reversed(complete_steps(root)) if s < step]
+
+
+def load_extra(directory: str, info: dict) -> dict:
+    """This rank's per-rank state (``extra_rank<r>.pt``) of a verified checkpoint, loaded with
+    ``weights_only=True``.
+
+    Saved with the world size of this run: this rank's own file (exact resume). Saved with a
+    different world size (a data-parallel resize; the backend checked that its model-parallel
+    layout allows it): rank 0's file, whose scheduler state and step every rank shares, with
+    ``rng`` set to None: :func:`apply_extra` then derives fresh RNG streams for this rank.
+
+    Raises:
+        CorruptCheckpointError: the file is missing or unreadable (naming it).
+    """
+    saved = int(info.get("world_size", group_size(None)))
+    resized = saved != group_size(None)
+    path = os.path.join(directory, f"extra_rank{0 if resized else group_rank(None)}.pt")
+    try:
+        extra = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{path} is missing although the checkpoint records world size {saved}; fix: load an intact checkpoint"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - verified files rarely fail; name the file when one does
+        raise CorruptCheckpointError(f"{path} is unreadable ({type(exc).__name__}: {exc}); fix: load an intact checkpoint") from None
+    if resized:
+        extra = {**extra, "rng": None, "resized_from": saved}
+    return extra
 
 
 # ---------------------------------------------------------------------------------- per-rank state
 def make_extra(scheduler, global_step: int, **more) -> dict:
     """The per-rank resumable state every backend saves besides its sharded model/optimizer:
-    LR scheduler, RNG states (torch, CUDA when present, numpy, python), the step, and ``more``."""
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    LR scheduler, RNG states (torch, CUDA when present, numpy, python), the step, and ``more``.
+    Everything is a tensor or plain data, so it loads with ``weights_only=True``."""
+    rng = {"torch": torch.get_rng_state(), "numpy": _numpy_to_plain(np.random.get_state()), "python": _python_to_plain(random.getstate())}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     return {"scheduler": scheduler.state_dict(), "rng": rng, "global_step": global_step, **more}
 
 
-def apply_extra(extra: dict, scheduler) -> int:
-    """Restore what :func:`make_extra` captured; returns the step."""
+def apply_extra(extra: dict, scheduler, seed: int, stream: int | None = None) -> int:
+    """Restore what :func:`make_extra` captured; returns the step.
+
+    After a world-size change (``extra["rng"] is None``, see :func:`load_extra`) the torch,
+    CUDA, numpy and python RNGs of this rank are seeded from ``(seed, step, stream)``
+    (:func:`derived_seed`) instead: each stream is reproducible, and the run is not
+    bit-identical to one at the old size (it cannot be: the data is split differently).
+
+    Args:
+        stream: which RNG stream this rank draws (default: its global rank). Ranks that must
+            draw alike (tensor-parallel peers) pass the same stream.
+    """
     scheduler.load_state_dict(extra["scheduler"])
+    step = int(extra["global_step"])
     rng = extra["rng"]
+    if rng is None:
+        derived = derived_seed(seed, step, group_rank(None) if stream is None else stream)
+        torch.manual_seed(derived)  # also seeds CUDA
+        np.random.seed(derived % 2**32)
+        random.seed(derived)
+        if group_rank(None) == 0:
+            print(
+                f"[enginekit] resumed step {step}, saved on {extra['resized_from']} rank(s), on {group_size(None)}: model, "
+                f"optimizer, scheduler and step restored; RNG streams re-derived from (seed={seed}, step={step}, rank's stream)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step
     torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    np.random.set_state(_numpy_from_plain(rng["numpy"]))
+    random.setstate(_python_from_plain(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return extra["global_step"]
+    return step
+
+
+def derived_seed(seed: int, step: int, stream: int) -> int:
+    """The seed of RNG stream ``stream`` after a resize: a hash of ``(seed, step, stream)`` in [0, 2**31)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+def _numpy_to_plain(state: tuple) -> dict:
+    name, keys, pos, has_gauss, cached = state
+    return {
+        "name": name,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
+
+
+def _numpy_from_plain(state: dict) -> tuple:
+    return (state["name"], state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"], state["cached"])
+
+
+def _python_to_plain(state: tuple) -> dict:
+    version, internal, gauss_next = state
+    return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next}
+
+
+def _python_from_plain(state: dict) -> tuple:
+    return (state["version"], tuple(int(x) for x in state["internal"].tolist()), state["gauss_next"])
 
 
 # ---------------------------------------------------------------------------------- resolution

@@ -20,6 +20,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 LAYER_SPECS = ("auto", "local", "te")
 
 
+_FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny; this module imports no torch
+
+
 def _p(field_name: str, value: object, problem: str, fix: str) -> str:
     return f"{field_name} = {value!r}: {problem}; fix: {fix}"
 
@@ -85,6 +88,10 @@ class OptimConfig:
             out.append(_p("betas", list(self.betas), "each beta must be in [0, 1)", "e.g. [0.9, 0.999]"))
         if self.eps <= 0:
             out.append(_p("eps", self.eps, "must be positive", "e.g. 1e-8"))
+        elif self.eps < _FP32_TINY:
+            # It rounds to 0 (or a subnormal) in fp32/bf16 arithmetic: Adam then divides 0 by 0
+            # for every parameter without gradient (e.g. embedding rows of unseen tokens).
+            out.append(_p("eps", self.eps, f"below float32's smallest normal number {_FP32_TINY:.2e}", "e.g. 1e-8"))
         if self.weight_decay < 0:
             out.append(_p("weight_decay", self.weight_decay, "negative weight decay", "use weight_decay >= 0"))
         if self.clip_grad is not None and self.clip_grad <= 0:
@@ -93,6 +100,10 @@ class OptimConfig:
             out.append(_p("warmup_steps", self.warmup_steps, "negative", "use warmup_steps >= 0"))
         if self.lr_schedule not in LR_SCHEDULES:
             out.append(_p("lr_schedule", self.lr_schedule, "unknown schedule", f"use one of {', '.join(LR_SCHEDULES)}"))
+        elif self.total_steps is not None and self.total_steps < 1:
+            out.append(
+                _p("total_steps", self.total_steps, "must be positive", "set optim.total_steps to the run's optimizer steps, or null")
+            )
         elif self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
             out.append(
                 _p(
@@ -127,9 +138,13 @@ class CheckpointConfig:
     Attributes:
         max_ckpt_to_keep: keep at most this many ``global_step_*`` checkpoints (None: all);
             the newest complete one is never deleted.
+        verify: before a load, compare the sha256 of every file with the manifest the save
+            wrote (reads the checkpoint once more, split over the ranks). False checks names
+            and sizes only. Either way nothing in a checkpoint can run code when loaded.
     """
 
     max_ckpt_to_keep: int | None = None
+    verify: bool = True
 
     def _problems(self) -> list[str]:
         if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
@@ -272,6 +287,8 @@ class EngineConfig:
             out.append(_p("strategy", self.strategy, "empty", "name a registered engine, e.g. fsdp or megatron"))
         if self.seed < 0:
             out.append(_p("seed", self.seed, "negative", "use a seed >= 0"))
+        if self.world_size is not None and self.world_size < 1:
+            out.append(_p("world_size", self.world_size, "must be positive", "use the number of processes, or null to read $WORLD_SIZE"))
         if self.dist_timeout_s is not None and not self.dist_timeout_s > 0:
             out.append(_p("dist_timeout_s", self.dist_timeout_s, "must be positive", "seconds > 0, e.g. 600, or null for the default"))
         if self.micro_batch_size is not None and self.max_token_len_per_micro_batch is not None:

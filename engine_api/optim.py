@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine_api.config import OptimConfig
-from engine_api.dist import all_reduce, comm_device
+from engine_api.dist import all_gather_objects, all_reduce, comm_device
 from engine_api.losses import DeferredNormalizer
 
 
@@ -91,3 +91,41 @@ def clip_and_step(
         torch.nn.utils.clip_grads_with_norm_(with_grad, clip_grad, total)
     optimizer.step()
     return norm
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """An optimizer step wrote NaN or inf into the parameters (raised on every rank)."""
+
+
+def check_update_finite(named_params: Iterable[tuple[str, torch.Tensor]], step: int, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`NonFiniteUpdateError` on every rank of ``group`` when any parameter holds
+    a NaN or inf after optimizer step ``step``.
+
+    A finite gradient can still produce a non-finite update (an enormous learning rate, a
+    zero denominator); the step is then not marked skipped and would silently poison every
+    later step and every checkpoint. Cost: one fused max-abs reduction over this rank's shards
+    (``torch._foreach_norm`` with ``ord=inf``, which propagates NaN) and one all-reduce of a
+    flag; the names are gathered only on failure. Collective.
+    """
+    named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in named_params]
+    named = [(n, p) for n, p in named if p.numel()]
+    bad_name = None
+    if named:
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for n, p in named:
+            by_device.setdefault(p.device, []).append((n, p))
+        for items in by_device.values():
+            norms = torch.stack(torch._foreach_norm([p.detach() for _, p in items], ord=math.inf))
+            finite = torch.isfinite(norms)
+            if not bool(finite.all()):
+                bad_name = items[int((~finite).nonzero()[0])][0]
+                break
+    flag = torch.tensor([0.0 if bad_name is None else 1.0], device=comm_device(group))
+    if not all_reduce(flag, "max", group).item():
+        return
+    names = [n for n in all_gather_objects(bad_name, group) if n is not None]
+    raise NonFiniteUpdateError(
+        f"optimizer step {step} wrote non-finite values into the parameters (first: {names[0]}); the engine's weights are "
+        "invalid and it refuses to train, save or export them; fix: lower optim.lr (or check optim.eps / weight_decay), "
+        "then load_checkpoint() a good checkpoint into this engine"
+    )

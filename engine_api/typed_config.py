@@ -2,15 +2,18 @@
 
 Generic over the schema, so recipes reuse it for their own top-level configs. Every problem
 is collected before raising: misspelt keys (with the closest valid key), values of the wrong
-type, and the schema's own value checks (a dataclass may define ``_problems(self) ->
-list[str]``; they are gathered from every nested dataclass). One ``ValueError`` lists them
-all, each naming the field, the value and the fix.
+type, non-finite numbers (NaN and +-inf are refused in every float field: no setting of this
+project means "infinite", and a NaN passes every ``x < 0``-style range check), and the schema's
+own value checks (a dataclass may define ``_problems(self) -> list[str]``; they are gathered
+from every nested dataclass). One ``ValueError`` lists them all, each naming the field, the
+value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -66,12 +69,23 @@ def check(obj: Any, prefix: str = "") -> list[str]:
     found: list[str] = []
     if not dataclasses.is_dataclass(obj):
         return found
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if _non_finite(value):
+            found.append(f"{prefix}{f.name} = {value!r}: not a finite number; fix: give a finite value (NaN and inf are never valid)")
     own = getattr(obj, "_problems", None)
     if own is not None:
         found += [f"{prefix}{p}" for p in own()]
     for f in dataclasses.fields(obj):
         found += check(getattr(obj, f.name), f"{prefix}{f.name}.")
     return found
+
+
+def _non_finite(value: Any) -> bool:
+    """A float (or a list/tuple holding one) that is NaN or infinite."""
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def validate(obj: Any) -> None:

@@ -34,6 +34,7 @@ from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.hf_sampler import HFSampler
 from recipes.sft import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
+from recipes.trainer_utils import SkipGuard, load_newest_valid, truncate_metrics
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
@@ -155,13 +156,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     rollout = Rollout(actor, HFSampler(cfg.engine.model.path, eos_token_id=task.EOS), cfg.rollout)
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
-    start = _resume(actor, critic, ckpt_dir) if t.resume else 0
+    start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
-        if start == 0 and os.path.exists(metrics_path):
-            os.remove(metrics_path)
+        # One line per step: a fresh run starts empty, a resumed one drops the lines a killed
+        # run wrote past its checkpoint (those steps are replayed).
+        truncate_metrics(metrics_path, start)
     rewards = []
+    guard = SkipGuard(t.max_consecutive_skips)
     bar = _progress(t, start, rank0)
     for step in range(start, t.total_steps):
         m = rl_step(cfg, step, actor, critic, reference, rollout)
@@ -171,6 +174,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 f.write(json.dumps(m) + "\n")
             bar.set_postfix(reward=f"{m['reward']:.3f}")
             bar.update()
+        # A step is lost when every optimizer step of a role was skipped (non-finite loss/grads).
+        guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
             actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step + 1)
             if critic is not None:
@@ -225,6 +230,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout) -> dic
         "response_len": float(mask.sum() / len(scores)),
         "actor_loss": _mean([m["loss"] for m in actor_m]),
         "actor_grad_norm": _mean([m["grad_norm"] for m in actor_m]),
+        "actor_skipped": _mean([m.get("step_skipped", 0.0) for m in actor_m]),
         "lr": actor_m[-1].get("lr"),
         "tokens_per_s": tokens / max(1e-9, sum(timings.values())),
         **timings,
@@ -234,6 +240,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout) -> dic
     if critic_m:
         out["critic_loss"] = _mean([m["loss"] for m in critic_m])
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
+        out["critic_skipped"] = _mean([m.get("step_skipped", 0.0) for m in critic_m])
     return out
 
 
@@ -250,9 +257,11 @@ def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):
     return adv, returns
 
 
-def _resume(actor, critic, ckpt_dir: str) -> int:
-    """Load the newest step every role checkpointed completely; 0 when there is none (a save
-    killed between the actor's and the critic's checkpoint leaves the actor a step ahead)."""
+def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
+    """Load the newest step that every role checkpointed completely and that verifies for
+    every role; 0 when there is none (a save killed between the actor's and the critic's
+    checkpoint leaves the actor a step ahead; a step that fails verification is skipped
+    loudly, ``recipes.trainer_utils.load_newest_valid``)."""
     roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     roots = {name: os.path.join(ckpt_dir, name) for name in roles}
     latest = ckpt_layout.latest_checkpoint(roots["actor"])
@@ -260,12 +269,16 @@ def _resume(actor, critic, ckpt_dir: str) -> int:
         return 0
     newest = int(os.path.basename(latest)[len(ckpt_layout.PREFIX) :])  # honour `latest` (rollbacks)
     common = set.intersection(*(set(ckpt_layout.complete_steps(r)) for r in roots.values()))
-    steps = [s for s in common if s <= newest]
+    steps = sorted((s for s in common if s <= newest), reverse=True)
     if not steps:
         return 0
-    for name, role in roles.items():
-        role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{max(steps)}"))
-    return max(steps)
+
+    def load_step(step: int) -> int:
+        for name, role in roles.items():
+            role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}"))
+        return step
+
+    return load_newest_valid(steps, load_step, rank0)
 
 
 def _progress(t: TrainerConfig, start: int, rank0: bool):

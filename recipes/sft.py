@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine
+from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout
 from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_initialized, launcher_world
 from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.tiny_model import FAMILIES, build_tiny_model
+from recipes.trainer_utils import SkipGuard, load_newest_valid, truncate_metrics
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
 
@@ -80,10 +81,14 @@ class TrainerConfig:
         output_dir: run directory: metrics, the built tiny model, checkpoints.
         metrics_file: JSON-lines file name under ``output_dir`` (one line per step).
         checkpoint_every: save a checkpoint every this many steps and at the end (0: never).
-        resume: continue from the newest checkpoint under ``<output_dir>/checkpoints`` when
-            there is one (metrics are appended; the data of each step is the same as in an
-            uninterrupted run).
+        resume: continue from the newest checkpoint under ``<output_dir>/checkpoints`` that
+            verifies (one that fails verification is skipped with a loud message; none
+            verifying is an error). The metrics file is cut back to the resumed step and the
+            replayed steps appended, so it stays one line per step; the data of each step is
+            the same as in an uninterrupted run.
         progress_bar: show a tqdm bar on rank 0.
+        max_consecutive_skips: stop with an error after this many consecutive steps whose
+            optimizer step was skipped (non-finite loss or gradients); 0: never stop.
     """
 
     total_steps: int = 800
@@ -93,6 +98,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     resume: bool = False
     progress_bar: bool = True
+    max_consecutive_skips: int = 3
 
     def _problems(self) -> list[str]:
         out = []
@@ -100,6 +106,8 @@ class TrainerConfig:
             out.append(f"total_steps = {self.total_steps}: must be positive; fix: e.g. 800")
         if self.log_every < 1:
             out.append(f"log_every = {self.log_every}: must be positive; fix: e.g. 100")
+        if self.max_consecutive_skips < 0:
+            out.append(f"max_consecutive_skips = {self.max_consecutive_skips}: negative; fix: use 0 (never stop) or a positive count")
         if self.checkpoint_every < 0:
             out.append(f"checkpoint_every = {self.checkpoint_every}: negative; fix: use 0 (off) or a step interval")
         if not self.output_dir:
@@ -225,8 +233,12 @@ def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ck
     tc = cfg.trainer
     losses: list[float] = []
     bar = tqdm(total=tc.total_steps, initial=start, desc="sft", disable=not (rank0 and tc.progress_bar), dynamic_ncols=True)
-    # A fresh run truncates the metrics file; a resumed one appends after the steps it kept.
+    # A fresh run truncates the metrics file; a resumed one keeps the steps up to its checkpoint
+    # (a killed run may have logged steps past it, which are replayed now) and appends.
+    if rank0 and start:
+        truncate_metrics(metrics_path, start)
     metrics_out = open(metrics_path, "a" if start else "w") if rank0 else contextlib.nullcontext()
+    guard = SkipGuard(tc.max_consecutive_skips)
     # SFT never alternates with inference, so the model stays loaded for the whole loop
     # (with an offload policy this moves params/optimizer once, not once per step).
     with metrics_out as out, engine.train_mode():
@@ -259,6 +271,7 @@ def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ck
                         f"lr {record['lr'] or 0:.2e} | token_acc {record['token_acc'] or 0:.3f} | "
                         f"{record['tokens_per_s'] or 0:,.0f} tok/s"
                     )
+            guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
             if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps):
                 engine.save_checkpoint(ckpt_dir, global_step=step + 1)
     bar.close()
@@ -372,15 +385,16 @@ def with_model_path(cfg):
 
 
 def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
-    """The step to start from: 0, or the step of the newest checkpoint when resuming."""
+    """The step to start from: 0, or the step of the newest checkpoint that verifies when
+    resuming (``recipes.trainer_utils.load_newest_valid``)."""
     if not cfg.trainer.resume:
         return 0
-    # Engines name complete checkpoints global_step_<k> (see engine_api.config.CheckpointConfig).
-    if not (os.path.isdir(ckpt_dir) and any(d.startswith("global_step_") for d in os.listdir(ckpt_dir))):
+    candidates = ckpt_layout.candidates(ckpt_dir)
+    if not candidates:
         if _rank() == 0:
-            print(f"trainer.resume: no checkpoint under {ckpt_dir}; starting from step 0", flush=True)
+            print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)
         return 0
-    step = int(engine.load_checkpoint(ckpt_dir, del_local_after_load=False))
+    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), _rank() == 0)
     if step >= cfg.trainer.total_steps and _rank() == 0:
         print(f"trainer.resume: checkpoint is at step {step} >= trainer.total_steps = {cfg.trainer.total_steps}; nothing to train")
     return step

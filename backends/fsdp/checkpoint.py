@@ -10,6 +10,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from engine_api import ckpt_layout
 
+BACKEND = "fsdp"  # recorded in enginekit.json
+
 
 def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
     """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). Collective."""
@@ -17,19 +19,32 @@ def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": "fsdp"})
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND})
 
 
-def load(model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool) -> dict:
+def load(model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True) -> dict:
     """Load into ``model``/``optimizer`` in place; return this rank's ``extra``. Collective.
 
     ``local_path`` without a complete checkpoint: ``remote`` is downloaded into it first, and
-    deleted after loading when ``del_local_after_load`` (else kept as a local checkpoint)."""
-    path, downloaded = ckpt_layout.resolve(local_path, remote, keep_download=not del_local_after_load)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = ckpt_layout.load_extra(path)
+    deleted after loading when ``del_local_after_load`` (else kept as a local checkpoint).
+    The checkpoint is verified first (``ckpt_layout.open_checkpoint``; ``verify``: with
+    sha256). DCP reshards: a checkpoint saved on a different number of ranks loads too
+    (``ckpt_layout.load_extra`` says what happens to the RNG streams).
+
+    Raises:
+        CorruptCheckpointError: verification failed; nothing was loaded.
+        ValueError: the checkpoint was written by another backend.
+        CheckpointError: the load itself failed (naming the checkpoint).
+    """
+    path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
+    if info.get("backend") != BACKEND:
+        ckpt_layout.finish_load(downloaded)
+        raise ValueError(f"checkpoint {path} was written by backend {info.get('backend')!r}; fix: load it with that engine.strategy")
+    with ckpt_layout.reading(path):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra

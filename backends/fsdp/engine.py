@@ -25,7 +25,7 @@ from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.dist import ensure_process_group
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.optim import build_adamw, clip_and_step
+from engine_api.optim import NonFiniteUpdateError, build_adamw, check_update_finite, clip_and_step
 from engine_api.step import StepSpec, forward_backward_loop
 
 
@@ -76,6 +76,7 @@ class FSDPEngine(BaseEngine):
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
         self._refuse_if_frozen("train_mode")
+        self._refuse_if_broken("train_mode")
         self.to(self.device, model=True, optimizer=True)
         self.model.train()
         try:
@@ -183,6 +184,11 @@ class FSDPEngine(BaseEngine):
         params = list(self.model.parameters())
         grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
         if math.isfinite(grad_norm):
+            try:
+                check_update_finite(self.model.named_parameters(), self.global_step + 1)
+            except NonFiniteUpdateError as exc:
+                self._broken = str(exc)
+                raise
             self.global_step += 1
         return grad_norm
 
@@ -196,6 +202,7 @@ class FSDPEngine(BaseEngine):
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
         self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
+        self._refuse_if_broken("save_checkpoint")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
         with self._on_compute_device():
             ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path)
@@ -204,9 +211,10 @@ class FSDPEngine(BaseEngine):
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
         self._refuse_if_frozen("load_checkpoint")
         with self._on_compute_device():
-            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
-        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)
+            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
         self.deferred.reset()
+        self._broken = None
         return self.global_step
 
     @contextlib.contextmanager
@@ -223,6 +231,7 @@ class FSDPEngine(BaseEngine):
         """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
         peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
         tied weights appear under both names, as in HF's own ``state_dict``."""
+        self._refuse_if_broken("export_weights")
         with self._on_compute_device():
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

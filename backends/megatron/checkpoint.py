@@ -9,10 +9,13 @@ import queue
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from engine_api import ckpt_layout
+
+BACKEND = "megatron"  # recorded in enginekit.json
 
 # How the distributed optimizer lays its state out in a checkpoint. megatron-core 0.16's default
 # ("fully_sharded_model_space", deprecated) raises "ShardedTensor.flattened_range is not
@@ -42,32 +45,78 @@ def _results_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def layout() -> dict:
+    """The model-parallel layout recorded with a checkpoint (``enginekit.json``): a resume may
+    change the data-parallel size but not these (the ``dp_reshardable`` optimizer layout)."""
+    return {
+        "tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": mpu.get_virtual_pipeline_model_parallel_world_size(),
+        "data_parallel_size": mpu.get_data_parallel_world_size(),
+    }
+
+
 def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
     """Save the sharded model + optimizer state and ``extra``. Collective."""
     _results_in_process()
     tmp = ckpt_layout.begin(root, step)
     dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
     ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": "megatron"})
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "layout": layout()})
 
 
-def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local_after_load: bool) -> dict:
+def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True) -> dict:
     """Load in place; return this rank's ``extra``. Collective.
 
     ``local_path`` without a complete checkpoint: ``remote`` is downloaded into it first, and
-    deleted after loading when ``del_local_after_load`` (else kept as a local checkpoint)."""
-    path, downloaded = ckpt_layout.resolve(local_path, remote, keep_download=not del_local_after_load)
-    _ensure_optimizer_state(optimizer)
-    state = dist_checkpointing.load(_sharded(model_chunks, optimizer, is_loading=True), path)
-    for i, chunk in enumerate(model_chunks):
-        chunk.module.load_state_dict(state[f"model{i}"])
-    steps = _loaded_steps(optimizer, state["optimizer"])
-    with torch.no_grad():  # the distributed optimizer copies fp32 main params in place: views of params that require grad
-        optimizer.load_state_dict(state["optimizer"])
-    _restore_steps(optimizer, steps)
-    extra = ckpt_layout.load_extra(path)
+    deleted after loading when ``del_local_after_load`` (else kept as a local checkpoint).
+    The checkpoint is verified first (``ckpt_layout.open_checkpoint``; ``verify``: with
+    sha256). The data-parallel size may differ from the save's (dist_checkpointing reshards;
+    ``ckpt_layout.load_extra`` says what happens to the RNG streams); TP / PP / VPP may not.
+
+    Raises:
+        CorruptCheckpointError: verification failed; nothing was loaded.
+        ValueError: another backend's checkpoint, or another model-parallel layout.
+        CheckpointError: the load itself failed (naming the checkpoint).
+    """
+    path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
+    problem = _incompatible(info)
+    if problem:
+        ckpt_layout.finish_load(downloaded)
+        raise ValueError(f"checkpoint {path}: {problem}")
+    with ckpt_layout.reading(path):
+        _ensure_optimizer_state(optimizer)
+        state = dist_checkpointing.load(_sharded(model_chunks, optimizer, is_loading=True), path)
+        for i, chunk in enumerate(model_chunks):
+            chunk.module.load_state_dict(state[f"model{i}"])
+        steps = _loaded_steps(optimizer, state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies fp32 main params in place: views of params that require grad
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_steps(optimizer, steps)
+    extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra
+
+
+def has_optimizer_state(optimizer) -> bool:
+    """Whether the torch optimizers inside ``optimizer`` hold state (they do after a step)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return all(bool(opt.optimizer.state) for opt in opts if opt.get_parameters())
+
+
+def _incompatible(info: dict) -> str | None:
+    """Why this process cannot load a checkpoint with marker ``info`` (None: it can)."""
+    if info.get("backend") != BACKEND:
+        return f"written by backend {info.get('backend')!r}; fix: load it with that engine.strategy"
+    saved, now = info.get("layout", {}), layout()
+    fixed = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    changed = [f"megatron.{k} = {now[k]} (saved with {saved.get(k)})" for k in fixed if saved.get(k) != now[k]]
+    if changed:
+        return (
+            f"saved with another model-parallel layout: {'; '.join(changed)}; fix: resume with the saved tensor / pipeline / "
+            "virtual pipeline sizes (the data-parallel size may change)"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- distributed optimizer

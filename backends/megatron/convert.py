@@ -1,8 +1,9 @@
 """HF <-> megatron-core conversion for the Llama / Qwen2 / Qwen3 families: config and weights.
 
 Why not mbridge: it hard-codes the Transformer-Engine layer spec and TE weight names
-(DESIGN.md section 5), so it cannot serve the local spec the CPU tests run. This converter is
-table-driven over megatron's parameter names and handles both namings (local spec: separate
+(DESIGN.md section 5), so it cannot serve the local spec the CPU tests run. This converter maps
+each megatron parameter name explicitly (one branch per name, in both directions) and handles
+both namings (local spec: separate
 ``input_layernorm`` / ``pre_mlp_layernorm``; TE spec: ``linear_qkv.layer_norm_weight`` /
 ``linear_fc1.layer_norm_weight``).
 

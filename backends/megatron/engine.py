@@ -31,7 +31,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from tensordict import TensorDict
 from transformers import AutoConfig
 
@@ -56,7 +56,7 @@ from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.microbatch import make_micro_batches
-from engine_api.optim import agree_to_skip, skipped_norm
+from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite, skipped_norm
 from engine_api.step import validate_call
 
 
@@ -143,6 +143,7 @@ class MegatronEngine(BaseEngine):
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
         self._refuse_if_frozen("train_mode")
+        self._refuse_if_broken("train_mode")
         self.to(self.device, model=True, optimizer=True)
         for chunk in self.model:
             chunk.train()
@@ -416,6 +417,12 @@ class MegatronEngine(BaseEngine):
                         params, self.config.optim.clip_grad, grad_norm, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                     )
         self.optimizer.step_with_ready_grads()
+        try:
+            # Over the world: each rank holds other TP/PP shards; all must stop together.
+            check_update_finite(((n, p) for chunk in self.model for n, p in chunk.module.named_parameters()), self.global_step + 1)
+        except NonFiniteUpdateError as exc:
+            self._broken = str(exc)
+            raise
         self.global_step += 1
         return grad_norm
 
@@ -429,6 +436,14 @@ class MegatronEngine(BaseEngine):
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
         """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
         self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
+        self._refuse_if_broken("save_checkpoint")
+        if self.global_step == 0 and not ckpt.has_optimizer_state(self.optimizer):
+            # megatron's optimizer creates its state in the first step and its sharded state
+            # dict then simply omits it: such a checkpoint would save fine and never load.
+            raise ValueError(
+                "save_checkpoint before the first optimizer step: megatron's optimizer has no state to save yet, so the "
+                "checkpoint could not be loaded; fix: save after a step (the initial weights are the HF directory)"
+            )
         # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
         extra = ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
         with self._loaded():
@@ -438,14 +453,23 @@ class MegatronEngine(BaseEngine):
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
         self._refuse_if_frozen("load_checkpoint")
         with self._loaded():
-            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load)
-        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)
-        get_cuda_rng_tracker().set_states(extra["tracker"])
+            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+        # One RNG stream per (pipeline stage, DP replica): tensor-parallel peers draw alike.
+        stream = mpu.get_pipeline_model_parallel_rank() * self.dp_size + self.dp_rank
+        if extra["rng"] is None:
+            # A data-parallel resize: megatron's RNG tracker is re-derived like the host RNGs
+            # (ckpt_layout.apply_extra); it offsets the tensor-parallel stream per TP rank itself.
+            model_parallel_cuda_manual_seed(ckpt_layout.derived_seed(self.config.seed, int(extra["global_step"]), stream))
+        else:
+            get_cuda_rng_tracker().set_states(extra["tracker"])
+        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed, stream)
         self.deferred.reset()
+        self._broken = None
         return self.global_step
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors: TP shards gathered, PP stages broadcast. Collective."""
+        self._refuse_if_broken("export_weights")
         with self._loaded():
             yield from export_hf(self.model, self.arch)
 

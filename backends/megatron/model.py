@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from backends.hf import value_head_state
+from backends.hf import note_once, value_head_state
 from backends.megatron import cpu_compat
 from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
 from engine_api.config import EngineConfig, format_problem
@@ -157,7 +157,10 @@ def use_te_spec(config: EngineConfig) -> bool:
         raise ValueError(
             "megatron.layer_spec = 'te' needs CUDA and transformer_engine; fix: install the te extra on a GPU machine or use 'local'"
         )
-    return spec == "te" or (spec == "auto" and te_ok)
+    chosen = spec == "te" or (spec == "auto" and te_ok)
+    if torch.cuda.is_available() and not chosen:
+        note_once("[enginekit] megatron: Transformer-Engine not installed; using the local layer spec (pip install the te extra for the TE spec)")
+    return chosen
 
 
 def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> TransformerConfig:

@@ -23,6 +23,7 @@ from engine_api.config import EngineConfig
 from engine_api.dist import all_reduce, comm_device, ensure_process_group
 from engine_api.losses import build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
+from engine_api.optim import check_update_finite
 from roles.factory import legacy_problems
 
 LossFn = Callable[[TensorDict, TensorDict, object], tuple[torch.Tensor, dict[str, float]]]
@@ -108,6 +109,7 @@ class FSDPWorker:
             if c.optim.clip_grad is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, c.optim.clip_grad, norm_t)
             self.optimizer.step()
+            check_update_finite(self.model.named_parameters(), self.global_step + 1)  # same guard as the engines
             self.scheduler.step()
             self.global_step += 1
             out.update(step_skipped=0.0, lr=self.scheduler.get_last_lr()[0])
@@ -138,6 +140,6 @@ class FSDPWorker:
 
     def load_checkpoint(self, path: str) -> int:
         """Restore the newest complete checkpoint under ``path``; return its step. Collective."""
-        extra = ckpt.load(self.model, self.optimizer, path, None, False)
-        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler)
+        extra = ckpt.load(self.model, self.optimizer, path, None, False, self.config.checkpoint.verify)
+        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
         return self.global_step

@@ -114,3 +114,33 @@ def test_build_engine_rejects_a_config_built_by_hand():
 def test_yaml_is_plain_yaml():
     # A recipe or a human can read the files without OmegaConf.
     assert yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["strategy"] == "fsdp"
+
+
+def _float_fields(cls: type, prefix: str = "") -> list[str]:
+    """Dotted paths of every float-valued setting (float, float | None, tuple of floats)."""
+    import typing
+
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _float_fields(hint, f"{prefix}{f.name}.")
+        elif float in typing.get_args(hint) or hint is float:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_setting_refuses_non_finite_values(value):
+    """Issue 13: ``optim.lr=inf`` and ``optim.clip_grad=nan`` passed validation (``x < 0`` checks
+    let NaN through) and the first step wrote NaN into every weight. Every float field of the
+    engine config, found from the dataclasses, must be refused at load and at build_engine."""
+    paths = _float_fields(EngineConfig) + ["optim.betas"]
+    assert {"optim.lr", "optim.clip_grad", "optim.weight_decay", "optim.eps", "loss_agg_constant"} <= set(paths)
+    for path in paths:
+        override = f"{path}=[0.9,{value}]" if path == "optim.betas" else f"{path}={value}"
+        with pytest.raises(ValueError, match=rf"{path.split('.')[-1]} = .*not a finite number"):
+            load_config(CONFIGS / "fsdp.yaml", [override])
+    hand_built = EngineConfig(optim=OptimConfig(lr=float(value)))
+    with pytest.raises(ValueError, match="optim.lr = .*not a finite number"):
+        build_engine(hand_built)

@@ -209,3 +209,54 @@ def test_one_config_key_switches_backend_with_the_same_losses(tmp_path):
     for step, (a, b) in enumerate(zip(losses["fsdp"], losses["megatron"], strict=True)):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: fsdp {a} vs megatron {b}"
     assert losses["fsdp"][-1] < losses["fsdp"][0]  # and it is training
+
+
+def _flip_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_resume_skips_a_checkpoint_that_fails_verification_and_logs_each_step_once(tmp_path, own_process_group, capsys):
+    """A run logged 5 steps and checkpointed 2, 4 and 5; step 5's weights were damaged later.
+    ``trainer.resume`` skips step 5 loudly, resumes at 4, and the log ends with each of steps
+    1-6 once, steps 5-6 recomputed (equal to an uninterrupted 6-step run)."""
+    from recipes.sft import main
+
+    constant = ["engine.optim.lr_schedule=constant", "data.eval_batches=0"]
+    main([*_run_args(tmp_path / "full", 6), *constant])
+    split = tmp_path / "split"
+    main([*_run_args(split, 5), *constant, "trainer.checkpoint_every=2"])
+    _flip_middle(split / "checkpoints" / "global_step_5" / "__0_0.distcp")
+    lines = (split / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 5
+    capsys.readouterr()
+    resumed = main([*_run_args(split, 6), *constant, "trainer.resume=true"])
+    assert resumed["start_step"] == 4
+    err = capsys.readouterr().err
+    assert "SKIPPING checkpoint" in err and "global_step_5" in err and "__0_0.distcp" in err, err[-2000:]
+    records = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in full], rel=1e-5, abs=1e-6)
+    # Every checkpoint damaged: an error, not a silent restart that would overwrite them.
+    for step in (2, 4):
+        _flip_middle(split / "checkpoints" / f"global_step_{step}" / "__0_0.distcp")
+    with pytest.raises(ValueError, match="none of the 3 checkpoint"):
+        main([*_run_args(split, 8), *constant, "trainer.resume=true"])
+
+
+@pytest.mark.slow
+def test_a_run_whose_steps_are_all_skipped_stops_with_an_error(tmp_path, own_process_group, monkeypatch):
+    import recipes.sft as sft
+
+    def nan_loss(mb, out, norm):
+        loss, metrics = sft_loss(mb, out, norm)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(sft, "sft_loss", nan_loss)
+    with pytest.raises(RuntimeError, match=r"steps 1\.\.3: every optimizer step was skipped \(3 in a row"):
+        sft.main([*_run_args(tmp_path, 10), "trainer.max_consecutive_skips=3"])
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

@@ -104,6 +104,40 @@ def not_a_tensordict():
     return dict(make_test_batch().items()), ["batch is a dict"]
 
 
+def with_temperature(value):
+    def build():
+        batch = make_test_batch()
+        batch.set_non_tensor("temperature", value)
+        return batch, [f"temperature = {value!r}", "finite number > 0"]
+
+    return build
+
+
+def non_bool_entropy_switch():
+    batch = make_test_batch()
+    batch.set_non_tensor("calculate_entropy", "yes")
+    return batch, ["calculate_entropy = 'yes'", "True or False"]
+
+
+def strided_nested_ids():
+    ids = torch.nested.nested_tensor(_rows())  # torch's default layout: strided
+    return TensorDict({"input_ids": ids}, batch_size=[len(_rows())]), ["input_ids", "layout torch.strided", "layout=torch.jagged"]
+
+
+def complex_input_ids():
+    good = make_test_batch()
+    values = good["input_ids"].values().to(torch.complex64)
+    bad = TensorDict({"input_ids": torch.nested.nested_tensor_from_jagged(values, good["input_ids"].offsets())}, batch_size=[6])
+    return bad, ["input_ids has dtype torch.complex64"]
+
+
+def field_on_other_offsets():
+    good = make_test_batch()
+    adv = torch.nested.nested_tensor_from_jagged(good["advantages"].values(), good["input_ids"].offsets().clone())
+    bad = TensorDict({"input_ids": good["input_ids"], "loss_mask": good["loss_mask"], "advantages": adv}, batch_size=[6])
+    return bad, ["advantages has input_ids' lengths but its own offsets", "nested_tensor_from_jagged(values, batch['input_ids'].offsets())"]
+
+
 # name -> builder; the engine config each runs under is chosen by the test (the budget case
 # needs dynamic batching).
 CASES = {
@@ -118,4 +152,11 @@ CASES = {
     "longer than max positions": longer_than_max_positions,
     "longer than the token budget": longer_than_token_budget,
     "not a TensorDict": not_a_tensordict,
+    "temperature 0": with_temperature(0.0),
+    "temperature -1": with_temperature(-1.0),
+    "temperature NaN": with_temperature(float("nan")),
+    "calculate_entropy not a bool": non_bool_entropy_switch,
+    "strided nested input_ids": strided_nested_ids,
+    "complex input_ids": complex_input_ids,
+    "per-token field on other offsets": field_on_other_offsets,
 }

@@ -185,6 +185,10 @@ def unchecked_config(overrides: list[str]) -> EngineConfig:
 # worker unless the case sets world_size (to isolate the problem it is about).
 CONFIG_CASES = {
     "negative lr": (None, ["optim.lr=-1.0"], ["optim.lr = -1.0"]),
+    "infinite lr": (None, ["optim.lr=inf"], ["optim.lr = inf", "not a finite number"]),
+    "NaN clip_grad": (None, ["optim.clip_grad=nan"], ["optim.clip_grad = nan", "not a finite number"]),
+    "NaN weight_decay": (None, ["optim.weight_decay=nan"], ["optim.weight_decay = nan", "not a finite number"]),
+    "eps below fp32 range": (None, ["optim.eps=1e-46"], ["optim.eps = 1e-46", "smallest normal"]),
     "unknown loss_agg_mode": (None, ["loss_agg_mode=sum"], ["loss_agg_mode = 'sum'"]),
     "micro_batch_size 0": (None, ["micro_batch_size=0"], ["micro_batch_size = 0"]),
     "no model path": (None, ["model.path=null"], ["model.path = None"]),

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine_api import ckpt_layout
+from engine_api.ckpt_integrity import MANIFEST
 from tests.backends.hf_utils import make_model
 from tests.dist_harness import run_distributed
 from tests.reliability import _ckpt_targets as T
@@ -92,7 +93,12 @@ def test_remote_copy_is_complete_only_with_its_marker_and_downloads_honour_keep(
     remote = "memory://enginekit-test/step2"
     _save(str(tmp_path / "a"), 2, remote=remote)
     fs, path = fsspec.core.url_to_fs(remote)
-    assert sorted(os.path.basename(p) for p in fs.ls(path, detail=False)) == ["__0_0.distcp", ckpt_layout.MARKER, "extra_rank0.pt"]
+    assert sorted(os.path.basename(p) for p in fs.ls(path, detail=False)) == [
+        "__0_0.distcp",
+        ckpt_layout.MARKER,
+        "extra_rank0.pt",
+        MANIFEST,
+    ]
     # Downloaded into a temporary directory, deleted by finish_load ...
     found, downloaded = ckpt_layout.resolve(str(tmp_path / "b"), remote)
     assert found == downloaded and os.path.basename(found).startswith(".tmp_download_")

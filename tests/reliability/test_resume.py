@@ -141,3 +141,26 @@ def test_ppo_recipe_resumes_actor_and_critic_from_the_same_step(ppo_full, tmp_pa
     _crashed_copy(full_dir, tmp_path, {"actor": [2, 4], "critic": [2]})
     resumed = _ppo(tmp_path, 4, "trainer.resume=true")
     assert _rows(resumed) == _rows(full[2:])
+
+
+def _flip_middle(path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_ppo_recipe_skips_a_checkpoint_that_fails_verification_and_logs_each_step_once(ppo_full, tmp_path):
+    """Step 4 is complete for both roles but the critic's weights were damaged after the save:
+    ``trainer.resume`` must skip step 4 (it fails verification) and replay from step 2. The
+    killed run's log already holds steps 1-4 (marked here): the resumed log must hold each step
+    once, with steps 3-4 recomputed (equal to the uninterrupted run, not the marked lines)."""
+    full_dir, full = ppo_full
+    _crashed_copy(full_dir, tmp_path, {"actor": [2, 4], "critic": [2, 4]})
+    _flip_middle(tmp_path / "checkpoints" / "critic" / "global_step_4" / "__0_0.distcp")
+    stale = [{**r, "reward": -1.0} if r["step"] > 2 else r for r in full]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    resumed = _ppo(tmp_path, 4, "trainer.resume=true")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert _rows(resumed) == _rows(full)
