@@ -159,7 +159,9 @@ def use_te_spec(config: EngineConfig) -> bool:
         )
     chosen = spec == "te" or (spec == "auto" and te_ok)
     if torch.cuda.is_available() and not chosen:
-        note_once("[enginekit] megatron: Transformer-Engine not installed; using the local layer spec (pip install the te extra for the TE spec)")
+        note_once(
+            "[enginekit] megatron: Transformer-Engine not installed; using the local layer spec (pip install the te extra for the TE spec)"
+        )
     return chosen
 
 
