@@ -34,7 +34,7 @@ from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.hf_sampler import HFSampler
 from recipes.sft import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
-from recipes.trainer_utils import SkipGuard, load_newest_valid, truncate_metrics
+from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
@@ -311,4 +311,5 @@ def _mean(xs) -> float:
 
 
 if __name__ == "__main__":
+    quiet_console()
     main()

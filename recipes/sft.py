@@ -33,7 +33,7 @@ from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_in
 from engine_api.typed_config import load_typed
 from recipes import data as task
 from recipes.tiny_model import FAMILIES, build_tiny_model
-from recipes.trainer_utils import SkipGuard, load_newest_valid, truncate_metrics
+from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
 
@@ -412,8 +412,5 @@ def _summary_line(s: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    from transformers.utils import logging as hf_logging
-
-    # HF's per-file load/save bars would interleave with the training bar and log lines.
-    hf_logging.disable_progress_bar()
+    quiet_console()
     main(sys.argv[1:])

@@ -1,10 +1,11 @@
 """Pieces of a training loop that SFT and RL share: resuming from the newest checkpoint that
-verifies, keeping the metrics log one line per step across a resume, and stopping a run whose
-optimizer steps keep being skipped."""
+verifies, keeping the metrics log one line per step across a resume, stopping a run whose
+optimizer steps keep being skipped, and a console without third-party noise."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -81,3 +82,14 @@ class SkipGuard:
                 f"{self.key} = {self.limit}): the loss or the gradients are not finite; fix: lower the learning rate, "
                 "check the data and the loss, or resume from an earlier checkpoint"
             )
+
+
+def quiet_console() -> None:
+    """Silence what libraries print on every run although nothing is wrong: HF's per-file
+    load/save progress bars (they interleave with the training bar) and torch's one-time
+    ``is_fx_tracing`` deprecation notice (raised inside transformers). Warnings that may
+    matter are kept."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

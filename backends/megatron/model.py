@@ -203,7 +203,13 @@ def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> Transforme
         recompute_granularity="full" if config.model.gradient_checkpointing else None,
         recompute_method="uniform" if config.model.gradient_checkpointing else None,
         recompute_num_layers=1 if config.model.gradient_checkpointing else None,
+        **_NO_CUDA_GRAPH_SCOPE,
     )
+
+
+# megatron-core 0.16 defaults cuda_graph_scope to the deprecated "full" and warns about its own
+# default on every TransformerConfig; [] is the documented equivalent (CUDA graphs stay off).
+_NO_CUDA_GRAPH_SCOPE = {"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}
 
 
 class ValueHead(nn.Module):
