@@ -43,7 +43,13 @@ def _run(out: Path, config: str, steps: int, *extra: str, fast: bool = True) -> 
 
 # HF's load report of the critic (lm_head UNEXPECTED, score MISSING), megatron-core's import-time
 # Transformer-Engine / Apex fallbacks and its deprecated default cuda_graph_scope, HF's progress bars.
-NOISE = ("LOAD REPORT", "Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated", "Loading weights")
+NOISE = (
+    "LOAD REPORT",
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+    "Loading weights",
+)
 
 
 @pytest.mark.parametrize("name", ["ppo_tiny", "grpo_tiny"])
