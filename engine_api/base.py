@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from engine_api.batch import shard_batch, unshard_batch
 from engine_api.config import EngineConfig
 from engine_api.losses import LossFn
+from engine_api.optim import NonFiniteUpdateError, check_update_finite
 
 PreprocessFn = Callable[[TensorDict, dict], TensorDict]
 PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
@@ -88,6 +89,16 @@ class BaseEngine(abc.ABC):
             raise RuntimeError(
                 f"{what} on a frozen engine (engine.frozen = True: no optimizer); fix: use eval_mode/infer_batch, or set engine.frozen=false"
             )
+
+    def _check_update(self, named_params, group: dist.ProcessGroup | None = None) -> None:
+        """After an optimizer step that ran: ``engine_api.optim.check_update_finite`` for step
+        ``global_step + 1``; a failure marks the engine broken (see :meth:`_refuse_if_broken`)
+        before it propagates. Collective over ``group`` (None: the world)."""
+        try:
+            check_update_finite(named_params, getattr(self, "global_step", 0) + 1, group)
+        except NonFiniteUpdateError as exc:
+            self._broken = str(exc)
+            raise
 
     def _refuse_if_broken(self, what: str) -> None:
         """Raise for ``what`` while the weights are invalid: an optimizer step wrote non-finite

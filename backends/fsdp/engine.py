@@ -25,7 +25,7 @@ from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.dist import ensure_process_group
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.optim import NonFiniteUpdateError, build_adamw, check_update_finite, clip_and_step
+from engine_api.optim import build_adamw, clip_and_step
 from engine_api.step import StepSpec, forward_backward_loop
 
 
@@ -184,11 +184,7 @@ class FSDPEngine(BaseEngine):
         params = list(self.model.parameters())
         grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
         if math.isfinite(grad_norm):
-            try:
-                check_update_finite(self.model.named_parameters(), self.global_step + 1)
-            except NonFiniteUpdateError as exc:
-                self._broken = str(exc)
-                raise
+            self._check_update(self.model.named_parameters())
             self.global_step += 1
         return grad_norm
 

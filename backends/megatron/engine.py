@@ -56,7 +56,7 @@ from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.microbatch import make_micro_batches
-from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite, skipped_norm
+from engine_api.optim import agree_to_skip, skipped_norm
 from engine_api.step import validate_call
 
 
@@ -417,12 +417,8 @@ class MegatronEngine(BaseEngine):
                         params, self.config.optim.clip_grad, grad_norm, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                     )
         self.optimizer.step_with_ready_grads()
-        try:
-            # Over the world: each rank holds other TP/PP shards; all must stop together.
-            check_update_finite(((n, p) for chunk in self.model for n, p in chunk.module.named_parameters()), self.global_step + 1)
-        except NonFiniteUpdateError as exc:
-            self._broken = str(exc)
-            raise
+        # Over the world: each rank holds other TP/PP shards; all must stop together.
+        self._check_update((n, p) for chunk in self.model for n, p in chunk.module.named_parameters())
         self.global_step += 1
         return grad_norm
 
