@@ -32,13 +32,14 @@ from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
 from recipes import data as task
+from recipes.common import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
 from recipes.hf_sampler import HFSampler
-from recipes.sft import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
 from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
-from roles.factory import FLAG_VALUES, build_roles, legacy_problems
+from roles.factory import build_roles
+from roles.legacy_flag import FLAG_VALUES, legacy_problems
 from roles.rollout import Rollout, RolloutConfig
 
 ADVANTAGES = ("gae", "grpo")

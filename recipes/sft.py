@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -29,94 +28,18 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout
-from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_initialized, launcher_world
+from engine_api.dist import all_reduce, comm_device, is_initialized
 from engine_api.typed_config import load_typed
 from recipes import data as task
-from recipes.tiny_model import FAMILIES, build_tiny_model
+from recipes.common import TinyModelConfig, TrainerConfig, init_distributed, rank, with_model_path
 from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
 
 
 # ---------------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """The model built when ``engine.model.path`` is null (see ``recipes.tiny_model``).
-
-    Attributes:
-        family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
-        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: dimensions.
-        seed: weight-init seed.
-    """
-
-    family: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    seed: int = 0
-
-    def _problems(self) -> list[str]:
-        out = []
-        if self.family not in FAMILIES:
-            out.append(f"family = {self.family!r}: unknown model family; fix: use one of {', '.join(FAMILIES)}")
-        if self.num_heads < 1 or self.hidden_size % self.num_heads:
-            out.append(f"num_heads = {self.num_heads}: must divide hidden_size = {self.hidden_size}; fix: e.g. num_heads=4")
-        if self.num_kv_heads < 1 or self.num_heads % max(self.num_kv_heads, 1):
-            out.append(f"num_kv_heads = {self.num_kv_heads}: must divide num_heads = {self.num_heads}; fix: e.g. num_kv_heads=2")
-        for name in ("num_layers", "intermediate_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{name} = {getattr(self, name)}: must be positive; fix: use a value >= 1")
-        return out
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """The training loop.
-
-    Attributes:
-        total_steps: optimizer steps of the run.
-        log_every: print a log line every this many steps (and at the last step).
-        output_dir: run directory: metrics, the built tiny model, checkpoints.
-        metrics_file: JSON-lines file name under ``output_dir`` (one line per step).
-        checkpoint_every: save a checkpoint every this many steps and at the end (0: never).
-        resume: continue from the newest checkpoint under ``<output_dir>/checkpoints`` that
-            verifies (one that fails verification is skipped with a loud message; none
-            verifying is an error). The metrics file is cut back to the resumed step and the
-            replayed steps appended, so it stays one line per step; the data of each step is
-            the same as in an uninterrupted run.
-        progress_bar: show a tqdm bar on rank 0.
-        max_consecutive_skips: stop with an error after this many consecutive steps whose
-            optimizer step was skipped (non-finite loss or gradients); 0: never stop.
-    """
-
-    total_steps: int = 800
-    log_every: int = 100
-    output_dir: str = "outputs/sft_tiny"
-    metrics_file: str = "metrics.jsonl"
-    checkpoint_every: int = 0
-    resume: bool = False
-    progress_bar: bool = True
-    max_consecutive_skips: int = 3
-
-    def _problems(self) -> list[str]:
-        out = []
-        if self.total_steps < 1:
-            out.append(f"total_steps = {self.total_steps}: must be positive; fix: e.g. 800")
-        if self.log_every < 1:
-            out.append(f"log_every = {self.log_every}: must be positive; fix: e.g. 100")
-        if self.max_consecutive_skips < 0:
-            out.append(f"max_consecutive_skips = {self.max_consecutive_skips}: negative; fix: use 0 (never stop) or a positive count")
-        if self.checkpoint_every < 0:
-            out.append(f"checkpoint_every = {self.checkpoint_every}: negative; fix: use 0 (off) or a step interval")
-        if not self.output_dir:
-            out.append(f"output_dir = {self.output_dir!r}: empty; fix: name a directory, e.g. outputs/sft_tiny")
-        if not self.metrics_file or os.sep in self.metrics_file:
-            out.append(f"metrics_file = {self.metrics_file!r}: must be a plain file name; fix: e.g. metrics.jsonl")
-        return out
-
-
+# The ``tiny_model`` and ``trainer`` sections (TinyModelConfig, TrainerConfig), init_distributed
+# and with_model_path are shared with recipes.ppo and live in recipes.common.
 @dataclass(frozen=True)
 class SFTConfig:
     """Everything ``recipes.sft`` reads; ``configs/sft_tiny.yaml`` documents each key.
@@ -190,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def run(cfg: SFTConfig) -> dict[str, Any]:
     """Train and evaluate with an already-loaded config (``torch.distributed`` as the caller set it up)."""
     t0 = time.perf_counter()
-    rank0 = _rank() == 0
+    rank0 = rank() == 0
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     cfg = with_model_path(cfg)
 
@@ -328,62 +251,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def init_distributed(timeout_s: float | None = None) -> bool:
-    """Join the launcher's process group (torchrun) with the collective timeout ``timeout_s``
-    (``engine.dist_timeout_s``); return whether this call created it, so the recipe tears
-    down only what it set up.
-
-    Single-process runs create nothing here; the engine makes its own 1-rank group.
-    """
-    if is_initialized() or launcher_world() is None:
-        return False
-    backend = "gloo"
-    if torch.cuda.is_available():
-        # One GPU per process; NCCL collectives run on the current device.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    ensure_process_group(backend, timeout_s)
-    return True
-
-
-def _rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
-
-
-def with_model_path(cfg):
-    """``cfg`` unchanged when ``engine.model.path`` is set; otherwise build the tiny model
-    into ``<output_dir>/tiny_model`` (rank 0 writes, the others wait) and point at it.
-
-    Works for any recipe config with ``engine``, ``tiny_model``, ``data`` (a
-    ``recipes.data.DataConfig``) and ``trainer`` fields (SFT and PPO).
-    """
-    if cfg.engine.model.path is not None:
-        return cfg
-    path = os.path.join(cfg.trainer.output_dir, "tiny_model")
-    if _rank() == 0:
-        tm = cfg.tiny_model
-        build_tiny_model(
-            path,
-            family=tm.family,
-            seed=tm.seed,
-            vocab_size=task.VOCAB_SIZE,
-            hidden_size=tm.hidden_size,
-            num_layers=tm.num_layers,
-            num_heads=tm.num_heads,
-            num_kv_heads=tm.num_kv_heads,
-            intermediate_size=tm.intermediate_size,
-            max_position_embeddings=max(64, task.max_seq_len(cfg.data)),
-            bos_token_id=task.BOS,
-            eos_token_id=task.EOS,
-            pad_token_id=task.PAD,
-        )
-    if is_initialized():
-        # Every rank loads the files rank 0 just wrote: nobody may read before they exist.
-        dist.barrier()
-    model = dataclasses.replace(cfg.engine.model, path=path)
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=model))
-
-
 def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
     resuming (``recipes.trainer_utils.load_newest_valid``)."""
@@ -391,11 +258,11 @@ def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
         return 0
     candidates = ckpt_layout.candidates(ckpt_dir)
     if not candidates:
-        if _rank() == 0:
+        if rank() == 0:
             print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)
         return 0
-    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), _rank() == 0)
-    if step >= cfg.trainer.total_steps and _rank() == 0:
+    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), rank() == 0)
+    if step >= cfg.trainer.total_steps and rank() == 0:
         print(f"trainer.resume: checkpoint is at step {step} >= trainer.total_steps = {cfg.trainer.total_steps}; nothing to train")
     return step
 

@@ -15,10 +15,12 @@ from typing import Any, Protocol
 from engine_api import EngineConfig, build_engine
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
+from roles.legacy_flag import FLAG, FLAG_VALUES, legacy_problems, use_legacy
 from roles.reference import Reference
 
-FLAG = "trainer.use_legacy_worker_impl"
-FLAG_VALUES = ("auto", "enable", "disable", True, False)
+# FLAG, FLAG_VALUES, use_legacy and legacy_problems live in roles.legacy_flag (which roles.legacy
+# imports too, so that it never imports this module); re-exported here.
+__all__ = ["FLAG", "FLAG_VALUES", "Roles", "RolesRecipeConfig", "build_roles", "critic_engine_config", "legacy_problems", "use_legacy"]
 
 
 class RolesRecipeConfig(Protocol):
@@ -49,50 +51,6 @@ class Roles:
     critic: Any | None
     reference: Any | None
     legacy: bool
-
-
-def use_legacy(value: object) -> bool:
-    """Interpret ``trainer.use_legacy_worker_impl``: ``enable`` / true select the legacy workers;
-    ``disable`` / false / ``auto`` select the engine roles (``auto`` means "the current default",
-    which is the engine roles)."""
-    if value is True or value == "enable":
-        return True
-    if value is False or value in ("disable", "auto"):
-        return False
-    raise ValueError(f"{FLAG} = {value!r}: unknown; fix: use one of auto, enable, disable, true, false")
-
-
-def legacy_problems(value: object, engine: EngineConfig) -> list[str]:
-    """Config problems of the flag and of its combination with ``engine`` (empty when fine).
-
-    The legacy workers are a direct FSDP2 implementation of the default feature set, kept as a
-    parity baseline: FSDP only, fixed-size micro-batches, no offload, no deferred normalization.
-    """
-    try:
-        legacy = use_legacy(value)
-    except ValueError as exc:
-        return [str(exc)]
-    if not legacy:
-        return []
-    fix = f"fix: set {FLAG}=disable (the engine roles support it) or"
-    out = []
-    if engine.strategy != "fsdp":
-        out.append(
-            f"{FLAG} = {value!r} with engine.strategy = {engine.strategy!r}: the legacy workers are FSDP only; {fix} engine.strategy=fsdp"
-        )
-    if engine.max_token_len_per_micro_batch is not None:
-        out.append(
-            f"{FLAG} = {value!r} with engine.max_token_len_per_micro_batch = {engine.max_token_len_per_micro_batch}: "
-            f"the legacy workers use fixed-size micro-batches; {fix} engine.max_token_len_per_micro_batch=null"
-        )
-    if engine.offload.param or engine.offload.optimizer:
-        out.append(f"{FLAG} = {value!r} with engine.offload = {engine.offload}: the legacy workers do not offload; {fix} turn offload off")
-    if engine.deferred_normalization:
-        out.append(
-            f"{FLAG} = {value!r} with engine.deferred_normalization = true: the legacy workers normalize per call; "
-            f"{fix} engine.deferred_normalization=false"
-        )
-    return out
 
 
 def critic_engine_config(engine: EngineConfig, critic_lr: float) -> EngineConfig:

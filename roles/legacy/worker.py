@@ -17,14 +17,15 @@ from torch.distributed.tensor import DTensor
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_model
+from backends.fsdp.options import FSDPOptions
 from engine_api import ckpt_layout
 from engine_api.batch import loss_mask_of, shard_batch, split_by_size, to_device, unpack, unshard_batch, validate_batch
-from engine_api.config import EngineConfig
+from engine_api.config import EngineConfig, options_of
 from engine_api.dist import all_reduce, comm_device, ensure_process_group
 from engine_api.losses import build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.optim import check_update_finite
-from roles.factory import legacy_problems
+from roles.legacy_flag import legacy_problems
 
 LossFn = Callable[[TensorDict, TensorDict, object], tuple[torch.Tensor, dict[str, float]]]
 
@@ -40,7 +41,7 @@ class FSDPWorker:
         self.config = config
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", config.dist_timeout_s)
-        mesh = build_mesh(self.device, dist.get_world_size(), config.fsdp.fsdp_size)
+        mesh = build_mesh(self.device, dist.get_world_size(), options_of(config, FSDPOptions).fsdp_size)
         model = load_model(config, self.device)
         if config.frozen:
             model.requires_grad_(False)

@@ -15,8 +15,8 @@ import torch
 
 from engine_api.typed_config import load_typed
 from recipes import ppo
+from recipes.common import with_model_path
 from recipes.hf_sampler import HFSampler
-from recipes.sft import with_model_path
 from roles import legacy
 from roles.factory import build_roles, use_legacy
 from roles.rollout import Rollout
@@ -82,8 +82,9 @@ def test_only_the_factory_imports_the_legacy_package():
         if "legacy" in path.relative_to(ROOT).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("roles.legacy"):
-                importers.append(path.name)
+            names = [(node.module or "")] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(n == "roles.legacy" or n.startswith("roles.legacy.") for n in names):
+                importers.append(path.name)  # roles.legacy or a submodule, not e.g. roles.legacy_flag
             if isinstance(node, ast.ImportFrom) and node.module == "roles" and any(a.name == "legacy" for a in node.names):
                 importers.append(path.name)
     assert importers == ["factory.py"]
