@@ -1,12 +1,13 @@
-"""``BaseEngine``: the contract every backend implements (DESIGN.md section 2)."""
+"""``BaseEngine``: the contract every backend implements (docs/design.md, section 2)."""
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,58 @@ class BaseEngine(abc.ABC):
     Errors: bad input raises ``ValueError`` before any state (params, grads, optimizer state,
     step counters) changes. Every method that is a collective says so; all ranks of the
     engine must call it together.
+
+    Duties of a backend (the conformance kit, ``python -m engine_api.conformance``, checks each
+    one; ``engine_api.kit`` provides the pieces that fulfil them, see
+    ``docs/adding-a-backend.md``):
+
+    * **Settings.** Declare :attr:`options_class` (a frozen dataclass with a
+      ``config_section``); read it as ``config.backend``. Problems only the backend can see
+      (a layout the model's shape cannot take, an unsupported head) come from
+      :meth:`check_config`, so ``build_engine`` refuses them before anything is built.
+    * **Processes.** ``init_model`` joins the launcher's world when there is one (torchrun's
+      environment) and creates a 1-rank group for plain python
+      (``kit.ensure_process_group``); it never trains each rank alone under a launcher.
+    * **Outputs.** ``log_probs[i]`` is log p(token i | tokens < i) with 0 at position 0, of the
+      logits divided by the batch metadata ``temperature`` (default 1.0; the rollout's sampling
+      temperature, so PPO ratios compare like with like); ``entropy`` (same alignment, same
+      temperature) only when ``calculate_entropy`` is True; ``model.head: value`` gives
+      ``values[i]`` predicted from the prefix before token i (0 at position 0), its new head
+      seeded by ``config.seed`` identically on every rank. Outputs come back in the caller's
+      row order and jagged layout, on ``batch``'s device.
+    * **The update.** One optimizer step's loss, gradient and update do not depend on
+      micro-batching, dynamic batching, packing vs padding, how a global batch is split over
+      calls (``deferred_normalization``) or the DP size: use the shared loop
+      (``kit.forward_backward_loop``; a backend with its own schedule plugs it in as the loop's
+      ``runner``) and ``kit.clip_and_step``. Gradients average or sum over DP as the backend
+      declares (``StepSpec.grads_averaged_over_dp``); the loop compensates.
+    * **Abort and skip.** :meth:`optimizer_zero_grad` aborts a window without a trace. A non-finite
+      loss or grad norm on any rank skips the step on every rank (agreed collectively); a step
+      that ran and left a non-finite weight marks the engine broken (:meth:`_check_update`).
+    * **Frozen engines.** ``config.frozen``: no optimizer, no gradient memory; ``train_mode``,
+      training calls and ``save_checkpoint`` raise (:meth:`_refuse_if_frozen`), inference works.
+    * **Offload.** ``train_mode`` / ``eval_mode`` load what they need onto the compute device
+      and, on exit, move what ``config.offload`` names to the CPU; training with offload is
+      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`).
+    * **Checkpoints.** The directory protocol of ``engine_api.ckpt_layout``: write into the
+      temporary directory of ``begin``, then ``commit`` (manifest, completion marker,
+      ``latest``, retention, remote copy). Loading verifies the manifest before anything is
+      unpickled (``open_checkpoint``), reads tensors with ``weights_only``, changes state only
+      after everything is read, never runs code from a checkpoint, and refuses a checkpoint of
+      another backend or layout with a ``ValueError``. Resume in a fresh process is bit-exact
+      (model, optimizer, scheduler, RNG, step: ``make_extra`` / ``apply_extra``).
+    * **Export.** :meth:`export_weights` yields every weight by its HF name, in HF layout.
+    * **Collectives.** ``init_model``, ``forward_backward_step``, ``optimizer_step``,
+      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint`` and ``export_weights`` are
+      collective over every rank of the engine; so are ``train_mode`` / ``eval_mode`` when
+      loading or offloading involves communication. A bad batch on one rank raises on every
+      rank (validation is agreed), so no rank is left waiting.
     """
+
+    #: The backend's own settings: a frozen dataclass with a ``config_section: ClassVar[str]``
+    #: naming the engine-config section that holds them (``megatron.*``); ``build_engine``
+    #: gives the engine ``config.backend`` as an instance of it. None: no settings.
+    options_class: ClassVar[type | None] = None
 
     def __init__(self, config: EngineConfig) -> None:
         """Store the typed config; build nothing heavy (no model, no process groups)."""
@@ -107,6 +159,36 @@ class BaseEngine(abc.ABC):
         broken = getattr(self, "_broken", None)
         if broken:
             raise RuntimeError(f"{what} refused: {broken}")
+
+    # ------------------------------------------------------------------ shared helpers
+    @contextlib.contextmanager
+    def _switch_mode(self, modules, training: bool):
+        """The one implementation of :meth:`train_mode` / :meth:`eval_mode`: refuse training
+        on a frozen or broken engine, load what the mode needs onto ``self.device`` (params;
+        optimizer state too when ``training``), set ``train()`` / ``eval()`` on ``modules``,
+        and on exit offload what ``config.offload`` names (:meth:`_offload`)."""
+        if training:
+            self._refuse_if_frozen("train_mode")
+            self._refuse_if_broken("train_mode")
+        self.to(self.device, model=True, optimizer=training)
+        for module in modules:
+            module.train(training)
+        try:
+            yield self
+        finally:
+            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    def _offload(self, model: bool, optimizer: bool) -> None:
+        """Move what is named to the CPU (default: :meth:`to`); a backend that frees storage
+        in place (megatron) overrides it."""
+        if model or optimizer:
+            self.to("cpu", model=model, optimizer=optimizer)
+
+    def _step_scheduler(self) -> float:
+        """The one implementation of :meth:`lr_scheduler_step` over ``self.scheduler``."""
+        self._refuse_if_frozen("lr_scheduler_step")
+        self.scheduler.step()
+        return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ compute
     def set_loss_fn(self, loss_fn: LossFn) -> None:

@@ -1,4 +1,4 @@
-"""The batch protocol (DESIGN.md section 3): jagged TensorDicts and the helpers engines share.
+"""The batch protocol (docs/design.md, section 3): jagged TensorDicts and the helpers engines share.
 
 A batch is a ``tensordict.TensorDict`` with ``batch_size=[B]`` whose per-token fields are
 jagged nested tensors (``layout=torch.jagged``) that share ``input_ids``' offsets, whose

@@ -10,16 +10,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from engine_api.losses import AGG_MODES
-from engine_api.typed_config import check, load_typed
+from engine_api.typed_config import SectionSchema, check, load_typed
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("lm", "value")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-LAYER_SPECS = ("auto", "local", "te")
 
 
+T = TypeVar("T")
 _FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny; this module imports no torch
 
 
@@ -153,91 +154,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class FSDPConfig:
-    """FSDP2 (``fully_shard``) settings.
-
-    Attributes:
-        fsdp_size: ranks per shard group; -1 shards over the whole world, a divisor of the
-            world size gives HSDP (replicate over world / fsdp_size groups).
-        reshard_after_forward: free gathered params after forward (ZeRO-3) or keep them (ZeRO-2).
-        param_dtype: compute dtype of gathered params (None: ``model.dtype``).
-        reduce_dtype: dtype of the gradient reduce-scatter.
-    """
-
-    fsdp_size: int = -1
-    reshard_after_forward: bool = True
-    param_dtype: str | None = None
-    reduce_dtype: str = "float32"
-
-    def _problems(self) -> list[str]:
-        out = []
-        if self.fsdp_size != -1 and self.fsdp_size < 1:
-            out.append(_p("fsdp_size", self.fsdp_size, "must be -1 or positive", "use -1 (whole world) or a divisor of the world size"))
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in DTYPES:
-                out.append(_p(name, value, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
-        return out
-
-
-@dataclass(frozen=True)
-class MegatronConfig:
-    """megatron-core parallelism, with megatron-core's own names.
-
-    Attributes:
-        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size:
-            model-parallel sizes; their product must divide the world size.
-        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
-            1F1B), None for none; needs pipeline_model_parallel_size > 1.
-        sequence_parallel: shard activations along the sequence in TP regions; needs TP > 1.
-        use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
-        layer_spec: ``auto`` (Transformer-Engine when importable with CUDA, else local),
-            ``local`` or ``te``.
-    """
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    layer_spec: str = "auto"
-
-    @property
-    def model_parallel_size(self) -> int:
-        """TP x PP x CP: ranks that share one data-parallel replica."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-
-    def _problems(self) -> list[str]:
-        out = []
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
-                out.append(_p(name, getattr(self, name), "must be >= 1", "use 1 to disable this kind of parallelism"))
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
-            out.append(
-                _p(
-                    "virtual_pipeline_model_parallel_size",
-                    vpp,
-                    "needs a value >= 1 and pipeline_model_parallel_size > 1",
-                    "set it to null or raise pipeline_model_parallel_size",
-                )
-            )
-        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
-            out.append(
-                _p(
-                    "sequence_parallel",
-                    True,
-                    "needs tensor_model_parallel_size > 1",
-                    "set sequence_parallel=false or raise tensor_model_parallel_size",
-                )
-            )
-        if self.layer_spec not in LAYER_SPECS:
-            out.append(_p("layer_spec", self.layer_spec, "unknown layer spec", f"use one of {', '.join(LAYER_SPECS)}"))
-        return out
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Everything a backend needs; ``strategy`` picks the backend from the registry.
 
@@ -261,6 +177,17 @@ class EngineConfig:
             process group an engine creates or joins (None: ``$ENGINEKIT_DIST_TIMEOUT_S``, else
             torch's default of 30 minutes). Ignored when the caller already initialised
             ``torch.distributed``.
+        backend: the strategy's own settings: an instance of the backend's
+            ``BaseEngine.options_class`` (a frozen dataclass), written in YAML / overrides under
+            the section the options class names (``options_class.config_section``, e.g.
+            ``fsdp.fsdp_size=2``, ``megatron.tensor_model_parallel_size=2``). None until a
+            loader or ``build_engine`` fills in the backend's defaults. The section name also
+            reads it: ``config.megatron is config.backend`` under ``strategy: megatron``.
+
+    Backend sections are generic: the loader resolves ``strategy`` to its engine class
+    (``engine_api.registry``), validates the keys of that class's section against its options
+    class (typos get the closest key), and refuses keys of another backend's section. Nothing
+    here knows a backend by name.
     """
 
     strategy: str = "fsdp"
@@ -275,11 +202,10 @@ class EngineConfig:
     deferred_normalization: bool = False
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     frozen: bool = False
     world_size: int | None = None
     dist_timeout_s: float | None = None
+    backend: Any = None
 
     def _problems(self) -> list[str]:
         out = []
@@ -316,27 +242,38 @@ class EngineConfig:
                     "set it, e.g. to the max response length",
                 )
             )
-        world = self.world_size if self.world_size is not None else _known_world_size()
-        mp = self.megatron.model_parallel_size
-        if self.strategy == "megatron" and world is not None and mp >= 1 and world % mp:
-            out.append(
-                _p(
-                    "megatron.tensor_model_parallel_size",
-                    self.megatron.tensor_model_parallel_size,
-                    f"TP x PP x CP = {mp} does not divide the world size {world}",
-                    "choose sizes whose product divides the number of processes",
-                )
-            )
-        if self.strategy == "fsdp" and world is not None and self.fsdp.fsdp_size > 0 and world % self.fsdp.fsdp_size:
-            out.append(
-                _p(
-                    "fsdp.fsdp_size",
-                    self.fsdp.fsdp_size,
-                    f"does not divide the world size {world}",
-                    "use -1 or a divisor of the world size",
-                )
-            )
+        # A backend's checks that need the engine config (e.g. parallel sizes vs the world size).
+        with_engine = getattr(self.backend, "_problems_with", None)
+        if with_engine is not None:
+            section = getattr(type(self.backend), "config_section", "backend")
+            out += [f"{section}.{p}" for p in with_engine(self)]
         return out
+
+    def known_world_size(self) -> int | None:
+        """``world_size`` if set, else ``WORLD_SIZE`` (torchrun sets it), else the initialised
+        default group's size, else None (a config loaded before the ranks exist is not judged
+        against a guess)."""
+        return self.world_size if self.world_size is not None else _known_world_size()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: ``config.<section>`` reads the backend's
+        # options when ``name`` is the section of the options held (e.g. ``config.fsdp``).
+        backend = self.__dict__.get("backend")
+        if backend is not None and getattr(type(backend), "config_section", None) == name:
+            return backend
+        raise AttributeError(
+            f"EngineConfig has no attribute {name!r}"
+            + (f" (the backend settings held are the {backend.config_section!r} section)" if backend is not None else "")
+        )
+
+    @classmethod
+    def _section_schema(cls, raw: Mapping) -> SectionSchema:
+        """How the loader treats top-level keys that are not fields (``typed_config`` hook):
+        the strategy's section is validated against its options class; a section of another
+        known backend is refused."""
+        from engine_api.registry import section_schema  # the registry imports this module
+
+        return section_schema(raw)
 
 
 def load_config(source: str | os.PathLike | Mapping | None = None, overrides: Sequence[str] = ()) -> EngineConfig:
@@ -349,6 +286,12 @@ def load_config(source: str | os.PathLike | Mapping | None = None, overrides: Se
             wrong type and every invalid value, each with the field, the value and the fix.
     """
     return load_typed(EngineConfig, source, overrides)
+
+
+def options_of(config: EngineConfig, options_class: type[T]) -> T:
+    """``config.backend`` when it is an ``options_class`` instance, else that class's defaults
+    (a config that did not pass ``build_engine``, e.g. one handed to a backend's helpers)."""
+    return config.backend if isinstance(config.backend, options_class) else options_class()
 
 
 def config_problems(config: EngineConfig) -> list[str]:

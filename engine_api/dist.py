@@ -155,6 +155,16 @@ def launcher_world() -> tuple[int, int] | None:
     return world, int(present["RANK"])
 
 
+def compute_device() -> torch.device:
+    """This process's compute device: ``cuda:$LOCAL_RANK`` (made current) when CUDA is
+    available, else the CPU. One helper so every backend places work the same way."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
 def ensure_process_group(backend: str, timeout_s: float | None = None) -> None:
     """Make sure a default process group exists that spans the launcher's world.
 

@@ -1,4 +1,4 @@
-"""Per-token log-probs and entropy from logits, aligned as DESIGN.md section 3 says.
+"""Per-token log-probs and entropy from logits, aligned as docs/design.md section 3 says.
 
 ``log_probs[i] = log p(input_ids[i] | input_ids[:i])`` comes from the logits at position
 ``i - 1``; position 0 of every sequence has nothing to predict it and gets 0.

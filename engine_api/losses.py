@@ -1,4 +1,4 @@
-"""Loss aggregation and normalization (DESIGN.md section 4).
+"""Loss aggregation and normalization (docs/design.md, section 4).
 
 A loss function computes a per-token loss ``l`` and reduces it with :func:`agg_loss`, which
 divides the micro-batch's *numerator* by a *global* denominator carried in a
@@ -16,7 +16,7 @@ mode                           loss                                          den
 ``seq-mean-token-sum-norm``    sum(m*l) / (|B| * C)                          sequences * C
 =============================  ============================================  ================
 
-Assumption (documented in the README): ``|B|`` counts the sequences that have at least one
+Assumption (documented in docs/design.md, section 10): ``|B|`` counts the sequences that have at least one
 token in the loss mask; a sequence with an empty mask contributes nothing to any mode.
 
 Two engine-side corrections turn these contributions into the right gradient:

@@ -1,34 +1,53 @@
-"""Engine registry: ``@register_engine(name)``, ``build_engine(config)``, ``available_engines()``.
+"""Engine registry: which class ``engine.strategy`` names, and which settings it owns.
 
-The built-in backends are imported lazily, by name, the first time they are asked for, so
-``import engine_api`` never imports megatron or transformers.
+A strategy is one of:
+
+* a name registered with ``@register_engine(name)`` in a module already imported;
+* a built-in backend (``fsdp``, ``megatron``: imported on first use, so ``import engine_api``
+  never imports megatron or transformers);
+* a name published by an installed distribution in the entry-point group
+  ``enginekit.backends`` (``name = "package.module:ClassName"`` in its ``pyproject.toml``);
+* an import path ``package.module:ClassName`` (the module must be importable: installed or on
+  ``PYTHONPATH``); the class is imported and registered under that path on first use.
+
+The class must subclass ``BaseEngine``. Its settings are its ``options_class`` (a frozen
+dataclass whose ``config_section`` names the engine-config section holding them, e.g.
+``fsdp.*``); :func:`section_schema` tells the config loader how to read them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from engine_api.base import BaseEngine
 from engine_api.config import EngineConfig, config_problems
+from engine_api.typed_config import SectionSchema
 
-# name -> module whose import registers it
-_BUILTINS = {"fsdp": "backends.fsdp", "megatron": "backends.megatron"}
+ENTRY_POINT_GROUP = "enginekit.backends"
+# The backends shipped in this repository: name -> "module:Class" (imported on first use).
+_BUILTINS = {"fsdp": "backends.fsdp:FSDPEngine", "megatron": "backends.megatron:MegatronEngine"}
 _REGISTRY: dict[str, type[BaseEngine]] = {}
+_HOW = (
+    "fix: set engine.strategy to one of them, to an import path 'package.module:ClassName' of a BaseEngine subclass, "
+    f"or register a name (@register_engine('name') in an imported module, or an entry point in the group {ENTRY_POINT_GROUP!r})"
+)
 
 
 def register_engine(name: str) -> Callable[[type[BaseEngine]], type[BaseEngine]]:
     """Class decorator registering a :class:`BaseEngine` subclass under ``name``.
 
     Raises:
-        ValueError: ``name`` is already registered.
+        ValueError: ``name`` is already registered to another class, or the class's
+            ``options_class`` is not usable (see :func:`check_engine_class`).
         TypeError: the class is not a ``BaseEngine`` subclass.
     """
 
     def decorator(cls: type[BaseEngine]) -> type[BaseEngine]:
-        if not (isinstance(cls, type) and issubclass(cls, BaseEngine)):
-            raise TypeError(f"@register_engine({name!r}) needs a BaseEngine subclass, got {cls!r}")
+        check_engine_class(cls, f"@register_engine({name!r})")
         if name in _REGISTRY:
             raise ValueError(
                 f"engine {name!r} is already registered (by {_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}); "
@@ -45,62 +64,169 @@ def unregister_engine(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
+def check_engine_class(cls: object, where: str) -> None:
+    """Raise unless ``cls`` is a ``BaseEngine`` subclass whose ``options_class`` (if any) is a
+    frozen dataclass with an identifier ``config_section`` that is not an ``EngineConfig`` field."""
+    if not (isinstance(cls, type) and issubclass(cls, BaseEngine)):
+        raise TypeError(f"{where} needs a BaseEngine subclass, got {cls!r}; fix: subclass engine_api.BaseEngine")
+    options = cls.options_class
+    if options is None:
+        return
+    section = getattr(options, "config_section", None)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    if not (dataclasses.is_dataclass(options) and isinstance(options, type) and options.__dataclass_params__.frozen):
+        raise ValueError(f"{where}: options_class = {options!r} is not a frozen dataclass; fix: decorate it with @dataclass(frozen=True)")
+    if not (isinstance(section, str) and section.isidentifier()) or section in fields:
+        raise ValueError(
+            f"{where}: {options.__qualname__}.config_section = {section!r} must be an identifier that is not an engine "
+            f"config field ({', '.join(sorted(fields))}); fix: declare config_section: ClassVar[str] = '<your backend name>'"
+        )
+
+
 def available_engines() -> list[str]:
-    """Names that :func:`build_engine` accepts: registered engines plus built-in backends
-    whose package is installed (found without importing it)."""
-    builtins = [n for n, mod in _BUILTINS.items() if _module_exists(mod)]
-    return sorted(set(_REGISTRY) | set(builtins))
+    """Names that :func:`build_engine` accepts without an import path: registered engines,
+    installed built-ins and entry points (found without importing them)."""
+    return sorted(set(_REGISTRY) | set(_known_specs()))
 
 
-def get_engine_class(name: str) -> type[BaseEngine]:
-    """The engine class registered as ``name``, importing a built-in backend on first use.
+def builtin_engines() -> list[str]:
+    """The built-in backends that are installed (they train HF model directories); test
+    suites parametrized over it cover a backend added to ``_BUILTINS`` automatically."""
+    return sorted(n for n, spec in _BUILTINS.items() if _module_exists(spec.partition(":")[0]))
+
+
+def is_import_path(strategy: str) -> bool:
+    """Whether ``strategy`` has the ``package.module:ClassName`` form."""
+    module, sep, name = strategy.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and name.isidentifier()
+
+
+def get_engine_class(strategy: str) -> type[BaseEngine]:
+    """The engine class ``strategy`` names (see the module docstring), importing and
+    registering it on first use.
 
     Raises:
-        ValueError: unknown name (the message lists the available ones).
+        ValueError: unknown name, or an import path that does not import or does not name a
+            ``BaseEngine`` subclass; the message lists the available names and how to register.
     """
-    if name not in _REGISTRY and name in _BUILTINS and _module_exists(_BUILTINS[name]):
-        importlib.import_module(_BUILTINS[name])
-    if name not in _REGISTRY:
+    if strategy in _REGISTRY:
+        return _REGISTRY[strategy]
+    specs = _known_specs()
+    spec = specs.get(strategy) or (strategy if is_import_path(strategy) else None)
+    if spec is None:
         raise ValueError(
-            f"strategy = {name!r} is not a registered engine; available: {', '.join(available_engines()) or 'none'}; "
-            "fix: set engine.strategy to one of them, or @register_engine your backend"
+            f"strategy = {strategy!r} is not a registered engine; available: {', '.join(available_engines()) or 'none'}; {_HOW}"
         )
-    return _REGISTRY[name]
+    cls = _import_class(strategy, spec)
+    if strategy not in _REGISTRY:  # importing the module may have registered it already
+        register_engine(strategy)(cls)
+    return _REGISTRY[strategy]
+
+
+def _import_class(strategy: str, spec: str) -> type[BaseEngine]:
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"strategy = {strategy!r}: cannot import module {module_name!r} ({exc}); "
+            "fix: install the package that provides it or put its directory on PYTHONPATH"
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"strategy = {strategy!r}: module {module_name!r} has no attribute {class_name!r}; fix: name the engine class")
+    try:
+        check_engine_class(cls, f"strategy = {strategy!r}")
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    return cls
+
+
+def section_schema(raw: Mapping) -> SectionSchema:
+    """How the config loader reads the top-level engine keys that are not ``EngineConfig``
+    fields (``EngineConfig._section_schema``): the strategy's section against its
+    ``options_class``, another backend's section refused.
+
+    The strategy's class is imported only when such a key is present: a config without
+    backend keys loads without importing any backend, and ``build_engine`` fills in the
+    backend's defaults.
+    """
+    strategy = raw.get("strategy", EngineConfig.strategy)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    extra = [k for k in raw if k not in fields]
+    known = {name: _section_of(name) for name in available_engines()}
+    if not extra:
+        return SectionSchema(target="backend")
+    try:
+        cls = get_engine_class(str(strategy))
+    except ValueError as exc:
+        return SectionSchema(target="backend", error=str(exc))
+    options = cls.options_class
+    active = options.config_section if options is not None else None
+    foreign = {
+        section: f"belongs to backend {name!r}, but strategy = {strategy!r}; fix: remove it, or set strategy={name}"
+        for name, section in known.items()
+        if section != active
+    }
+    if options is None and isinstance(strategy, str) and strategy.isidentifier():
+        foreign[strategy] = f"backend {strategy!r} declares no settings (no options_class); fix: remove these keys"
+    return SectionSchema(target="backend", active=active, schema=options, foreign=foreign)
+
+
+def _section_of(name: str) -> str:
+    """The config section of engine ``name`` without importing it (an engine not yet imported
+    is assumed to use its name, as the built-ins do)."""
+    cls = _REGISTRY.get(name)
+    options = cls.options_class if cls is not None else None
+    return options.config_section if options is not None else name
 
 
 def build_engine(config: EngineConfig) -> BaseEngine:
     """Validate ``config`` and construct (not initialise) the engine named by ``config.strategy``.
 
-    The general checks and the backend's own (``BaseEngine.check_config``: e.g. a tensor-parallel
-    size that does not divide the model's heads) run here, before any model, process group or
-    optimizer exists, so a bad config never fails mid-run.
+    Fills ``config.backend`` with the backend's default options when unset. The general checks
+    and the backend's own (``BaseEngine.check_config``: e.g. a tensor-parallel size that does
+    not divide the model's heads) run here, before any model, process group or optimizer
+    exists, so a bad config never fails mid-run.
 
     Raises:
         ValueError: the config has problems (all listed at once), or the strategy is unknown.
     """
-    problems = config_problems(config)
     try:
         cls = get_engine_class(config.strategy)
-    except ValueError:
+    except ValueError as exc:
+        problems = [p for p in config_problems(config) if "strategy" not in p]
         if not problems:
             raise
-        cls = None
-        problems.append(f"strategy = {config.strategy!r}: not a registered engine; fix: use one of {', '.join(available_engines())}")
-    if cls is not None:
+        raise ValueError(f"{len(problems) + 1} config problem(s):\n" + "\n".join(f"  - {p}" for p in [*problems, str(exc)])) from None
+    options = cls.options_class
+    wrong_type = []
+    if options is not None and config.backend is None:
+        config = dataclasses.replace(config, backend=options())
+    elif config.backend is not None and (options is None or not isinstance(config.backend, options)):
+        want = options.__qualname__ if options is not None else "None (this backend has no settings)"
+        wrong_type.append(
+            f"backend = {type(config.backend).__qualname__}: strategy {config.strategy!r} takes {want}; "
+            "fix: build the config with load_config, or pass that class"
+        )
+    problems = config_problems(config) + wrong_type
+    if not wrong_type:
         problems += cls.check_config(config)
     if problems:
         raise ValueError(f"{len(problems)} config problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
     return cls(config)
 
 
-def builtin_engines() -> list[str]:
-    """The built-in backends that are installed (they train HF model directories); test
-    suites parametrized over it cover a backend added to ``_BUILTINS`` automatically."""
-    return sorted(n for n, mod in _BUILTINS.items() if _module_exists(mod))
+def _known_specs() -> dict[str, str]:
+    """name -> "module:Class" for installed built-ins and entry points (nothing imported)."""
+    specs = {n: spec for n, spec in _BUILTINS.items() if _module_exists(spec.partition(":")[0])}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        specs.setdefault(ep.name, ep.value)
+    return specs
 
 
 def _module_exists(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, ValueError):
         return False

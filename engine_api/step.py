@@ -1,6 +1,7 @@
-"""The micro-batch loop of ``forward_backward_step``, shared by backends that drive their own
-forward passes (FSDP, the test reference engine). Megatron runs micro-batches through its
-schedule instead but uses the same planning and normalization pieces.
+"""The one micro-batch loop of ``forward_backward_step``, shared by every backend. A backend
+gives its forward function (``StepSpec.forward``); one that runs micro-batches through its
+own schedule (megatron's pipeline schedules) plugs it in as a ``runner`` and keeps everything
+else: validation, planning, normalization, restore, deferred counts and the global loss.
 
 Order of work, chosen so bad input never changes state: validate the whole call's batch, plan
 the micro-batches, build the normalization context (a collective: every rank validates before
@@ -33,21 +34,25 @@ class StepSpec:
     Attributes:
         config: the engine config (micro-batching, loss mode, deferred flag).
         dp_group: the data-parallel group counts and micro-batch counts are agreed over.
-        forward: ``forward(micro_batch) -> outputs`` (jagged per-token fields).
+        forward: ``forward(micro_batch) -> outputs`` (jagged per-token fields), used by the
+            default runner (a backend with its own runner may leave it None).
         vocab_size: checked against the token ids when known.
         grads_averaged_over_dp: whether the backend's gradient reduction averages over DP.
         device: compute device micro-batches are moved to (None: leave them where they are).
         max_positions: the model's maximum sequence length (e.g. HF ``max_position_embeddings``),
             checked against every sequence when known.
+        validate_over_world: agree on batch validation over the whole world instead of the DP
+            group (a model-parallel backend: its TP/PP peers must stop together too).
     """
 
     config: EngineConfig
     dp_group: dist.ProcessGroup | None
-    forward: ForwardFn
+    forward: ForwardFn | None = None
     vocab_size: int | None = None
     grads_averaged_over_dp: bool = True
     device: torch.device | None = None
     max_positions: int | None = None
+    validate_over_world: bool = False
 
 
 def seq_len_limit(config: EngineConfig, max_positions: int | None) -> tuple[int | None, str]:
@@ -103,6 +108,64 @@ def validate_call(
     raise ValueError(f"rank {rank} got an invalid batch, so every rank stops: {message}")
 
 
+@dataclass
+class CallState:
+    """One ``forward_backward_step`` call after planning, handed to a :data:`MicroBatchRunner`.
+
+    Attributes:
+        batch: the call's batch (this rank's shard), as given.
+        micro_batches: the planned micro-batches, on ``StepSpec.device`` when set.
+        plan: the plan (``MicroBatches``; its ``restore`` puts outputs back in call order).
+        ctx: the call's ctx (``norm`` set for training calls; ``metrics`` is filled per micro-batch).
+        norm: the call's global ``NormContext`` (None when ``forward_only``).
+        scale: the factor every micro-batch loss is multiplied by before backward
+            (``backward_scale``); a schedule that divides by the micro-batch count multiplies it back.
+        forward_only, keep: no backward; whether the caller wants the predictions.
+        loss_fn, preprocess_fn, postprocess_fn: as given to the call.
+    """
+
+    batch: TensorDict
+    micro_batches: list
+    plan: object
+    ctx: dict
+    norm: object
+    scale: float
+    forward_only: bool
+    keep: bool
+    loss_fn: LossFn | None
+    preprocess_fn: Callable | None
+    postprocess_fn: Callable | None
+
+
+# ``runner(spec, state) -> (outputs, local_loss)``: run every micro-batch (forward, loss, backward)
+# and return the per-micro-batch outputs in plan order (relayout-ed TensorDicts, None when
+# ``state.keep`` is False) and this rank's summed loss contributions (a float64 scalar tensor).
+MicroBatchRunner = Callable[["StepSpec", CallState], tuple[list | None, torch.Tensor]]
+
+
+def run_eagerly(spec: StepSpec, state: CallState) -> tuple[list | None, torch.Tensor]:
+    """The default :data:`MicroBatchRunner`: each micro-batch forward, loss and
+    ``(contribution * scale).backward()`` in turn, in this process."""
+    outputs = [] if state.keep else None
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in state.micro_batches:
+        if state.preprocess_fn is not None:
+            mb = state.preprocess_fn(mb, state.ctx)
+        with torch.set_grad_enabled(not state.forward_only):
+            out = spec.forward(mb)
+            if state.postprocess_fn is not None:
+                out = state.postprocess_fn(mb, out, state.ctx)
+            if not state.forward_only:
+                loss, metrics = state.loss_fn(mb, out, state.norm)
+                (loss * state.scale).backward()
+                total += loss.detach().double().cpu()
+                for key, value in metrics.items():
+                    state.ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
+        if state.keep:
+            outputs.append(relayout(out.detach()))
+    return outputs, total
+
+
 def forward_backward_loop(
     spec: StepSpec,
     batch: TensorDict,
@@ -112,45 +175,37 @@ def forward_backward_loop(
     forward_only: bool = False,
     preprocess_fn=None,
     postprocess_fn=None,
+    runner: MicroBatchRunner = run_eagerly,
 ):
     """Run one ``forward_backward_step`` call; returns what the contract returns.
 
-    See ``BaseEngine.forward_backward_step`` for the arguments and results. Backward is
-    ``(contribution * backward_scale).backward()`` per micro-batch; in deferred mode the
-    call's global counts are added to ``deferred`` after the last micro-batch.
+    See ``BaseEngine.forward_backward_step`` for the arguments and results. The steps every
+    backend shares happen here, in this order: validation agreed over the ranks, the loss
+    function check, micro-batch planning, the call's normalization context and backward scale,
+    then ``runner`` (the default runs micro-batches eagerly; megatron plugs its pipeline
+    schedule in), output restore onto the caller's layout and device, the deferred counts,
+    and the global loss (the sum of every rank's contributions over DP).
     """
     cfg = spec.config
-    validate_call(batch, cfg, spec.vocab_size, spec.max_positions, spec.dp_group)
+    validate_call(batch, cfg, spec.vocab_size, spec.max_positions, None if spec.validate_over_world else spec.dp_group)
     if not forward_only and loss_fn is None:
         raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
     ctx = {} if ctx is None else ctx
     plan = make_micro_batches(batch, cfg.micro_batch_size, cfg.max_token_len_per_micro_batch, spec.dp_group)
+    norm, scale = None, 0.0
     if not forward_only:
         norm = build_norm_context(loss_mask_of(batch), cfg.loss_agg_mode, spec.dp_group, cfg.loss_agg_constant)
         ctx["norm"] = norm
         scale = backward_scale(norm, cfg.deferred_normalization, spec.grads_averaged_over_dp)
-    outputs = []
+    micro = plan.batches if spec.device is None else [to_device(mb, spec.device) for mb in plan.batches]
     keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
-    total = torch.zeros((), dtype=torch.float64)
-    for mb in plan.batches:
-        if spec.device is not None:
-            mb = to_device(mb, spec.device)
-        if preprocess_fn is not None:
-            mb = preprocess_fn(mb, ctx)
-        with torch.set_grad_enabled(not forward_only):
-            out = spec.forward(mb)
-            if postprocess_fn is not None:
-                out = postprocess_fn(mb, out, ctx)
-            if not forward_only:
-                loss, metrics = loss_fn(mb, out, norm)
-                (loss * scale).backward()
-                total += loss.detach().double().cpu()
-                for key, value in metrics.items():
-                    ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
-        if keep:
-            # Outputs go back to the caller's device, then onto the caller's jagged layout.
-            outputs.append(to_device(relayout(out.detach()), batch["input_ids"].device))
-    predictions = plan.restore(outputs, like=batch["input_ids"]) if keep else None
+    state = CallState(batch, micro, plan, ctx, norm, scale, forward_only, keep, loss_fn, preprocess_fn, postprocess_fn)
+    outputs, total = runner(spec, state)
+    predictions = None
+    if keep and outputs is not None:
+        # Outputs go back to the caller's device, then onto the caller's jagged layout.
+        device = batch["input_ids"].device
+        predictions = plan.restore([to_device(out, device) for out in outputs], like=batch["input_ids"])
     if forward_only:
         return predictions, ctx
     if cfg.deferred_normalization:

@@ -25,8 +25,34 @@ from omegaconf.errors import OmegaConfBaseException
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(frozen=True)
+class SectionSchema:
+    """What a schema's ``_section_schema(raw)`` hook returns: how the top-level keys of that
+    schema's node that are not fields are read (the backend sections of ``EngineConfig``).
+
+    Attributes:
+        target: the field that receives the active section's object (e.g. ``backend``).
+        active: the section name validated against ``schema`` (None: no section is active).
+        schema: the frozen dataclass of the active section (None: it takes no keys).
+        foreign: other known section names -> why they are refused (the message's problem
+            and fix, without the key).
+        error: a problem of the hook's own input (e.g. an unknown strategy); the section keys
+            are then not judged (one error, not one per key).
+    """
+
+    target: str
+    active: str | None = None
+    schema: type | None = None
+    foreign: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
 def load_typed(schema: type[T], source: str | os.PathLike | Mapping | None = None, overrides: Sequence[str] = ()) -> T:
     """Merge ``source`` (a YAML path or a mapping) and dot-list ``overrides`` onto ``schema``.
+
+    A nested dataclass (at any depth) may define a classmethod ``_section_schema(raw)`` (see
+    :class:`SectionSchema`): keys of its node that are not fields are then routed by it, so a
+    plug-in section (a backend's options) is validated like every other key.
 
     Returns:
         An instance of the frozen dataclass ``schema``.
@@ -39,29 +65,104 @@ def load_typed(schema: type[T], source: str | os.PathLike | Mapping | None = Non
         layers.append(OmegaConf.load(source) if isinstance(source, (str, os.PathLike)) else OmegaConf.create(dict(source)))
     if overrides:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
+    leaves = [_leaves(OmegaConf.to_container(layer, resolve=False)) for layer in layers]
     problems: list[str] = []
+    sections = _sections(schema, layers, leaves, problems)
+    obj = _build(schema, leaves, problems, prefix="")
+    for path, (spec, section_leaves) in sections.items():
+        if spec.schema is None or spec.error is not None or obj is None:
+            continue
+        value = _build(spec.schema, section_leaves, problems, prefix=f"{path}{spec.active}.")
+        obj = _replace_at(obj, path, spec.target, value)
+    if obj is None:
+        raise ValueError(_format(problems))
+    problems += check(obj)
+    if problems:
+        raise ValueError(_format(problems))
+    return obj
+
+
+def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[str], prefix: str) -> T | None:
+    """``schema`` merged with every layer's leaves; bad leaves become problems (and are
+    skipped, so the result is well-formed and its values can be checked too). None when even
+    that fails (e.g. a missing mandatory value)."""
     merged = OmegaConf.structured(schema)
-    for layer in layers:
-        leaves = _leaves(OmegaConf.to_container(layer, resolve=False))
-        for key, value in leaves:
-            problem = _unknown_key(schema, key)
+    for layer in leaves:
+        for key, value in layer:
+            problem = _unknown_key(schema, key, prefix)
             if problem:
                 problems.append(problem)
                 continue
             try:
                 merged = OmegaConf.merge(merged, _nest(key, value))
             except OmegaConfBaseException as exc:
-                problems.append(f"{key} = {value!r}: {str(exc).splitlines()[0]}; fix: give a value of the declared type")
-    # Bad leaves were skipped above, so the merged config is well-formed: check its values too
-    # and report everything in one error.
+                problems.append(f"{prefix}{key} = {value!r}: {str(exc).splitlines()[0]}; fix: give a value of the declared type")
     try:
-        obj = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value or a bad interpolation
-        raise ValueError(_format([*problems, str(exc).splitlines()[0]])) from None
-    problems += check(obj)
-    if problems:
-        raise ValueError(_format(problems))
-    return obj
+        problems.append(prefix + str(exc).splitlines()[0])
+        return None
+
+
+def _sections(schema: type, layers, leaves: list[list[tuple[str, Any]]], problems: list[str]) -> dict[str, tuple[SectionSchema, list]]:
+    """Find the nodes of ``schema`` with a ``_section_schema`` hook, ask each how to read its
+    non-field keys, and move those keys out of ``leaves`` (in place): into the active
+    section's own leaves, or into ``problems``."""
+    hooked = _hooked_nodes(schema)
+    if not hooked:
+        return {}
+    raw = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False) if layers else {}
+    found: dict[str, tuple[SectionSchema, list]] = {}
+    for path, cls in hooked.items():
+        node = raw
+        for part in path.split(".")[:-1] if path else []:
+            node = node.get(part) if isinstance(node, dict) else None
+        spec = cls._section_schema(node if isinstance(node, dict) else {})
+        if spec.error is not None:
+            problems.append(f"{path}{spec.error}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        own: list[list[tuple[str, Any]]] = []
+        for layer in leaves:
+            kept, mine = [], []
+            for key, value in layer:
+                head, _, rest = key[len(path) :].partition(".") if key.startswith(path) else ("", "", "")
+                if not key.startswith(path) or head in fields and head != spec.target:
+                    kept.append((key, value))
+                elif head == spec.target:
+                    problems.append(
+                        f"{key}: {spec.target!r} is filled from the backend's own section; fix: write its keys under "
+                        f"{path}{spec.active or '<section>'}.*"
+                    )
+                elif head == spec.active and rest:
+                    mine.append((rest, value))
+                elif head in spec.foreign:
+                    problems.append(f"{key}: {spec.foreign[head]}")
+                elif spec.error is None or head not in fields:
+                    names = sorted(fields - {spec.target} | set(spec.foreign) | ({spec.active} if spec.active else set()))
+                    close = difflib.get_close_matches(head, names, n=1, cutoff=0.5)
+                    hint = f"did you mean {path + close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
+                    problems.append(f"{key}: unknown key {head!r} at {path.rstrip('.') or 'the top level'}; fix: {hint}")
+            layer[:] = kept
+            own.append(mine)
+        found[path] = (spec, own)
+    return found
+
+
+def _hooked_nodes(schema: type, path: str = "") -> dict[str, type]:
+    """Dotted path prefix (``""`` or ``"engine."``) -> dataclass with a section hook."""
+    out = {path: schema} if hasattr(schema, "_section_schema") else {}
+    for name, hint in typing.get_type_hints(schema).items():
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            out.update(_hooked_nodes(hint, f"{path}{name}."))
+    return out
+
+
+def _replace_at(obj: Any, path: str, target: str, value: Any) -> Any:
+    """``obj`` with ``<path><target>`` set to ``value`` (frozen dataclasses are rebuilt)."""
+    if not path:
+        return dataclasses.replace(obj, **{target: value})
+    head, _, rest = path.partition(".")
+    return dataclasses.replace(obj, **{head: _replace_at(getattr(obj, head), rest, target, value)})
 
 
 def check(obj: Any, prefix: str = "") -> list[str]:
@@ -77,7 +178,10 @@ def check(obj: Any, prefix: str = "") -> list[str]:
     if own is not None:
         found += [f"{prefix}{p}" for p in own()]
     for f in dataclasses.fields(obj):
-        found += check(getattr(obj, f.name), f"{prefix}{f.name}.")
+        value = getattr(obj, f.name)
+        # A nested section that names itself (a backend's options) is reported under that name.
+        label = getattr(type(value), "config_section", None) or f.name
+        found += check(value, f"{prefix}{label}.")
     return found
 
 
@@ -116,10 +220,11 @@ def _nest(key: str, value: Any) -> DictConfig:
     return OmegaConf.create(node)
 
 
-def _unknown_key(schema: type, key: str) -> str | None:
-    """A message if ``key`` (dotted) is not a field path of ``schema``, else None."""
+def _unknown_key(schema: type, key: str, prefix: str = "") -> str | None:
+    """A message if ``key`` (dotted) is not a field path of ``schema``, else None. ``prefix``
+    is where ``schema`` sits in the user's config (e.g. ``megatron.`` for a backend section)."""
     cls: Any = schema
-    walked = []
+    walked = [prefix.rstrip(".")] if prefix else []
     for part in key.split("."):
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             return None  # below a leaf (e.g. a dict-typed field): OmegaConf checks the type
@@ -128,7 +233,7 @@ def _unknown_key(schema: type, key: str) -> str | None:
             where = ".".join(walked) or "the top level"
             close = difflib.get_close_matches(part, list(names), n=1, cutoff=0.5)
             hint = f"did you mean {'.'.join([*walked, close[0]])!r}?" if close else f"valid keys at {where}: {', '.join(sorted(names))}"
-            return f"{key}: unknown key {part!r} at {where}; fix: {hint}"
+            return f"{prefix}{key}: unknown key {part!r} at {where}; fix: {hint}"
         walked.append(part)
         cls = typing.get_type_hints(cls).get(part)
     return None

@@ -1,212 +1,220 @@
-"""A reference engine over a plain torch model: proof that a backend is "subclass + register".
+"""A reference engine: torch DDP over an HF model, written on the backend kit only.
 
-Not registered by default: tests call :func:`register` (idempotent per process). It uses
-engine_api for everything shared (validation, micro-batching, packing, normalization, LR
-schedule) and torch DDP for data parallelism, so the invariance tests of the shared logic run
-without any real backend. The model is a one-block causal transformer whose attention is
-restricted by segment ids, so packed rows never attend across sequences.
+It is the worked example of ``docs/adding-a-backend.md``: a third backend in ~200 lines that
+imports nothing from ``backends/`` and only ``engine_api.kit`` from the engine layer, and
+that passes the conformance kit (``python -m engine_api.conformance tests.reference_engine:ReferenceEngine``).
+Tests register it as ``reference`` (:func:`register`); it also works by import path.
 
-Model directory format (the stand-in for an HF directory): ``tiny.json`` with the
-dimensions and ``model.pt`` with the state dict; see :func:`save_tiny_model`.
+Design: the whole HF model on every rank, torch ``DistributedDataParallel`` (gradients
+averaged over the world, which the shared loop compensates), AdamW, packed micro-batches as one
+row with per-sequence positions (HF starts a new sequence where positions restart) or padded
+rows with an attention mask. Checkpoints: rank 0 writes the model and optimizer state as plain
+tensors (``weights_only`` loadable), each rank its scheduler / RNG / step, inside the shared
+directory protocol (manifest, marker, ``latest``, retention, remote copy).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from tensordict import TensorDict
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from engine_api import BaseEngine, register_engine, unregister_engine
-from engine_api.batch import pack, pad, unpack
-from engine_api.dist import group_rank, group_size, is_initialized
-from engine_api.logprobs import token_entropy, token_log_probs
-from engine_api.losses import DeferredNormalizer
-from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.optim import build_adamw, clip_and_step
-from engine_api.step import StepSpec, forward_backward_loop
+from engine_api import kit
 
 NAME = "reference"
+BACKEND = "reference-ddp"  # recorded in the checkpoint marker
 
 
-class TinyCausalLM(nn.Module):
-    """Embedding + learned positions, one single-head attention block, MLP, LM head."""
+@dataclass(frozen=True)
+class ReferenceOptions:
+    """The ``reference.*`` section: torch DDP settings.
 
-    def __init__(self, vocab_size: int = 32, dim: int = 16, max_positions: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, dim)
-        self.pos = nn.Embedding(max_positions, dim)
-        # No qkv bias: the key bias has an exactly-zero true gradient (softmax is shift-invariant), and
-        # Adam would amplify its float noise by 1/eps, making updates compare noise, not the engine.
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.Tanh(), nn.Linear(2 * dim, dim))
-        self.head = nn.Linear(dim, vocab_size)
+    Attributes:
+        bucket_cap_mb: DDP gradient bucket size.
+    """
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, T, V]``; token i attends to j <= i of the same segment (-1 = padding)."""
-        h = self.embed(input_ids) + self.pos(position_ids)
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
-        T = input_ids.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        allowed = causal & same & (segment_ids[:, None, :] >= 0)
-        allowed |= torch.eye(T, dtype=torch.bool, device=h.device)  # padding rows attend to themselves: no NaN
-        h = h + self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed))
-        h = h + self.mlp(self.norm(h))
-        return self.head(h)
+    config_section: ClassVar[str] = "reference"
+
+    bucket_cap_mb: int = 25
+
+    def _problems(self) -> list[str]:
+        if self.bucket_cap_mb < 1:
+            return [kit.format_problem("bucket_cap_mb", self.bucket_cap_mb, "must be positive", "e.g. 25")]
+        return []
 
 
-def save_tiny_model(path: str, seed: int = 0, **dims) -> str:
-    """Create a seeded :class:`TinyCausalLM` and save it in the reference directory format."""
-    torch.manual_seed(seed)
-    model = TinyCausalLM(**dims)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "tiny.json"), "w") as f:
-        json.dump(dims, f)
-    torch.save(model.state_dict(), os.path.join(path, "model.pt"))
-    return path
+class ReferenceEngine(kit.BaseEngine):
+    """BaseEngine over an HF model with torch DDP over the default group."""
 
-
-def load_tiny_model(path: str) -> TinyCausalLM:
-    """Load a model saved by :func:`save_tiny_model`."""
-    with open(os.path.join(path, "tiny.json")) as f:
-        model = TinyCausalLM(**json.load(f))
-    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), weights_only=True))
-    return model
-
-
-class ReferenceEngine(BaseEngine):
-    """BaseEngine over :class:`TinyCausalLM`, DP with torch DDP over the default group."""
+    options_class = ReferenceOptions
 
     def init_model(self) -> None:
-        """Load the model, wrap it in DDP when running on several ranks, build AdamW + LR."""
-        self.module = load_tiny_model(self.config.model.path)
-        self.model = nn.parallel.DistributedDataParallel(self.module) if self.dp_size > 1 else self.module
-        self.optimizer = build_adamw(self.module.parameters(), self.config.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
-        self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
+        """Join or create the process group, load the HF model, wrap it in DDP, build AdamW + LR."""
+        cfg = self.config
+        if cfg.model.path is None:
+            raise ValueError("model.path = None: the reference engine loads an HF directory; fix: set engine.model.path")
+        self.device = kit.compute_device()
+        kit.ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.dist_timeout_s)
+        torch.manual_seed(cfg.seed)  # seeds a value head the same way on every rank
+        if cfg.model.head == "value":
+            hf = AutoConfig.from_pretrained(cfg.model.path, num_labels=1)
+            hf.classifier_dropout = 0.0
+            self.module = AutoModelForTokenClassification.from_pretrained(cfg.model.path, config=hf, dtype=torch.float32)
+        else:
+            self.module = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        self.module.requires_grad_(not cfg.frozen)
+        self.module.to(self.device)
+        options = kit.options_of(cfg, ReferenceOptions)
+        self.model = (
+            nn.parallel.DistributedDataParallel(self.module, bucket_cap_mb=options.bucket_cap_mb)
+            if self.dp_size > 1 and not cfg.frozen
+            else self.module
+        )
+        self.optimizer = None if cfg.frozen else kit.build_adamw(self.module.parameters(), cfg.optim)
+        self.scheduler = None if cfg.frozen else kit.build_lr_scheduler(self.optimizer, cfg.optim)
+        self.deferred = kit.DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
         self.global_step = 0
+        self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
-    @contextlib.contextmanager
+    # ------------------------------------------------------------------ modes and placement
     def train_mode(self):
-        self.module.train()
-        yield self
+        return self._switch_mode([self.module], training=True)
 
-    @contextlib.contextmanager
     def eval_mode(self):
-        self.module.eval()
-        yield self
+        return self._switch_mode([self.module], training=False)
+
+    def to(self, device, model=True, optimizer=True) -> None:
+        if model:
+            self.module.to(device)
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":  # AdamW keeps its step count on the CPU
+                        state[k] = v.to(device)
 
     @property
     def dp_rank(self) -> int:
-        return group_rank(None)
+        return kit.group_rank(None)
 
     @property
     def dp_size(self) -> int:
-        return group_size(None)
+        return kit.group_size(None)
 
     @property
     def dp_group(self):
         return None
 
+    # ------------------------------------------------------------------ compute
     def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        spec = StepSpec(config=self.config, dp_group=self.dp_group, forward=self._forward, vocab_size=self.module.head.out_features)
-        return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
+        if not forward_only:
+            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            return kit.forward_backward_loop(
+                self._spec(), batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn
+            )
+
+    def _spec(self) -> kit.StepSpec:
+        """What the shared loop needs: DDP averages gradients over DP (the loop compensates)."""
+        hf = self.module.config
+        return kit.StepSpec(
+            config=self.config,
+            dp_group=self.dp_group,
+            forward=self._forward,
+            device=self.device,
+            vocab_size=hf.vocab_size,
+            grads_averaged_over_dp=True,
+            max_positions=getattr(hf, "max_position_embeddings", None),
+        )
 
     def _forward(self, mb: TensorDict) -> TensorDict:
         ids = mb["input_ids"]
-        packed = pack(ids)
+        packed = kit.pack(ids)
         if self.config.use_remove_padding:
-            segments = torch.repeat_interleave(torch.arange(mb.batch_size[0]), packed.cu_seqlens.diff().long())
-            logits = self.model(packed.input_ids[None], packed.position_ids[None], segments[None])[0]
+            logits = self.model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False).logits[0]
         else:
-            padded, mask = pad(ids)
-            positions = torch.arange(padded.shape[1]).expand_as(padded)
-            segments = torch.where(mask, torch.arange(padded.shape[0])[:, None], -1)
-            logits = self.model(padded, positions, segments)[mask]  # back to packed order
-        out = {"log_probs": unpack(token_log_probs(logits, packed.input_ids, packed.cu_seqlens), ids)}
-        if mb.get_non_tensor("calculate_entropy", False):
-            out["entropy"] = unpack(token_entropy(logits, packed.cu_seqlens), ids)
+            padded, mask = kit.pad(ids)
+            logits = self.model(input_ids=padded, attention_mask=mask.long(), use_cache=False).logits[mask]
+        if self.config.model.head == "value":
+            values = kit.align_to_tokens(logits[:-1, 0].float(), packed.cu_seqlens)
+            return TensorDict({"values": kit.unpack(values, ids)}, batch_size=mb.batch_size)
+        logits = logits / kit.temperature_of(mb)
+        out = {"log_probs": kit.unpack(kit.token_log_probs(logits, packed.input_ids, packed.cu_seqlens), ids)}
+        if kit.wants_entropy(mb):
+            out["entropy"] = kit.unpack(kit.token_entropy(logits, packed.cu_seqlens), ids)
         return TensorDict(out, batch_size=mb.batch_size)
 
     def optimizer_zero_grad(self) -> None:
+        self._refuse_if_frozen("optimizer_zero_grad")
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.reset()
 
     def optimizer_step(self) -> float:
-        # DDP already all-reduced the grads, so the norm is the same on every rank.
+        self._refuse_if_frozen("optimizer_step")
+        # DDP already averaged the grads over DP (the loop scaled the loss to undo it).
         deferred = self.deferred if self.config.deferred_normalization else None
-        grad_norm = clip_and_step(
-            list(self.module.parameters()), self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred
-        )
+        params = list(self.module.parameters())
+        grad_norm = kit.clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred)
         if math.isfinite(grad_norm):
+            self._check_update(self.module.named_parameters())
             self.global_step += 1
         return grad_norm
 
     def lr_scheduler_step(self) -> float:
-        self.scheduler.step()
-        return self.scheduler.get_last_lr()[0]
+        return self._step_scheduler()
 
-    def to(self, device, model=True, optimizer=True) -> None:
-        if model:
-            self.module.to(device)
-        if optimizer:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        state[k] = v.to(device)
-
+    # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
-        if hdfs_path is not None:
-            raise NotImplementedError("the reference engine keeps local checkpoints only")
-        if self.dp_rank == 0:
-            path = os.path.join(local_path, f"global_step_{global_step}")
-            os.makedirs(path, exist_ok=True)
-            state = {
-                "model": self.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-                "global_step": global_step,
-            }
-            torch.save(state, os.path.join(path, "state.pt"))
-            keep = max_ckpt_to_keep or self.config.checkpoint.max_ckpt_to_keep
-            if keep:
-                for old in _step_dirs(local_path)[:-keep]:
-                    shutil.rmtree(old)
-        if is_initialized():
-            torch.distributed.barrier()
+        self._refuse_if_frozen("save_checkpoint")
+        self._refuse_if_broken("save_checkpoint")
+        tmp = kit.ckpt_layout.begin(local_path, global_step)
+        if self.dp_rank == 0:  # every rank holds the same replica
+            for name, state in (("model.pt", self.module.state_dict()), ("optim.pt", self.optimizer.state_dict())):
+                with open(os.path.join(tmp, name), "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        kit.ckpt_layout.save_extra(tmp, kit.make_extra(self.scheduler, global_step))
+        kit.ckpt_layout.commit(local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, {"backend": BACKEND})
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
-        path = local_path if os.path.exists(os.path.join(local_path, "state.pt")) else _step_dirs(local_path)[-1]
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        self.global_step = state["global_step"]
+        self._refuse_if_frozen("load_checkpoint")
+        path, downloaded, info = kit.ckpt_layout.open_checkpoint(
+            local_path, hdfs_path, not del_local_after_load, self.config.checkpoint.verify
+        )
+        if info.get("backend") != BACKEND:
+            kit.ckpt_layout.finish_load(downloaded)
+            raise ValueError(f"checkpoint {path} was written by backend {info.get('backend')!r}; fix: load it with that engine.strategy")
+        with kit.ckpt_layout.reading(path):
+            model_sd = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
+            optim_sd = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
+            extra = kit.ckpt_layout.load_extra(path, info)
+        kit.ckpt_layout.finish_load(downloaded)
+        # Everything is read and verified: only now does engine state change.
+        self.module.load_state_dict(model_sd)
+        self.optimizer.load_state_dict(optim_sd)
+        self.global_step = kit.ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
+        self.deferred.reset()
+        self._broken = None
         return self.global_step
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._refuse_if_broken("export_weights")
         for name, param in self.module.state_dict().items():
             yield name, param.detach().clone()
-
-
-def _step_dirs(root: str) -> list[str]:
-    steps = [d for d in os.listdir(root) if d.startswith("global_step_")]
-    return [os.path.join(root, d) for d in sorted(steps, key=lambda d: int(d.rsplit("_", 1)[1]))]
+        if dist.is_initialized():
+            kit.barrier(None)
 
 
 def register() -> None:
     """Register :class:`ReferenceEngine` as ``reference`` (replacing an earlier registration)."""
-    unregister_engine(NAME)
-    register_engine(NAME)(ReferenceEngine)
+    kit.unregister_engine(NAME)
+    kit.register_engine(NAME)(ReferenceEngine)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 
 import torch
@@ -21,8 +20,10 @@ from torch.distributed.tensor import DTensor
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
+from backends.fsdp.options import FSDPOptions
 from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.dist import ensure_process_group
+from engine_api.config import options_of
+from engine_api.dist import compute_device, ensure_process_group
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.optim import build_adamw, clip_and_step
@@ -36,6 +37,8 @@ class FSDPEngine(BaseEngine):
     default 1) for ``head: lm``; ``values`` for ``head: value``, where ``values[i]`` is
     predicted from the prefix before token i (aligned like log-probs; 0 at position 0)."""
 
+    options_class = FSDPOptions
+
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
@@ -48,11 +51,9 @@ class FSDPEngine(BaseEngine):
         1-rank group so one process runs the same FSDP2 code as N
         (``engine_api.dist.ensure_process_group``).
         """
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = compute_device()
         ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", self.config.dist_timeout_s)
-        self.mesh = build_mesh(self.device, dist.get_world_size(), self.config.fsdp.fsdp_size)
+        self.mesh = build_mesh(self.device, dist.get_world_size(), options_of(self.config, FSDPOptions).fsdp_size)
         model = load_model(self.config, self.device)
         if self.config.frozen:
             model.requires_grad_(False)
@@ -72,27 +73,13 @@ class FSDPEngine(BaseEngine):
         self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
     # ------------------------------------------------------------------ modes and placement
-    @contextlib.contextmanager
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
-        self._refuse_if_frozen("train_mode")
-        self._refuse_if_broken("train_mode")
-        self.to(self.device, model=True, optimizer=True)
-        self.model.train()
-        try:
-            yield self
-        finally:
-            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+        return self._switch_mode([self.model], training=True)
 
-    @contextlib.contextmanager
     def eval_mode(self):
         """Params on the compute device; ``eval()``; offload on exit."""
-        self.to(self.device, model=True, optimizer=False)
-        self.model.eval()
-        try:
-            yield self
-        finally:
-            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+        return self._switch_mode([self.model], training=False)
 
     def to(self, device, model: bool = True, optimizer: bool = True) -> None:
         """Move params + grads (``model``) and/or optimizer state to ``device``."""
@@ -108,11 +95,6 @@ class FSDPEngine(BaseEngine):
             self.placement["optimizer"] = device
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def _offload(self, model: bool, optimizer: bool) -> None:
-        cpu = torch.device("cpu")
-        if model or optimizer:
-            self.to(cpu, model=model, optimizer=optimizer)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -190,9 +172,7 @@ class FSDPEngine(BaseEngine):
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule; return the new learning rate."""
-        self._refuse_if_frozen("lr_scheduler_step")
-        self.scheduler.step()
-        return self.scheduler.get_last_lr()[0]
+        return self._step_scheduler()
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:

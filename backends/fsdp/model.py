@@ -15,8 +15,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from backends.fsdp.options import FSDPOptions
 from backends.hf import load_hf_model
-from engine_api.config import EngineConfig, format_problem
+from engine_api.config import EngineConfig, format_problem, options_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +69,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: EngineConfig) -> None
     then the root, which also owns embeddings, final norm and head (tied embeddings stay one
     parameter in one group). Gradients are reduce-scattered *averaged* over the mesh; the
     engine compensates (``engine_api.losses.dp_grad_compensation``)."""
-    fsdp = config.fsdp
+    fsdp = options_of(config, FSDPOptions)
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp.param_dtype or config.model.dtype], reduce_dtype=DTYPES[fsdp.reduce_dtype])
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]

@@ -1,7 +1,7 @@
 """HF <-> megatron-core conversion for the Llama / Qwen2 / Qwen3 families: config and weights.
 
 Why not mbridge: it hard-codes the Transformer-Engine layer spec and TE weight names
-(DESIGN.md section 5), so it cannot serve the local spec the CPU tests run. This converter maps
+(docs/design.md, megatron-core on CPU), so it cannot serve the local spec the CPU tests run. This converter maps
 each megatron parameter name explicitly (one branch per name, in both directions) and handles
 both namings (local spec: separate
 ``input_layernorm`` / ``pre_mlp_layernorm``; TE spec: ``linear_qkv.layer_norm_weight`` /

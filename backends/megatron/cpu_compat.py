@@ -1,8 +1,12 @@
 """Let real megatron-core run on CPU (gloo) where CUDA is unavailable. Test infrastructure for
 CPU CI; never active on a CUDA machine (``enable()`` returns False there and changes nothing).
 
-megatron-core 0.16 hard-codes CUDA in a few places on the paths the engine uses (measured,
-DESIGN.md section 5): factory calls with ``device="cuda"`` / ``torch.cuda.current_device()``
+Switched on explicitly, and only, by the megatron engine when it runs on the CPU
+(``backends.megatron.model.init_parallel``), which says so once per process on stderr.
+Importing this module or ``backends.megatron``, or running another engine, changes nothing.
+
+megatron-core 0.16 hard-codes CUDA in a few places on the paths the engine uses (measured;
+``docs/design.md``, the megatron-core on CPU section): factory calls with ``device="cuda"`` / ``torch.cuda.current_device()``
 (rotary embedding, ``GlobalMemoryBuffer``, schedules, optimizers, clip_grads), the CUDA RNG
 tracker (``torch.cuda.get_rng_state`` / ``manual_seed``, ``_set_cuda_rng_state``),
 ``torch.cuda.synchronize`` in p2p communication, and an assertion in ``clip_grads`` that grads
@@ -18,7 +22,7 @@ are ``torch.cuda.FloatTensor``. :func:`enable` installs:
   CPU generator), and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``.
 
 Every redirected call site (file:function) is recorded in :data:`SITES`, so
-``tests/backends/test_megatron_compat.py`` fails when a megatron-core upgrade adds a new
+``tests/backends/test_megatron.py::test_compat_layer_sees_only_known_cuda_call_sites`` fails when a megatron-core upgrade adds a new
 hard-coded CUDA call on a path we use.
 """
 
@@ -55,6 +59,12 @@ def enable() -> bool:
     mode = _CudaToCpu()
     mode.__enter__()  # process-wide for this (main) thread; CPU autograd runs on it too
     _ACTIVE.append(mode)
+    print(
+        "[enginekit] megatron on CPU: compatibility layer on (CUDA device arguments of torch calls go to the CPU, "
+        "torch.cuda RNG/sync calls use CPU stand-ins; backends/megatron/cpu_compat.py)",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 

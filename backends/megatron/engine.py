@@ -48,16 +48,15 @@ from backends.megatron.model import (
     use_te_spec,
 )
 from backends.megatron.offload import StorageOffloader
+from backends.megatron.options import MegatronOptions
 from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.base import RETURN_PREDICTIONS
-from engine_api.batch import loss_mask_of, pack, pad, relayout, to_device, unpack
-from engine_api.dist import all_reduce
+from engine_api.batch import pack, pad, relayout, to_device, unpack
+from engine_api.config import options_of
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
-from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
+from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.microbatch import make_micro_batches
 from engine_api.optim import agree_to_skip, skipped_norm
-from engine_api.step import validate_call
+from engine_api.step import CallState, StepSpec, forward_backward_loop
 
 
 @register_engine("megatron")
@@ -65,6 +64,8 @@ class MegatronEngine(BaseEngine):
     """megatron-core engine with the FSDP engine's outputs (``log_probs``, ``entropy``,
     ``values``), metadata (``calculate_entropy``, ``temperature``) and contract. Predictions and
     the loss are produced on the last pipeline stage and broadcast to every rank."""
+
+    options_class = MegatronOptions
 
     @classmethod
     def check_config(cls, config) -> list[str]:
@@ -86,7 +87,9 @@ class MegatronEngine(BaseEngine):
             for chunk in chunks:
                 chunk.requires_grad_(False)  # megatron DDP then allocates no grad buffers
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.megatron.use_distributed_optimizer
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=options_of(cfg, MegatronOptions).use_distributed_optimizer,
         )
         self.model = [
             DistributedDataParallel(self.tconfig, ddp_config, chunk.to(self.device), disable_bucketing=(i > 0))
@@ -108,7 +111,7 @@ class MegatronEngine(BaseEngine):
                     bf16=self.tconfig.bf16,
                     fp16=self.tconfig.fp16,
                     params_dtype=torch.float32,
-                    use_distributed_optimizer=cfg.megatron.use_distributed_optimizer,
+                    use_distributed_optimizer=options_of(cfg, MegatronOptions).use_distributed_optimizer,
                 ),
                 self.model,
             )
@@ -116,7 +119,7 @@ class MegatronEngine(BaseEngine):
         self.scheduler = None if cfg.frozen else build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
         self.deferred = DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
         self.global_step = 0
-        pipelined = cfg.megatron.pipeline_model_parallel_size > 1
+        pipelined = options_of(cfg, MegatronOptions).pipeline_model_parallel_size > 1
         self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
         self.fixed_shape = pipelined
         self._call_len = 0
@@ -139,29 +142,13 @@ class MegatronEngine(BaseEngine):
         return mpu.get_data_parallel_group()
 
     # ------------------------------------------------------------------ modes and placement
-    @contextlib.contextmanager
     def train_mode(self):
         """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
-        self._refuse_if_frozen("train_mode")
-        self._refuse_if_broken("train_mode")
-        self.to(self.device, model=True, optimizer=True)
-        for chunk in self.model:
-            chunk.train()
-        try:
-            yield self
-        finally:
-            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+        return self._switch_mode(self.model, training=True)
 
-    @contextlib.contextmanager
     def eval_mode(self):
         """Params on the compute device; ``eval()``; offload on exit."""
-        self.to(self.device, model=True, optimizer=False)
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            yield self
-        finally:
-            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+        return self._switch_mode(self.model, training=False)
 
     def to(self, device, model: bool = True, optimizer: bool = True) -> None:
         """Load (``device`` = the compute device) or offload (``"cpu"`` on a GPU machine) params +
@@ -224,35 +211,45 @@ class MegatronEngine(BaseEngine):
 
     # ------------------------------------------------------------------ compute
     def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        """See ``BaseEngine.forward_backward_step``; micro-batches run through megatron's schedule
-        (no pipelining, 1F1B, or interleaved with VPP). Collective over the world."""
-        cfg = self.config
+        """See ``BaseEngine.forward_backward_step``: the shared loop (``engine_api.step``) with
+        megatron's schedule (no pipelining, 1F1B, or interleaved with VPP) as its micro-batch
+        runner. Collective over the world."""
         if not forward_only:
             self._refuse_if_frozen("forward_backward_step(forward_only=False)")
         self._require_loaded(model=True, optimizer=False)
-        # Over the whole world: model-parallel peers hold the same shard, and all must stop together.
-        validate_call(batch, cfg, self.arch.vocab, self.arch.max_positions, None)
-        if not forward_only and self._loss_fn is None:
-            raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
-        ctx = {} if ctx is None else ctx
-        plan = make_micro_batches(batch, cfg.micro_batch_size, cfg.max_token_len_per_micro_batch, self.dp_group)
-        norm, scale = None, 0.0
-        if not forward_only:
-            norm = build_norm_context(loss_mask_of(batch), cfg.loss_agg_mode, self.dp_group, cfg.loss_agg_constant)
-            ctx["norm"] = norm
-            # The schedule divides by the micro-batch count; DDP averages over DP.
-            scale = backward_scale(norm, cfg.deferred_normalization) * len(plan.batches)
-        micro = [to_device(mb, self.device) for mb in plan.batches]
+        spec = StepSpec(
+            config=self.config,
+            dp_group=self.dp_group,
+            vocab_size=self.arch.vocab,
+            device=self.device,
+            max_positions=self.arch.max_positions,
+            # Model-parallel peers hold the same shard, and all must stop together.
+            validate_over_world=True,
+        )
+        return forward_backward_loop(
+            spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn, runner=self._run_schedule
+        )
+
+    def _run_schedule(self, spec: StepSpec, state: CallState):
+        """The micro-batch runner: every micro-batch through megatron's forward-backward
+        schedule; outputs and loss are produced on the last pipeline stage and broadcast."""
+        micro = state.micro_batches
         if self.fixed_shape and len({mb.batch_size[0] for mb in micro}) > 1 and not self.packed:
             raise ValueError(
                 "pipeline parallelism with the TE spec needs equal-size micro-batches; fix: make the local batch a multiple of micro_batch_size"
             )
         self._call_len = max(self._row_len(mb) for mb in micro) if self.fixed_shape else 0
-        if preprocess_fn is not None:
-            micro = [preprocess_fn(mb, ctx) for mb in micro]
-        keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
+        if state.preprocess_fn is not None:
+            micro = [state.preprocess_fn(mb, state.ctx) for mb in micro]
         step = partial(
-            self._forward_step, ctx=ctx, norm=norm, scale=scale, forward_only=forward_only, postprocess_fn=postprocess_fn, keep=keep
+            self._forward_step,
+            ctx=state.ctx,
+            norm=state.norm,
+            # The schedule divides every micro-batch loss by the micro-batch count: undo it.
+            scale=state.scale * len(micro),
+            forward_only=state.forward_only,
+            postprocess_fn=state.postprocess_fn,
+            keep=state.keep,
         )
         n_chunks = len(self.model)
         store = get_forward_backward_func()(
@@ -262,15 +259,9 @@ class MegatronEngine(BaseEngine):
             num_microbatches=len(micro),
             seq_length=max(self._padded_len(mb) for mb in micro),
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
-            forward_only=forward_only,
+            forward_only=state.forward_only,
         )
-        predictions, total = self._collect(store, plan, batch, ctx, keep=keep)
-        if forward_only:
-            return predictions, ctx
-        if cfg.deferred_normalization:
-            self.deferred.add(norm.counts)
-        self.deferred.note_loss(total)  # a non-finite loss skips the window's optimizer step
-        return predictions, total, ctx
+        return self._collect(store, state.ctx, keep=state.keep)
 
     def _row_len(self, mb: TensorDict) -> int:
         lengths = mb["input_ids"].offsets().diff()
@@ -354,31 +345,25 @@ class MegatronEngine(BaseEngine):
             out["entropy"] = unpack(token_entropy(logits, cu), ids)
         return TensorDict(out, batch_size=mb.batch_size)
 
-    def _collect(self, store: list, plan, batch: TensorDict, ctx: dict, keep: bool = True):
-        """Restore outputs on the last stage (``keep``: else predictions are None), then broadcast
-        outputs and loss over the PP group."""
+    def _collect(self, store: list, ctx: dict, keep: bool = True):
+        """The per-micro-batch outputs (``keep``: else None) and this rank's loss contributions,
+        from the last stage, broadcast over the PP group; metrics go into ``ctx``."""
         payload = None
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
-            restored = plan.restore([to_device(relayout(item["outputs"]), "cpu") for item in store]) if keep else None
+            outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store] if keep else None
             local = float(sum(item["loss"] for item in store if "loss" in item)) if store and "loss" in store[0] else 0.0
             for item in store:
                 for key, value in item.get("metrics", {}).items():
                     ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
-            payload = (restored, ctx.get("metrics", {}), local)
+            payload = (outputs, ctx.get("metrics", {}), local)
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             holder = [payload]
             last = mpu.get_pipeline_model_parallel_last_rank()
             dist.broadcast_object_list(holder, src=last, group=mpu.get_pipeline_model_parallel_group())
             payload = holder[0]
             ctx["metrics"] = payload[1]
-        predictions, _, local = payload
-        total = torch.tensor([local], dtype=torch.float64)
-        # Contributions are normalised globally: the global loss is their sum over DP ranks.
-        all_reduce(total, "sum", self.dp_group)
-        if predictions is None:
-            return None, float(total)
-        predictions = to_device(relayout(predictions, None), batch["input_ids"].device)
-        return relayout(predictions, batch["input_ids"].offsets()), float(total)
+        outputs, _, local = payload
+        return outputs, torch.tensor(local, dtype=torch.float64)
 
     def optimizer_zero_grad(self) -> None:
         """Zero megatron's grad buffers and the deferred window (aborts an accumulation window)."""
@@ -424,9 +409,7 @@ class MegatronEngine(BaseEngine):
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule (applied to megatron's param groups); return the new lr."""
-        self._refuse_if_frozen("lr_scheduler_step")
-        self.scheduler.step()
-        return self.scheduler.get_last_lr()[0]
+        return self._step_scheduler()
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:

@@ -26,8 +26,9 @@ from transformers import AutoConfig
 from backends.hf import note_once, value_head_state
 from backends.megatron import cpu_compat
 from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
-from engine_api.config import EngineConfig, format_problem
-from engine_api.dist import ensure_process_group, process_group_timeout
+from backends.megatron.options import MegatronOptions
+from engine_api.config import EngineConfig, format_problem, options_of
+from engine_api.dist import compute_device, ensure_process_group, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,14 +41,13 @@ def init_parallel(config: EngineConfig) -> torch.device:
     megatron's parallel state is process-global: one layout per process. A second engine in
     the same process must use the same layout (checked).
     """
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
+    device = compute_device()
+    if device.type == "cpu":
+        # megatron-core hard-codes CUDA on paths the engine uses: the compat layer is switched
+        # on here, explicitly, by the engine that needs it (never by an import).
         cpu_compat.enable()
-    ensure_process_group("nccl" if cuda else "gloo", config.dist_timeout_s)
-    m = config.megatron
+    ensure_process_group("nccl" if device.type == "cuda" else "gloo", config.dist_timeout_s)
+    m = options_of(config, MegatronOptions)
     world = dist.get_world_size()
     if world % m.model_parallel_size:
         raise ValueError(
@@ -89,7 +89,7 @@ def config_problems(config: EngineConfig) -> list[str]:
     layers; context parallelism (the engine does not split sequences over CP ranks, and the
     local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE.
     """
-    m = config.megatron
+    m = options_of(config, MegatronOptions)
     out = []
     try:
         te = use_te_spec(config)
@@ -151,7 +151,7 @@ def config_problems(config: EngineConfig) -> list[str]:
 
 def use_te_spec(config: EngineConfig) -> bool:
     """Transformer-Engine spec when asked (``te``), or on ``auto`` with CUDA and TE installed."""
-    spec = config.megatron.layer_spec
+    spec = options_of(config, MegatronOptions).layer_spec
     te_ok = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
     if spec == "te" and not te_ok:
         raise ValueError(
@@ -172,7 +172,7 @@ def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> Transforme
         ValueError: sequence parallelism with the local spec (its torch RMSNorm cannot shard
             the sequence; it needs the Transformer-Engine spec).
     """
-    m = config.megatron
+    m = options_of(config, MegatronOptions)
     if m.sequence_parallel and not use_te_spec(config):
         raise ValueError(
             "megatron.sequence_parallel = True needs the Transformer-Engine layer spec (the local spec's torch norm "
@@ -246,7 +246,7 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
-    vpp = config.megatron.virtual_pipeline_model_parallel_size
+    vpp = options_of(config, MegatronOptions).virtual_pipeline_model_parallel_size
     value = config.model.head == "value"
     chunks = []
     for vp in range(vpp or 1):

@@ -6,6 +6,8 @@ time, so they are independent of packing, padding and micro-batching.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -139,3 +141,29 @@ def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     a = torch.cat([got[k].flatten().double() for k in want])
     b = torch.cat([v.flatten().double() for v in want.values()])
     return float((a - b).norm() / b.norm())
+
+
+def raw_step(model_dir, mode):
+    """The independent baseline: plain HF + torch, one sequence at a time (``token-mean`` or
+    ``seq-mean-token-sum``), clip 1.0, AdamW with eps :data:`EPS`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = make_test_batch()
+    token_sum, tokens, seq_terms = 0.0, 0.0, []
+    for ids, mask, adv in zip(batch["input_ids"].unbind(), batch["loss_mask"].unbind(), batch["advantages"].unbind(), strict=True):
+        logits = model(ids[None], use_cache=False).logits[0]
+        lp = torch.cat([torch.zeros(1), torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)])
+        per_tok = (-lp * adv + 0.1 * lp.pow(2)) * mask
+        token_sum, tokens = token_sum + per_tok.sum(), tokens + float(mask.sum())
+        seq_terms.append(per_tok.sum())
+    loss = token_sum / tokens if mode == "token-mean" else sum(seq_terms) / len(seq_terms)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.999), eps=EPS, weight_decay=0.01).step()
+    return {"loss": float(loss.detach()), "grad_norm": norm, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def assert_same(got, want, label, rtol: float = 1e-6):
+    if got["loss"] is not None:
+        assert math.isclose(got["loss"], want["loss"], rel_tol=rtol), f"{label}: loss {got['loss']} vs {want['loss']}"
+    assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=rtol), f"{label}: grad norm {got['grad_norm']} vs {want['grad_norm']}"
+    assert rel(got["params"], want["params"]) <= rtol, f"{label}: params differ by {rel(got['params'], want['params']):.2e}"

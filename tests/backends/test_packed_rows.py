@@ -16,8 +16,18 @@ import pytest
 import torch
 
 import backends.fsdp.forward as fwd
-from tests.backends.hf_utils import LENGTHS, engine_for, hf_log_probs, hf_values, make_model, make_test_batch, max_abs_diff, one_step
-from tests.backends.test_fsdp_invariance import assert_same, raw_step
+from tests.backends.hf_utils import (
+    LENGTHS,
+    assert_same,
+    engine_for,
+    hf_log_probs,
+    hf_values,
+    make_model,
+    make_test_batch,
+    max_abs_diff,
+    one_step,
+    raw_step,
+)
 
 TOL = 1e-5
 

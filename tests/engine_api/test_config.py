@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backends.megatron.options import MegatronOptions
 from engine_api import build_engine
-from engine_api.config import EngineConfig, MegatronConfig, OptimConfig, load_config
+from engine_api.config import EngineConfig, OptimConfig, load_config
+from engine_api.registry import get_engine_class
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "engine"
 
@@ -18,7 +20,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "engine"
 def test_yaml_defaults_equal_dataclass_defaults(name):
     """The YAML documents the defaults; it must not drift from the dataclasses."""
     cfg = load_config(CONFIGS / f"{name}.yaml")
-    assert cfg == dataclasses.replace(EngineConfig(), strategy=name)
+    options = get_engine_class(name).options_class
+    assert cfg == dataclasses.replace(EngineConfig(), strategy=name, backend=options())
 
 
 @pytest.mark.parametrize("name", ["fsdp", "megatron"])
@@ -41,14 +44,14 @@ def test_overrides_win_and_result_is_typed_and_frozen():
 def test_mapping_source():
     # world_size explicit: otherwise it comes from WORLD_SIZE or an initialised process group.
     cfg = load_config({"strategy": "megatron", "world_size": 2, "megatron": {"tensor_model_parallel_size": 2}})
-    assert cfg.megatron == MegatronConfig(tensor_model_parallel_size=2)
+    assert cfg.megatron == MegatronOptions(tensor_model_parallel_size=2) and cfg.backend is cfg.megatron
 
 
 def test_misspelt_key_names_the_closest_valid_one():
     with pytest.raises(ValueError, match=r"optim\.lrr: unknown key 'lrr'.*did you mean 'optim\.lr'"):
         load_config(None, ["optim.lrr=1e-3"])
     with pytest.raises(ValueError, match=r"did you mean 'megatron\.tensor_model_parallel_size'"):
-        load_config({"megatron": {"tensor_model_paralel_size": 2}})
+        load_config({"strategy": "megatron", "megatron": {"tensor_model_paralel_size": 2}})
 
 
 def test_all_problems_are_reported_at_once():
@@ -83,8 +86,8 @@ def test_all_problems_are_reported_at_once():
     [
         ("loss_agg_mode=seq-mean-token-sum-norm", "loss_agg_constant = None"),
         ("optim.lr_schedule=cosine", "optim.total_steps = None"),
-        ("megatron.sequence_parallel=true", "needs tensor_model_parallel_size > 1"),
-        ("megatron.virtual_pipeline_model_parallel_size=2", "virtual_pipeline_model_parallel_size = 2"),
+        ("strategy=megatron,megatron.sequence_parallel=true", "needs tensor_model_parallel_size > 1"),
+        ("strategy=megatron,megatron.virtual_pipeline_model_parallel_size=2", "megatron.virtual_pipeline_model_parallel_size = 2"),
         ("model.head=policy", "model.head = 'policy'"),
         ("model.path=/nonexistent/model", "no such directory"),
         ("optim.clip_grad=0", "optim.clip_grad = 0.0"),
@@ -94,7 +97,7 @@ def test_all_problems_are_reported_at_once():
 )
 def test_value_checks(override, needle):
     with pytest.raises(ValueError, match="fix:") as err:
-        load_config(None, [override])
+        load_config(None, override.split(","))
     assert needle in str(err.value)
 
 

@@ -1,4 +1,4 @@
-"""engine_api.losses against a direct, loop-by-loop computation of DESIGN.md section 4."""
+"""engine_api.losses against a direct, loop-by-loop computation of docs/design.md section 4."""
 
 from __future__ import annotations
 

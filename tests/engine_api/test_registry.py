@@ -80,3 +80,114 @@ def test_non_engine_cannot_register():
     with pytest.raises(TypeError, match="BaseEngine subclass"):
         register_engine("x")(object)  # type: ignore[arg-type]
     unregister_engine("x")
+
+
+# ----------------------------------------------------------------------------- plug-ins
+def _write_module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+PLUGIN = """
+from dataclasses import dataclass
+from typing import ClassVar
+from tests.reference_engine import ReferenceEngine
+
+@dataclass(frozen=True)
+class Opts:
+    config_section: ClassVar[str] = "plug"
+    width: int = 3
+
+class Plug(ReferenceEngine):
+    options_class = Opts
+
+class NotAnEngine:
+    pass
+
+@dataclass
+class Loose:
+    config_section: ClassVar[str] = "loose"
+
+class LooseEngine(ReferenceEngine):
+    options_class = Loose
+"""
+
+
+def test_import_path_strategy_is_imported_registered_and_owns_its_section(tmp_path, monkeypatch):
+    mod = _write_module(tmp_path, monkeypatch, "plugin_mod_a", PLUGIN)
+    try:
+        cfg = load_config(None, [f"strategy={mod}:Plug", "plug.width=5"])
+        assert cfg.backend.width == 5 and cfg.plug is cfg.backend
+        engine = build_engine(cfg)
+        assert type(engine).__name__ == "Plug" and f"{mod}:Plug" in available_engines()
+        # Defaults are filled in when the section is absent.
+        assert build_engine(load_config(None, [f"strategy={mod}:Plug"])).config.backend.width == 3
+        with pytest.raises(ValueError, match=r"plug\.widht: unknown key 'widht'.*did you mean 'plug\.width'"):
+            load_config(None, [f"strategy={mod}:Plug", "plug.widht=5"])
+        with pytest.raises(ValueError, match=r"megatron\.tensor_model_parallel_size: belongs to backend 'megatron'"):
+            load_config(None, [f"strategy={mod}:Plug", "megatron.tensor_model_parallel_size=2"])
+        with pytest.raises(ValueError, match=r"fsdp\.fsdp_size: belongs to backend 'fsdp'"):
+            load_config(None, [f"strategy={mod}:Plug", "fsdp.fsdp_size=2"])
+    finally:
+        unregister_engine(f"{mod}:Plug")
+
+
+def test_another_backends_section_is_refused_and_a_typo_gets_a_suggestion():
+    with pytest.raises(ValueError, match=r"megatron\.tensor_model_parallel_size: belongs to backend 'megatron', but strategy = 'fsdp'"):
+        load_config(None, ["strategy=fsdp", "megatron.tensor_model_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"fsdp\.fsdp_size: belongs to backend 'fsdp', but strategy = 'megatron'"):
+        load_config(None, ["strategy=megatron", "fsdp.fsdp_size=2"])
+    with pytest.raises(ValueError, match=r"unknown key 'megatrn'.*did you mean 'megatron'"):
+        load_config(None, ["strategy=megatron", "megatrn.tensor_model_parallel_size=2"])
+    with pytest.raises(ValueError, match=r"filled from the backend's own section"):
+        load_config(None, ["strategy=fsdp", "backend.fsdp_size=2"])
+
+
+def test_bad_import_paths_and_classes_name_the_fix(tmp_path, monkeypatch):
+    mod = _write_module(tmp_path, monkeypatch, "plugin_mod_b", PLUGIN)
+    cases = {
+        "no_such_module_xyz:Engine": "cannot import module 'no_such_module_xyz'",
+        f"{mod}:Missing": "has no attribute 'Missing'",
+        f"{mod}:NotAnEngine": "needs a BaseEngine subclass",
+        f"{mod}:LooseEngine": "is not a frozen dataclass",
+        "nope": "is not a registered engine",
+    }
+    for strategy, needle in cases.items():
+        with pytest.raises(ValueError, match=needle) as err:
+            build_engine(load_config(None, [f"strategy={strategy}"]))
+        assert "fix:" in str(err.value)
+    with pytest.raises(ValueError, match="entry point in the group 'enginekit.backends'"):
+        build_engine(load_config(None, ["strategy=nope"]))
+
+
+def test_an_entry_point_registers_a_backend_by_name(tmp_path, monkeypatch):
+    mod = _write_module(tmp_path, monkeypatch, "plugin_mod_c", PLUGIN)
+    dist = tmp_path / "plugin_mod_c-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: plugin-mod-c\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[enginekit.backends]\nplugc = {mod}:Plug\n")
+    try:
+        assert "plugc" in available_engines()
+        engine = build_engine(load_config(None, ["strategy=plugc", "plug.width=7"]))
+        assert type(engine).__name__ == "Plug" and engine.config.backend.width == 7
+    finally:
+        unregister_engine("plugc")
+
+
+def test_engine_api_has_no_strategy_name_branches():
+    """No comparison in engine_api against a built-in backend's name: backends are plug-ins."""
+    import ast
+    from pathlib import Path
+
+    from engine_api.registry import builtin_engines
+
+    names = set(builtin_engines())
+    root = Path(__file__).resolve().parents[2] / "engine_api"
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                found += [f"{path.name}:{node.lineno}" for c in consts if c in names]
+    assert found == [], found

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 
 from engine_api import build_engine
 from engine_api.config import EngineConfig
+from engine_api.registry import get_engine_class
 from tests.backends.hf_utils import pg_loss
 from tests.reliability import _step_bad_batches as bad
 from tests.reliability._step_common import (
@@ -177,8 +179,14 @@ def _bad_calls_inside_a_window(strategy, model_dir) -> dict:
 # ----------------------------------------------------------------------------- bad configs
 def unchecked_config(overrides: list[str]) -> EngineConfig:
     """An EngineConfig with ``overrides`` applied and no validation (as a program might build
-    one by hand), so that ``build_engine`` itself must catch the problem."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineConfig), OmegaConf.from_dotlist(overrides)))
+    one by hand, backend options included), so that ``build_engine`` itself must catch the problem."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    general = [o for o in overrides if o.split("=")[0].split(".")[0] in fields]
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineConfig), OmegaConf.from_dotlist(general)))
+    options = get_engine_class(config.strategy).options_class
+    section = [o.split(".", 1)[1] for o in overrides if o.startswith(f"{options.config_section}.")]
+    backend = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(options), OmegaConf.from_dotlist(section)))
+    return dataclasses.replace(config, backend=backend)
 
 
 # name -> (backends it applies to (None: all), overrides, needles). World size is 1 in the

@@ -1,0 +1,51 @@
+"""The FSDP backend's settings (``engine.fsdp.*``), declared as ``FSDPEngine.options_class``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engine_api.config import DTYPES, EngineConfig, format_problem
+
+_p = format_problem
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """FSDP2 (``fully_shard``) settings: the ``fsdp.*`` section of the engine config.
+
+    Attributes:
+        fsdp_size: ranks per shard group; -1 shards over the whole world, a divisor of the
+            world size gives HSDP (replicate over world / fsdp_size groups).
+        reshard_after_forward: free gathered params after forward (ZeRO-3) or keep them (ZeRO-2).
+        param_dtype: compute dtype of gathered params (None: ``model.dtype``).
+        reduce_dtype: dtype of the gradient reduce-scatter.
+    """
+
+    config_section: ClassVar[str] = "fsdp"
+
+    fsdp_size: int = -1
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str = "float32"
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.fsdp_size != -1 and self.fsdp_size < 1:
+            out.append(_p("fsdp_size", self.fsdp_size, "must be -1 or positive", "use -1 (whole world) or a divisor of the world size"))
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPES:
+                out.append(_p(name, value, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
+        return out
+
+    def _problems_with(self, config: EngineConfig) -> list[str]:
+        """Checks that need the engine config: the shard group must divide the world size."""
+        world = config.known_world_size()
+        if world is not None and self.fsdp_size > 0 and world % self.fsdp_size:
+            return [
+                format_problem(
+                    "fsdp_size", self.fsdp_size, f"does not divide the world size {world}", "use -1 or a divisor of the world size"
+                )
+            ]
+        return []

@@ -1,0 +1,85 @@
+"""The Megatron backend's settings (``engine.megatron.*``), declared as ``MegatronEngine.options_class``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engine_api.config import EngineConfig, format_problem
+
+_p = format_problem
+LAYER_SPECS = ("auto", "local", "te")
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """megatron-core parallelism, with megatron-core's own names: the ``megatron.*`` section
+    of the engine config.
+
+    Attributes:
+        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size:
+            model-parallel sizes; their product must divide the world size.
+        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
+            1F1B), None for none; needs pipeline_model_parallel_size > 1.
+        sequence_parallel: shard activations along the sequence in TP regions; needs TP > 1.
+        use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
+        layer_spec: ``auto`` (Transformer-Engine when importable with CUDA, else local),
+            ``local`` or ``te``.
+    """
+
+    config_section: ClassVar[str] = "megatron"
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    layer_spec: str = "auto"
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: ranks that share one data-parallel replica."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def _problems(self) -> list[str]:
+        out = []
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) < 1:
+                out.append(_p(name, getattr(self, name), "must be >= 1", "use 1 to disable this kind of parallelism"))
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
+            out.append(
+                _p(
+                    "virtual_pipeline_model_parallel_size",
+                    vpp,
+                    "needs a value >= 1 and pipeline_model_parallel_size > 1",
+                    "set it to null or raise pipeline_model_parallel_size",
+                )
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            out.append(
+                _p(
+                    "sequence_parallel",
+                    True,
+                    "needs tensor_model_parallel_size > 1",
+                    "set sequence_parallel=false or raise tensor_model_parallel_size",
+                )
+            )
+        if self.layer_spec not in LAYER_SPECS:
+            out.append(_p("layer_spec", self.layer_spec, "unknown layer spec", f"use one of {', '.join(LAYER_SPECS)}"))
+        return out
+
+    def _problems_with(self, config: EngineConfig) -> list[str]:
+        """Checks that need the engine config: TP x PP x CP must divide the world size."""
+        world, mp = config.known_world_size(), self.model_parallel_size
+        if world is not None and mp >= 1 and world % mp:
+            return [
+                format_problem(
+                    "tensor_model_parallel_size",
+                    self.tensor_model_parallel_size,
+                    f"TP x PP x CP = {mp} does not divide the world size {world}",
+                    "choose sizes whose product divides the number of processes",
+                )
+            ]
+        return []

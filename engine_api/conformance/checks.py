@@ -1,0 +1,499 @@
+"""The conformance checks: each one a property of the ``BaseEngine`` contract, written against
+the contract only (``build_engine``, the public methods, ``export_weights``), never against a
+backend's internals.
+
+Every check runs on every rank of one launch (``engine_api.conformance.runner``) and raises
+:class:`CheckFailed` naming what differs and by how much; :class:`Skipped` when the backend
+declares it does not take the check's setting (e.g. refuses ``model.head: value`` at
+``build_engine``). Tolerances:
+
+* against the independent HF reference (``fixtures``): max |diff| 1e-5 for per-token outputs
+  (batched vs per-sequence forward differ in float summation order; measured up to 5e-7),
+  relative 1e-6 for losses, grad norms and updated weights as one vector (fp32; measured
+  2e-8 on every built-in backend, while a mis-scaled gradient moves the updated weights by
+  ~1e-2 relative: AdamW eps 1e-3 keeps the update proportional to the gradient);
+* engine against itself (abort, non-finite skip, bad batch, offload, resume): bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_api.conformance import fixtures as fx
+
+
+class CheckFailed(AssertionError):
+    """A contract property does not hold."""
+
+
+class Skipped(Exception):  # noqa: N818 - reads as the outcome
+    """The backend refuses this check's setting at ``build_engine`` (reported, never counted as passed)."""
+
+
+@dataclass(frozen=True)
+class Env:
+    """What a check knows: the backend, the layout settings, where the model and files live."""
+
+    strategy: str
+    overrides: tuple[str, ...]
+    model_dir: str
+    workdir: str
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True)
+class Check:
+    """One named property; ``phase`` 2 runs in a second, fresh launch (after phase 1)."""
+
+    name: str
+    fn: Callable[[Env], str]
+    doc: str
+    phase: int = 1
+    prepare: Callable[[Env], None] | None = field(default=None)
+
+
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str, phase: int = 1):
+    def register(fn: Callable[[Env], str]) -> Callable[[Env], str]:
+        CHECKS[name] = Check(name, fn, (fn.__doc__ or "").strip().splitlines()[0], phase)
+        return fn
+
+    return register
+
+
+# ----------------------------------------------------------------------------- helpers
+def new_engine(env: Env, *extra: str, mode: str = "token-mean", skip_on: str | None = None):
+    """An initialised engine with the kit's settings, the layout overrides and ``extra``."""
+    from engine_api import build_engine, load_config
+
+    config = load_config(None, [*fx.engine_overrides(env.strategy, env.model_dir, mode), *env.overrides, *extra])
+    try:
+        engine = build_engine(config)
+    except ValueError as exc:
+        if skip_on is not None and skip_on in str(exc):
+            raise Skipped(f"build_engine refuses {skip_on}: {str(exc).splitlines()[-1].strip()}") from None
+        raise
+    engine.init_model()
+    engine.set_loss_fn(fx.loss_fn)
+    return engine
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    """Full weights by HF name (collective)."""
+    return {k: v.detach().clone().cpu() for k, v in engine.export_weights()}
+
+
+def window(engine, batch, calls: int = 1) -> dict:
+    """One accumulation window on this rank's ``batch`` split into ``calls`` consecutive
+    ``forward_backward_step`` calls, the optimizer step, and the LR step when it was taken."""
+    n = batch.batch_size[0]
+    calls = min(calls, n)
+    bounds = [round(i * n / calls) for i in range(calls + 1)]
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        losses = [engine.forward_backward_step(batch[a:b])[1] for a, b in zip(bounds, bounds[1:], strict=False)]
+        norm = engine.optimizer_step()
+        lr = engine.lr_scheduler_step() if math.isfinite(norm) else None
+    return {"losses": losses, "grad_norm": norm, "lr": lr}
+
+
+def close(what: str, got: float, want: float, rtol: float = 1e-5) -> None:
+    if not math.isclose(got, want, rel_tol=rtol, abs_tol=1e-12):
+        raise CheckFailed(f"{what}: {got!r} vs {want!r} (relative {abs(got - want) / max(abs(want), 1e-30):.1e} > {rtol:g})")
+
+
+def max_diff(jagged: torch.Tensor, rows: list[torch.Tensor]) -> float:
+    return max(float((a.detach().cpu().float() - b).abs().max()) for a, b in zip(jagged.unbind(), rows, strict=True))
+
+
+def same(what: str, got: dict, want: dict) -> None:
+    """Bit-exact equality of two results (floats, lists and tensor dicts)."""
+    for key in want:
+        a, b = got[key], want[key]
+        if isinstance(b, dict):
+            bad = [k for k in b if not torch.equal(a[k], b[k])]
+            if set(a) != set(b) or bad:
+                raise CheckFailed(f"{what}: {key} differ ({', '.join(bad[:4]) or 'names'}{', ...' if len(bad) > 4 else ''})")
+        elif a != b and not (isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+            raise CheckFailed(f"{what}: {key} {a!r} vs {b!r}")
+
+
+def _local(engine, seed: int = 0, **meta):
+    return engine.shard_data(fx.make_test_batch(seed, **meta))
+
+
+# ----------------------------------------------------------------------------- outputs
+@check("hf_logprobs")
+def hf_logprobs(env: Env) -> str:
+    """Log-probs equal a per-sequence HF forward (packed + dynamic batching, padded + fixed micro-batches)."""
+    hf = fx.hf_model(env.model_dir)
+    worst = {}
+    for name, extra in {
+        "packed": ["max_token_len_per_micro_batch=16"],
+        "padded": ["use_remove_padding=false", "micro_batch_size=3"],
+    }.items():
+        engine = new_engine(env, *extra)
+        local = _local(engine)
+        with engine.eval_mode():
+            out = engine.infer_batch(local)
+        if out is None:
+            continue  # not an output rank (see BaseEngine.is_output_rank)
+        want, _ = fx.hf_token_outputs(hf, local)
+        worst[name] = max_diff(out["log_probs"], want)
+        if worst[name] > 1e-5:
+            raise CheckFailed(f"{name}: log-probs differ from HF by {worst[name]:.2e} (> 1e-5)")
+    return ", ".join(f"{k} max|diff| {v:.1e}" for k, v in worst.items())
+
+
+@check("temperature_entropy")
+def temperature_entropy(env: Env) -> str:
+    """Metadata temperature divides the logits, and calculate_entropy returns the entropy of those logits."""
+    hf = fx.hf_model(env.model_dir)
+    engine = new_engine(env)
+    local = _local(engine, temperature=0.7, calculate_entropy=True)
+    with engine.eval_mode():
+        out = engine.infer_batch(local)
+    if out is None:
+        return "not an output rank"
+    if "entropy" not in out.keys():
+        raise CheckFailed("calculate_entropy=True returned no 'entropy'")
+    want_lp, want_ent = fx.hf_token_outputs(hf, local, temperature=0.7)
+    d_lp, d_ent = max_diff(out["log_probs"], want_lp), max_diff(out["entropy"], want_ent)
+    if d_lp > 1e-5:
+        raise CheckFailed(f"log-probs at temperature 0.7 differ from HF log_softmax(logits / 0.7) by {d_lp:.2e} (> 1e-5)")
+    if d_ent > 1e-5:
+        raise CheckFailed(f"entropy at temperature 0.7 differs from HF by {d_ent:.2e} (> 1e-5)")
+    return f"log-probs max|diff| {d_lp:.1e}, entropy {d_ent:.1e}"
+
+
+@check("value_head")
+def value_head(env: Env) -> str:
+    """model.head=value gives per-token values equal to HF token classification (head seeded by engine.seed)."""
+    engine = new_engine(env, "model.head=value", skip_on="head")
+    local = _local(engine)
+    with engine.eval_mode():
+        out = engine.infer_batch(local)
+    if out is None:
+        return "not an output rank"
+    want = fx.hf_values(fx.hf_model(env.model_dir, "value", seed=engine.config.seed), local)
+    d = max_diff(out["values"], want)
+    if d > 1e-5:
+        raise CheckFailed(f"values differ from HF token classification by {d:.2e} (> 1e-5)")
+    return f"max|diff| {d:.1e}"
+
+
+@check("export_names")
+def export_names(env: Env) -> str:
+    """export_weights yields every HF tensor by its HF name, equal to the HF checkpoint before training."""
+    got = weights(new_engine(env))
+    want = fx.hf_model(env.model_dir).state_dict()
+    if set(got) != set(want):
+        raise CheckFailed(f"names differ: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
+    bad = [k for k in want if got[k].shape != want[k].shape or not torch.equal(got[k].float(), want[k].float())]
+    if bad:
+        raise CheckFailed(f"{len(bad)} tensors differ from the HF checkpoint, e.g. {bad[:3]}")
+    return f"{len(got)} tensors, bit-exact"
+
+
+# ----------------------------------------------------------------------------- the update
+UPDATE_RTOL = 1e-6
+VARIANTS = {
+    "one-micro-batch": ([], 1),
+    "mbs=1": (["micro_batch_size=1"], 1),
+    "dynamic": (["max_token_len_per_micro_batch=16"], 1),
+    "padded-mbs=2": (["use_remove_padding=false", "micro_batch_size=2"], 1),
+    "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
+}
+
+
+@check("update_invariance")
+def update_invariance(env: Env) -> str:
+    """One optimizer step equals an independent HF step for every micro-batching, packing, split-call and DP layout, in all 4 modes."""
+    worst = 0.0
+    for mode in fx.MODES:
+        ref = fx.reference_step(env.model_dir, mode)
+        for name, (extra, calls) in VARIANTS.items():
+            engine = new_engine(env, *extra, mode=mode)
+            result = window(engine, _local(engine), calls)
+            label = f"{mode}/{name}/{env.world} rank(s)"
+            if calls == 1:
+                close(f"{label}: loss", result["losses"][0], ref["loss"], UPDATE_RTOL)
+            close(f"{label}: pre-clip grad norm", result["grad_norm"], ref["grad_norm"], UPDATE_RTOL)
+            err = fx.rel(weights(engine), ref["after"])
+            worst = max(worst, err)
+            if err > UPDATE_RTOL:
+                raise CheckFailed(f"{label}: updated weights differ from the reference step by {err:.2e} relative (> {UPDATE_RTOL:g})")
+    return f"{len(fx.MODES) * len(VARIANTS)} steps, worst weight error {worst:.1e}"
+
+
+# ----------------------------------------------------------------------------- state safety
+@check("abort")
+def abort(env: Env) -> str:
+    """optimizer_zero_grad between calls aborts the window without a trace (bit-exact)."""
+    a, b = new_engine(env), new_engine(env)
+    with a.train_mode():
+        a.optimizer_zero_grad()
+        a.forward_backward_step(_local(a, seed=5))
+        a.optimizer_zero_grad()  # abort
+    got = {**window(a, _local(a)), "w": weights(a)}
+    want = {**window(b, _local(b)), "w": weights(b)}
+    same("window after an abort vs a fresh engine", got, want)
+    return "bit-exact"
+
+
+def _bad_batches(env: Env, engine) -> dict[str, object]:
+    """Bad inputs; most on rank 0 only (every rank must still raise)."""
+    import torch as t
+
+    from engine_api.batch import make_batch
+
+    good = _local(engine)
+    seqs = [s.clone() for s in good["input_ids"].unbind()]
+    masks = list(good["loss_mask"].unbind())
+    adv = list(good["advantages"].unbind())
+    first = env.rank == 0
+    oov = [s.clone() for s in seqs]
+    oov[0][-1] = fx.VOCAB + 5
+    long = [t.randint(0, fx.VOCAB, (100,)), *seqs[1:]]
+    long_masks = [t.cat([t.zeros(90), t.ones(10)]), *masks[1:]]
+    long_adv = [t.zeros(100), *adv[1:]]
+    cold = make_batch(seqs, loss_mask=masks, advantages=adv)
+    if first:
+        cold.set_non_tensor("temperature", 0.0)  # make_batch itself would refuse it
+    return {
+        "token id >= vocab on rank 0": make_batch(oov if first else seqs, loss_mask=masks, advantages=adv),
+        "temperature 0 on rank 0": cold,
+        "longer than the model on rank 0": make_batch(long, loss_mask=long_masks, advantages=long_adv)
+        if first
+        else make_batch(seqs, loss_mask=masks, advantages=adv),
+        "no loss token anywhere": make_batch(seqs, loss_mask=[m * 0 for m in masks], advantages=adv),
+    }
+
+
+@check("bad_batch")
+def bad_batch(env: Env) -> str:
+    """A bad batch (on one rank) raises ValueError on every rank before any state changes, inside a pending window too."""
+    a, b = new_engine(env), new_engine(env)
+    before = weights(a)
+    bad = _bad_batches(env, a)
+    good = _local(a)
+    half = good.batch_size[0] // 2 or 1
+    with a.train_mode():
+        a.optimizer_zero_grad()
+        a.forward_backward_step(good[:half])
+        for name, batch in bad.items():
+            try:
+                a.forward_backward_step(batch)
+            except ValueError:
+                continue
+            raise CheckFailed(f"{name}: forward_backward_step did not raise ValueError")
+        a.forward_backward_step(good[half:])
+        norm_a = a.optimizer_step()
+    with b.train_mode():
+        b.optimizer_zero_grad()
+        b.forward_backward_step(good[:half])
+        b.forward_backward_step(good[half:])
+        norm_b = b.optimizer_step()
+    same("weights before the step", {"w": before}, {"w": weights(new_engine(env))})
+    same("window with rejected bad calls vs without", {"grad_norm": norm_a, "w": weights(a)}, {"grad_norm": norm_b, "w": weights(b)})
+    return f"{len(bad)} bad batches rejected, window intact (bit-exact)"
+
+
+def _nan_loss_on(rank: int, env: Env):
+    def loss(mb, out, norm):
+        value, metrics = fx.loss_fn(mb, out, norm)
+        return (value * float("nan") if env.rank == rank else value), metrics
+
+    return loss
+
+
+@check("nonfinite_skip")
+def nonfinite_skip(env: Env) -> str:
+    """A NaN loss on one rank skips the step on every rank, state untouched; the next step equals a run without it."""
+    a, b = new_engine(env), new_engine(env)
+    before = weights(a)
+    a.set_loss_fn(_nan_loss_on(env.world - 1, env))
+    skipped = window(a, _local(a, seed=3))
+    if math.isfinite(skipped["grad_norm"]):
+        raise CheckFailed(f"optimizer_step returned {skipped['grad_norm']} for a window with a NaN loss on rank {env.world - 1}")
+    same("weights after the skipped step", {"w": weights(a)}, {"w": before})
+    a.set_loss_fn(fx.loss_fn)
+    got = {**window(a, _local(a)), "w": weights(a)}
+    want = {**window(b, _local(b)), "w": weights(b)}
+    same("step after a skipped one vs a run without it", got, want)
+    return "skipped on every rank, next step bit-exact"
+
+
+@check("frozen")
+def frozen(env: Env) -> str:
+    """engine.frozen=true: inference equals HF, every training call raises."""
+    engine = new_engine(env, "frozen=true")
+    local = _local(engine)
+    with engine.eval_mode():
+        out = engine.infer_batch(local)
+    if out is not None:
+        d = max_diff(out["log_probs"], fx.hf_token_outputs(fx.hf_model(env.model_dir), local)[0])
+        if d > 1e-5:
+            raise CheckFailed(f"frozen engine's log-probs differ from HF by {d:.2e}")
+    refused = []
+    for what, call in {
+        "train_mode": lambda: engine.train_mode().__enter__(),
+        "forward_backward_step": lambda: engine.forward_backward_step(local),
+        "optimizer_step": engine.optimizer_step,
+        "save_checkpoint": lambda: engine.save_checkpoint(os.path.join(env.workdir, "frozen_ckpt"), global_step=1),
+    }.items():
+        try:
+            call()
+        except (RuntimeError, ValueError):
+            refused.append(what)
+            continue
+        raise CheckFailed(f"{what} on a frozen engine did not raise")
+    return f"refused: {', '.join(refused)}"
+
+
+@check("offload")
+def offload(env: Env) -> str:
+    """offload.param/optimizer round trips through train/eval modes train bit-identically to no offload."""
+    results = []
+    for extra in (["offload.param=true", "offload.optimizer=true"], []):
+        engine = new_engine(env, *extra)
+        steps = [window(engine, _local(engine, seed=s)) for s in (0, 1)]
+        with engine.eval_mode():
+            out = engine.infer_batch(_local(engine))
+        lp = None if out is None else out["log_probs"].values().detach().cpu().clone()
+        with engine.train_mode():
+            pass  # one more load / offload cycle
+        results.append({"steps": steps, "w": weights(engine), "lp": lp})
+    same(
+        "training with offload vs without",
+        {"steps": results[0]["steps"], "w": results[0]["w"]},
+        {"steps": results[1]["steps"], "w": results[1]["w"]},
+    )
+    if results[1]["lp"] is not None and not torch.equal(results[0]["lp"], results[1]["lp"]):
+        raise CheckFailed("inference after offload differs from inference without it")
+    return "2 steps + inference bit-exact"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+RESUME = ["optim.lr_schedule=cosine", "optim.warmup_steps=2", "optim.total_steps=10"]
+
+
+def _ckpt_root(env: Env) -> str:
+    return os.path.join(env.workdir, "ckpt")
+
+
+@check("resume_save", phase=1)
+def resume_save(env: Env) -> str:
+    """(phase 1 of resume) 2 steps, save, 2 more steps: the record a fresh process must replay."""
+    engine = new_engine(env, *RESUME)
+    for s in (0, 1):
+        window(engine, _local(engine, seed=s))
+    engine.save_checkpoint(_ckpt_root(env), global_step=2)
+    record = {"steps": [window(engine, _local(engine, seed=s)) for s in (2, 3)], "w": weights(engine)}
+    if env.rank == 0:
+        torch.save(record, os.path.join(env.workdir, "resume_record.pt"))
+    return "saved global_step_2"
+
+
+@check("resume", phase=2)
+def resume(env: Env) -> str:
+    """A fresh process loads the checkpoint and replays the next 2 steps bit-exactly (losses, grad norms, LR, weights)."""
+    record_path = os.path.join(env.workdir, "resume_record.pt")
+    if not os.path.exists(record_path):
+        raise CheckFailed("no record from phase 1 (resume_save failed or did not run)")
+    want = torch.load(record_path, weights_only=True)
+    engine = new_engine(env, *RESUME)
+    step = engine.load_checkpoint(_ckpt_root(env), del_local_after_load=False)
+    if step != 2:
+        raise CheckFailed(f"load_checkpoint returned step {step}, saved at 2")
+    got = {"steps": [window(engine, _local(engine, seed=s)) for s in (2, 3)], "w": weights(engine)}
+    same("resumed run vs uninterrupted run", got, want)
+    return "steps 3-4 bit-exact"
+
+
+SENTINEL = "code_ran.txt"
+
+
+def tamper(workdir: str) -> dict[str, str]:
+    """Make tampered copies of phase 1's checkpoint (in the launcher, between the phases):
+    one bit flipped in the largest file; the largest file replaced by a pickle that runs code
+    when unpickled, with the manifest and marker forged to vouch for it. Returns name -> path."""
+    import json
+    import pickle
+
+    from engine_api import ckpt_layout
+    from engine_api.ckpt_integrity import write_manifest
+
+    src = ckpt_layout.latest_checkpoint(os.path.join(workdir, "ckpt"))
+    if src is None:
+        return {}
+    out = {}
+    for name in ("bit_flip", "code_pickle"):
+        dst = os.path.join(workdir, f"tampered_{name}")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+        files = [os.path.join(r, f) for r, _, fs in os.walk(dst) for f in fs if f not in (ckpt_layout.MARKER, "manifest.json")]
+        target = max(files, key=os.path.getsize)
+        if name == "bit_flip":
+            with open(target, "r+b") as f:
+                f.seek(os.path.getsize(target) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x01]))
+        else:
+            with open(target, "wb") as f:
+                pickle.dump(_RunsCode(os.path.join(workdir, SENTINEL)), f)
+            marker_path = os.path.join(dst, ckpt_layout.MARKER)
+            with open(marker_path) as f:
+                marker = json.load(f)
+            marker["manifest_sha256"] = write_manifest(dst, exclude=(ckpt_layout.MARKER,))
+            with open(marker_path, "w") as f:
+                json.dump(marker, f)
+        out[name] = dst
+    return out
+
+
+class _RunsCode:
+    """Unpickling this writes a file: the payload of the code-running checkpoint."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (_write_sentinel, (self.path,))
+
+
+def _write_sentinel(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("a checkpoint ran code on load\n")
+
+
+@check("tampered_checkpoint", phase=2)
+def tampered_checkpoint(env: Env) -> str:
+    """A bit-flipped or code-carrying checkpoint is refused with ValueError, runs no code, changes no state."""
+    engine = new_engine(env, *RESUME)
+    before = weights(engine)
+    refused = []
+    for name in ("bit_flip", "code_pickle"):
+        path = os.path.join(env.workdir, f"tampered_{name}")
+        if not os.path.isdir(path):
+            raise CheckFailed(f"no tampered copy {name} (phase 1's checkpoint is missing)")
+        try:
+            engine.load_checkpoint(path, del_local_after_load=False)
+        except ValueError:
+            refused.append(name)
+        else:
+            raise CheckFailed(f"load_checkpoint accepted the {name} checkpoint")
+        if os.path.exists(os.path.join(env.workdir, SENTINEL)):
+            raise CheckFailed(f"loading the {name} checkpoint ran code from it")
+    same("weights after refused loads", {"w": weights(engine)}, {"w": before})
+    return f"refused: {', '.join(refused)}; no code ran; state unchanged"

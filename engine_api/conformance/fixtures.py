@@ -1,0 +1,159 @@
+"""What the conformance checks run on: a tiny HF model directory, a batch, a loss, and the
+independent references (HF transformers + torch, one sequence at a time, the loss formula
+written out; no engine_api code on the reference path).
+
+The model is a Llama-style decoder (GQA, untied head) built from its config with a fixed seed
+(nothing is downloaded); every constant-valued tensor (norms) is perturbed, so a backend that
+swaps or drops a tensor cannot match by accident.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 64
+LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)  # 8 sequences: shards evenly over 1, 2, 4 or 8 DP ranks
+RESPONSE = (3, 5, 2, 4, 6, 3, 5, 2)  # loss on the last R tokens (R < length keeps position 0 out)
+CONSTANT = 8.0  # C of seq-mean-token-sum-norm
+LR, EPS, WEIGHT_DECAY, CLIP = 0.01, 1e-3, 0.01, 1.0
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def build_model(path: str, seed: int = 0) -> str:
+    """Save the tiny model under ``path`` (``save_pretrained``); returns ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.flatten()[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def make_test_batch(seed: int = 0, **meta):
+    """The global batch: :data:`LENGTHS` random sequences, a response mask, advantages."""
+    from engine_api.batch import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(LENGTHS, RESPONSE, strict=True)]
+    adv = [torch.randn(n, generator=g) for n in LENGTHS]
+    return make_batch(seqs, loss_mask=masks, advantages=adv, **meta)
+
+
+def per_token_loss(log_probs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """A policy-gradient-like term plus a nonlinear one (so the loss is not linear in log-probs)."""
+    return -log_probs * advantages + 0.1 * log_probs.pow(2)
+
+
+def loss_fn(mb, out, norm):
+    """The engines' loss: :func:`per_token_loss` aggregated against the global context."""
+    from engine_api.losses import agg_loss
+
+    return agg_loss(per_token_loss(out["log_probs"], mb["advantages"]), mb["loss_mask"], norm), {}
+
+
+def engine_overrides(strategy: str, model_dir: str, mode: str = "token-mean") -> list[str]:
+    """The settings every check uses (AdamW eps 1e-3: Adam's first step with eps 1e-8 is a sign
+    function that would hide a mis-scaled gradient; see :func:`reference_step`)."""
+    out = [
+        f"strategy={strategy}",
+        f"model.path={model_dir}",
+        f"loss_agg_mode={mode}",
+        f"optim.lr={LR}",
+        f"optim.eps={EPS}",
+        f"optim.weight_decay={WEIGHT_DECAY}",
+        f"optim.clip_grad={CLIP}",
+    ]
+    if mode == "seq-mean-token-sum-norm":
+        out.append(f"loss_agg_constant={CONSTANT}")
+    return out
+
+
+def hf_model(model_dir: str, head: str = "lm", seed: int = 0):
+    """The HF model of ``model_dir`` in fp32, eval mode (``head: value``: token
+    classification with one label, no classifier dropout, its head seeded by ``seed``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if head == "value":
+        cfg = AutoConfig.from_pretrained(model_dir, num_labels=1)
+        cfg.classifier_dropout = 0.0
+        torch.manual_seed(seed)
+        return AutoModelForTokenClassification.from_pretrained(model_dir, config=cfg, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_token_outputs(model, batch, temperature: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: aligned log-probs (0 at position 0) and entropy of ``logits / temperature``."""
+    log_probs, entropy = [], []
+    with torch.no_grad():
+        for ids in batch["input_ids"].unbind():
+            logits = model(ids[None]).logits[0, :-1] / temperature
+            logp = torch.log_softmax(logits, -1)
+            log_probs.append(torch.cat([torch.zeros(1), logp.gather(-1, ids[1:, None]).squeeze(-1)]))
+            entropy.append(torch.cat([torch.zeros(1), -(logp.exp() * logp).sum(-1)]))
+    return log_probs, entropy
+
+
+def hf_values(model, batch) -> list[torch.Tensor]:
+    """Per sequence: ``values[i]`` predicted from the prefix before token i (0 at 0)."""
+    with torch.no_grad():
+        return [torch.cat([torch.zeros(1), model(ids[None]).logits[0, :-1, 0]]) for ids in batch["input_ids"].unbind()]
+
+
+def reference_step(model_dir: str, mode: str) -> dict:
+    """One optimizer step computed independently: per-sequence HF forward, the aggregation
+    formula written out, autograd, clipping and torch AdamW. Returns the loss, the pre-clip
+    grad norm, and the parameters before and after by HF name."""
+    model = hf_model(model_dir)
+    model.train()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    b = make_test_batch()
+    seq_terms, token_sum, n_tokens = [], 0.0, 0.0
+    for i in range(len(LENGTHS)):
+        ids = b["input_ids"][i]
+        logits = model(ids[None]).logits[0]
+        lp = torch.cat([torch.zeros(1), torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None]).squeeze(-1)])
+        m = b["loss_mask"][i]
+        per_tok = per_token_loss(lp, b["advantages"][i]) * m
+        token_sum = token_sum + per_tok.sum()
+        n_tokens += float(m.sum())
+        seq_terms.append(per_tok.sum() / m.sum() if mode == "seq-mean-token-mean" else per_tok.sum())
+    n_seqs = len(seq_terms)
+    loss = {
+        "token-mean": token_sum / n_tokens,
+        "seq-mean-token-mean": sum(seq_terms) / n_seqs,
+        "seq-mean-token-sum": sum(seq_terms) / n_seqs,
+        "seq-mean-token-sum-norm": token_sum / (n_seqs * CONSTANT),
+    }[mode]
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+    torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=WEIGHT_DECAY).step()
+    after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"loss": float(loss.detach()), "grad_norm": norm, "before": before, "after": after}
+
+
+def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Relative L2 difference of two tensor sets as one vector (per-tensor ratios of tiny
+    tensors would measure fp32 reordering noise, not the property)."""
+    a = torch.cat([got[k].flatten().double() for k in want])
+    b = torch.cat([v.flatten().double() for v in want.values()])
+    return float((a - b).norm() / b.norm())

@@ -1,0 +1,182 @@
+"""Run the conformance checks on N fresh processes and collect one report.
+
+Each launch spawns ``nproc`` processes. With ``nproc > 1`` they get the environment torchrun
+gives (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), so the
+engines join that world as they would under torchrun; with ``nproc == 1`` they get none and
+take the plain-python path (a 1-rank group of their own). Phase-2 checks (resume,
+tampered checkpoints) run in a second launch: fresh processes, as a resumed job would be.
+
+A rank that fails a check reports it and goes on with the next one; a launch that outlives
+``timeout_s`` (e.g. one rank raised inside a collective and the others wait) is killed and
+its unfinished checks fail as timed out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from engine_api.conformance import checks as C
+from engine_api.conformance import fixtures as fx
+
+
+@dataclass
+class Outcome:
+    """One check's result over all ranks: ``passed``, ``failed`` or ``skipped``."""
+
+    name: str
+    status: str
+    detail: str
+
+
+@dataclass
+class Report:
+    """Every outcome of one conformance run."""
+
+    strategy: str
+    nproc: int
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (skipped checks are listed, not counted as passed)."""
+        return all(o.status != "failed" for o in self.outcomes)
+
+    def status(self, name: str) -> str:
+        return next(o.status for o in self.outcomes if o.name == name)
+
+    def summary(self) -> str:
+        lines = [f"conformance of strategy {self.strategy!r} on {self.nproc} process(es):"]
+        for o in self.outcomes:
+            lines.append(f"  {o.status.upper():7s} {o.name}: {o.detail}")
+        counts = {s: sum(o.status == s for o in self.outcomes) for s in ("passed", "failed", "skipped")}
+        lines.append(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+        return "\n".join(lines)
+
+
+def run_conformance(
+    strategy: str,
+    nproc: int = 1,
+    overrides: tuple[str, ...] | list[str] = (),
+    only: tuple[str, ...] | list[str] | None = None,
+    workdir: str | None = None,
+    timeout_s: float = 1200.0,
+) -> Report:
+    """Run the checks (all, or ``only`` these names) against ``strategy``.
+
+    Args:
+        strategy: a registered name, an entry-point name, or ``package.module:ClassName``
+            (resolved in the fresh processes: a name registered only in this process by a
+            decorator is not visible there; use its import path).
+        nproc: processes per launch.
+        overrides: engine settings for every check, e.g. a layout
+            (``megatron.tensor_model_parallel_size=2``).
+        workdir: where the model and checkpoints go (default: a temporary directory).
+    """
+    names = list(C.CHECKS) if only is None else list(only)
+    unknown = [n for n in names if n not in C.CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown}; fix: use some of {', '.join(C.CHECKS)}")
+    if "resume" in names and "resume_save" not in names:
+        names.insert(0, "resume_save")
+    if "tampered_checkpoint" in names and "resume_save" not in names:
+        names.insert(0, "resume_save")
+    with tempfile.TemporaryDirectory(prefix="enginekit-conformance-") as tmp:
+        workdir = workdir or tmp
+        os.makedirs(workdir, exist_ok=True)
+        model_dir = fx.build_model(os.path.join(workdir, "model"))
+        report = Report(strategy, nproc)
+        for phase in (1, 2):
+            todo = [n for n in names if C.CHECKS[n].phase == phase]
+            if not todo:
+                continue
+            if phase == 2:
+                C.tamper(workdir)
+            env = dict(strategy=strategy, overrides=tuple(overrides), model_dir=model_dir, workdir=workdir)
+            report.outcomes += _launch(env, todo, nproc, timeout_s)
+    return report
+
+
+def _launch(env: dict, names: list[str], nproc: int, timeout_s: float) -> list[Outcome]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, env, names, results), daemon=False) for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    per_check: dict[str, list[tuple[str, str]]] = {n: [] for n in names}
+    done, deadline = 0, time.monotonic() + timeout_s
+    while done < nproc and time.monotonic() < deadline:
+        try:
+            rank, name, status, detail = results.get(timeout=1.0)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+            continue
+        if name is None:
+            done += 1
+        else:
+            per_check[name].append((status, f"rank {rank}: {detail}"))
+    for p in procs:
+        p.join(timeout=30 if done == nproc else 0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    outcomes = []
+    for name in names:
+        reports = per_check[name]
+        failed = [d for s, d in reports if s == "failed"]
+        if len(reports) < nproc:
+            missing = "timed out" if time.monotonic() >= deadline else "a rank died"
+            outcomes.append(Outcome(name, "failed", f"{missing} before every rank reported ({'; '.join(failed) or 'no failure reported'})"))
+        elif failed:
+            outcomes.append(Outcome(name, "failed", "; ".join(failed)))
+        elif any(s == "skipped" for s, _ in reports):
+            outcomes.append(Outcome(name, "skipped", next(d for s, d in reports if s == "skipped")))
+        else:
+            outcomes.append(Outcome(name, "passed", reports[0][1].split(": ", 1)[1]))
+    return outcomes
+
+
+def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], results) -> None:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per engine would bury the report
+    hf_logging.set_verbosity_error()  # and the value-head load report (new `score` head: expected)
+    if world > 1:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+        )
+    # Tiny models: more threads than cores per process only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    e = C.Env(rank=rank, world=world, **env)
+    for name in names:
+        try:
+            detail = C.CHECKS[name].fn(e)
+            results.put((rank, name, "passed", detail or "ok"))
+        except C.Skipped as exc:
+            results.put((rank, name, "skipped", str(exc)))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            kind = "" if isinstance(exc, C.CheckFailed) else f"{type(exc).__name__} at {os.path.basename(where.filename)}:{where.lineno}: "
+            results.put((rank, name, "failed", kind + detail))
+    results.put((rank, None, None, None))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,75 @@
+"""The conformance kit (``engine_api.conformance``) against the project's backends, and its teeth.
+
+Every backend passes every check: fsdp and the reference engine (torch DDP over HF, built on
+the backend kit only) on 1 and 2 processes, megatron on 1 process and on 2 at DP=2 (with the
+distributed optimizer), TP=2 and PP=2. These runs replace the per-backend invariance copies (the old reference-engine
+invariance suite and the FSDP invariance file): the update check compares one optimizer step
+with an independent HF step in all 4 aggregation modes for every micro-batching layout, and at
+2 processes that is DP-size invariance.
+
+Teeth: an engine that ignores ``temperature``, one that applies a micro-batch's gradient
+twice, one that skips the DP normalisation (2 processes) and one that changes state on a bad
+batch each fail the check that guards that duty, while the correct reference engine passes it
+in the same configuration.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine_api.conformance import CHECKS, run_conformance
+
+REFERENCE = "tests.reference_engine:ReferenceEngine"
+BROKEN = "tests.conformance.broken_engines:"
+
+RUNS = {
+    "reference-1": (REFERENCE, 1, []),
+    "reference-2": (REFERENCE, 2, []),
+    "fsdp-1": ("fsdp", 1, []),
+    "fsdp-2": ("fsdp", 2, []),
+    "megatron-1": ("megatron", 1, []),
+    "megatron-dp2-distopt": ("megatron", 2, ["megatron.use_distributed_optimizer=true"]),
+    "megatron-tp2": ("megatron", 2, ["megatron.tensor_model_parallel_size=2"]),
+    "megatron-pp2": ("megatron", 2, ["megatron.pipeline_model_parallel_size=2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", list(RUNS))
+def test_every_backend_passes_every_check(run):
+    strategy, nproc, overrides = RUNS[run]
+    report = run_conformance(strategy, nproc, overrides)
+    assert [o.name for o in report.outcomes] == list(CHECKS), report.summary()
+    assert all(o.status == "passed" for o in report.outcomes), report.summary()
+
+
+TEETH = {
+    "ignores temperature": ("IgnoresTemperature", 1, "temperature_entropy"),
+    "a micro-batch's gradient twice": ("AppliesAMicroBatchTwice", 1, "update_invariance"),
+    "no DP normalisation": ("SkipsDPNormalisation", 2, "update_invariance"),
+    "state changed by a bad batch": ("ChangesStateOnBadBatch", 1, "bad_batch"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", list(TEETH))
+def test_the_kit_fails_a_broken_engine(bug):
+    cls, nproc, check = TEETH[bug]
+    broken = run_conformance(BROKEN + cls, nproc, only=[check])
+    assert not broken.ok and broken.status(check) == "failed", broken.summary()
+    sound = run_conformance(REFERENCE, nproc, only=[check])
+    assert sound.ok, sound.summary()
+
+
+def test_cli_exit_status_and_summary():
+    """``python -m engine_api.conformance`` exits 1 on a failed check and 0 when all hold."""
+    args = [sys.executable, "-m", "engine_api.conformance"]
+    bad = subprocess.run([*args, BROKEN + "IgnoresTemperature", "--only", "temperature_entropy"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "0 passed, 1 failed" in bad.stdout, bad.stdout + bad.stderr
+    good = subprocess.run([*args, REFERENCE, "--only", "temperature_entropy", "export_names"], capture_output=True, text=True)
+    assert good.returncode == 0 and "2 passed, 0 failed" in good.stdout, good.stdout + good.stderr
+    unknown = subprocess.run([*args, "no_such_backend", "--only", "export_names"], capture_output=True, text=True)
+    assert unknown.returncode == 1 and "not a registered engine" in unknown.stdout, unknown.stdout
