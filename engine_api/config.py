@@ -261,9 +261,13 @@ class EngineConfig:
         backend = self.__dict__.get("backend")
         if backend is not None and getattr(type(backend), "config_section", None) == name:
             return backend
+        if backend is not None:
+            raise AttributeError(
+                f"EngineConfig has no attribute {name!r} (the backend settings held are the {backend.config_section!r} section)"
+            )
         raise AttributeError(
-            f"EngineConfig has no attribute {name!r}"
-            + (f" (the backend settings held are the {backend.config_section!r} section)" if backend is not None else "")
+            f"EngineConfig has no attribute {name!r} (config.backend is None: no backend key was set, so build_engine fills "
+            "in the strategy's defaults; read them from engine.config after build_engine)"
         )
 
     @classmethod

@@ -38,24 +38,31 @@ def build_model(path: str, seed: int = 0) -> str:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if bool((p == p.flatten()[0]).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    perturb_constants(model, seed + 1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     return path
 
 
-def make_test_batch(seed: int = 0, **meta):
-    """The global batch: :data:`LENGTHS` random sequences, a response mask, advantages."""
+def perturb_constants(model: torch.nn.Module, seed: int) -> None:
+    """Add seeded noise to every constant-valued tensor (HF initialises norms to 1 and biases
+    to 0, which would hide a converter that swaps two norms or drops a bias)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if bool((p == p.flatten()[0]).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def make_test_batch(seed: int = 0, lengths=LENGTHS, response=RESPONSE, vocab: int = VOCAB, **meta):
+    """The global batch: random sequences of ``lengths``, a mask over the last ``response``
+    tokens of each, per-token advantages, and ``meta`` as batch metadata."""
     from engine_api.batch import make_batch
 
     g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-    masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(LENGTHS, RESPONSE, strict=True)]
-    adv = [torch.randn(n, generator=g) for n in LENGTHS]
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(lengths, response, strict=True)]
+    adv = [torch.randn(n, generator=g) for n in lengths]
     return make_batch(seqs, loss_mask=masks, advantages=adv, **meta)
 
 

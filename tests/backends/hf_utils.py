@@ -12,6 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from engine_api import agg_loss, build_engine, load_config, make_batch
+from engine_api.conformance import fixtures
+from engine_api.conformance.fixtures import perturb_constants
 from recipes.tiny_model import build_tiny_model
 
 VOCAB = 64
@@ -51,21 +53,14 @@ def make_model(path, family: str, seed: int = 0, num_layers: int = 2, pad_token_
         pad_token_id=pad_token_id,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if bool((p == p.flatten()[0]).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    perturb_constants(model, seed + 1)
     model.save_pretrained(path)
     return path
 
 
 def make_test_batch(seed: int = 0, **meta):
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-    masks = [torch.cat([torch.zeros(n - r), torch.ones(r)]) for n, r in zip(LENGTHS, RESPONSE, strict=True)]
-    adv = [torch.randn(n, generator=g) for n in LENGTHS]
-    return make_batch(seqs, loss_mask=masks, advantages=adv, **meta)
+    """The backend tests' batch: 6 sequences of :data:`LENGTHS` (see the conformance fixtures)."""
+    return fixtures.make_test_batch(seed, LENGTHS, RESPONSE, VOCAB, **meta)
 
 
 def make_pad_batch(seed: int = 0):
