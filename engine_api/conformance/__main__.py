@@ -27,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc < 1:
         parser.error(f"--nproc = {args.nproc}: must be >= 1")
-    report = run_conformance(args.strategy, args.nproc, args.overrides, args.only, args.workdir)
+    try:
+        report = run_conformance(args.strategy, args.nproc, args.overrides, args.only, args.workdir)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 1
     print(report.summary())
     return 0 if report.ok else 1
 

@@ -70,15 +70,19 @@ def run_conformance(
 ) -> Report:
     """Run the checks (all, or ``only`` these names) against ``strategy``.
 
+    Raises:
+        ValueError: ``strategy`` names no engine, or an unknown check is asked for.
+
     Args:
-        strategy: a registered name, an entry-point name, or ``package.module:ClassName``
-            (resolved in the fresh processes: a name registered only in this process by a
-            decorator is not visible there; use its import path).
+        strategy: a registered name, an entry-point name, or ``package.module:ClassName``.
+            A name registered only in this process (by the decorator) is passed to the fresh
+            processes as its class's import path.
         nproc: processes per launch.
         overrides: engine settings for every check, e.g. a layout
             (``megatron.tensor_model_parallel_size=2``).
         workdir: where the model and checkpoints go (default: a temporary directory).
     """
+    target = _resolvable(strategy)
     names = list(C.CHECKS) if only is None else list(only)
     unknown = [n for n in names if n not in C.CHECKS]
     if unknown:
@@ -98,9 +102,27 @@ def run_conformance(
                 continue
             if phase == 2:
                 C.tamper(workdir)
-            env = dict(strategy=strategy, overrides=tuple(overrides), model_dir=model_dir, workdir=workdir)
+            env = dict(strategy=target, overrides=tuple(overrides), model_dir=model_dir, workdir=workdir)
             report.outcomes += _launch(env, todo, nproc, timeout_s)
     return report
+
+
+def _resolvable(strategy: str) -> str:
+    """What the fresh processes can resolve: ``strategy`` itself when it is a built-in, an
+    entry point or an import path; else (a name registered by a decorator in this process)
+    its class's import path. Raises ``ValueError`` (the registry's message) for an unknown name,
+    before anything is launched."""
+    from engine_api import registry
+
+    if registry.is_import_path(strategy) or strategy in registry.available_engines() and strategy not in registry._REGISTRY:
+        return strategy
+    cls = registry.get_engine_class(strategy)
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise ValueError(
+            f"strategy = {strategy!r} is a class defined in __main__ or inside a function, which the kit's fresh processes cannot import; "
+            "fix: move the class into an importable module and pass 'package.module:ClassName'"
+        )
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _launch(env: dict, names: list[str], nproc: int, timeout_s: float) -> list[Outcome]:

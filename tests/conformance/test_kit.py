@@ -73,3 +73,16 @@ def test_cli_exit_status_and_summary():
     assert good.returncode == 0 and "2 passed, 0 failed" in good.stdout, good.stdout + good.stderr
     unknown = subprocess.run([*args, "no_such_backend", "--only", "export_names"], capture_output=True, text=True)
     assert unknown.returncode == 1 and "not a registered engine" in unknown.stdout, unknown.stdout
+
+
+def test_a_name_registered_in_this_process_reaches_the_fresh_processes():
+    """A backend registered by decorator only here is run by its class's import path."""
+    from engine_api import register_engine, unregister_engine
+    from tests.reference_engine import ReferenceEngine
+
+    register_engine("local_reference")(ReferenceEngine)
+    try:
+        report = run_conformance("local_reference", 1, only=["export_names"])
+    finally:
+        unregister_engine("local_reference")
+    assert report.ok and report.status("export_names") == "passed", report.summary()
