@@ -79,8 +79,11 @@ def loss_fn(mb, out, norm):
 
 
 def engine_overrides(strategy: str, model_dir: str, mode: str = "token-mean") -> list[str]:
-    """The settings every check uses (AdamW eps 1e-3: Adam's first step with eps 1e-8 is a sign
-    function that would hide a mis-scaled gradient; see :func:`reference_step`)."""
+    """The settings every check uses. AdamW eps is 1e-3: Adam's first step is
+    lr * g / (|g| + eps); with the usual 1e-8 it is a sign function, so fp32 noise in a gradient
+    component that is truly ~0 flips a 2 * lr update and a mis-scaled gradient changes nothing.
+    With 1e-3 the update is Lipschitz in g, so comparing weights compares gradients element by
+    element."""
     out = [
         f"strategy={strategy}",
         f"model.path={model_dir}",

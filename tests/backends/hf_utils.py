@@ -27,7 +27,7 @@ VARIANTS = {
     "padded": (["use_remove_padding=false", "micro_batch_size=2"], 1),
     "split3-deferred": (["deferred_normalization=true", "micro_batch_size=1"], 3),
 }
-# AdamW eps for parameter comparisons after one step (see test_fsdp_invariance's docstring).
+# AdamW eps for parameter comparisons after one step (see engine_api/conformance/fixtures.py, engine_overrides).
 EPS = 1e-3
 LENGTHS = (5, 9, 3, 12, 7, 4)
 RESPONSE = (3, 5, 2, 4, 6, 3)

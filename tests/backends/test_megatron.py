@@ -1,5 +1,7 @@
 """MegatronEngine (issue 4): HF parity, HF round trip, cross-backend parity with FSDP, TP/PP/DP
-layouts, invariance, resume, error handling, and the CPU compat layer's call sites.
+layouts, offload, frozen engines, error handling, and the CPU compat layer's call sites.
+(Micro-batching / split-call invariance, resume and the non-finite skip of every layout are
+the conformance kit's: tests/conformance/test_kit.py.)
 
 All megatron work runs in spawned ranks (``tests/backends/megatron_workers.py``): one run on 1
 rank and one on 2 ranks, shared by the tests below. References are computed here, in the
@@ -7,8 +9,7 @@ parent, with HF (fp32, per sequence) and with the FSDP engine.
 
 Tolerances (fp32, CPU): log-probs max |diff| <= 1e-5 against HF; cross-backend and
 cross-layout loss, grad norm and exported weights after one AdamW step (eps = 1e-3, see
-test_fsdp_invariance) relative 1e-5; micro-batching invariance within one layout relative 1e-6;
-HF -> megatron -> HF round trip exact.
+engine_api/conformance/fixtures.py) relative 1e-5; HF -> megatron -> HF round trip exact.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ cheaper than one long row (attention over a row costs (row tokens)^2 whatever th
 mask hides). The layout must not change any number the engine computes: log-probs and
 values against the per-sequence HF reference (max |diff| <= 1e-5, fp32 summation order, as in
 test_fsdp_parity.py) and one optimizer step against the independent raw step of
-test_fsdp_invariance.py (relative 1e-6).
+hf_utils.raw_step (relative 1e-6).
 """
 
 from __future__ import annotations

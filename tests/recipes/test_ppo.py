@@ -108,7 +108,7 @@ def test_resume_replays_the_uninterrupted_run(tmp_path):
 def test_same_roles_on_fsdp_and_megatron(tmp_path):
     """3 PPO steps from the same HF init: same rewards (same samples), losses and grad norms.
 
-    AdamW eps = 1e-3 on both (see tests/backends/test_fsdp_invariance.py): with 1e-8 the first
+    AdamW eps = 1e-3 on both (see engine_api/conformance/fixtures.py, engine_overrides): with 1e-8 the first
     steps are sign-like and amplify fp32 differences in near-zero gradients into 2*lr jumps.
     """
     common = ("engine.optim.eps=1e-3",)

@@ -28,7 +28,7 @@ TWO_RANK_LAYOUTS = {
 }
 
 # Every reliability engine: AdamW eps 1e-3 so that parameters after a step move with the
-# gradient element by element (see tests/backends/test_fsdp_invariance.py: with eps 1e-8 the
+# gradient element by element (see engine_api/conformance/fixtures.py, engine_overrides: with eps 1e-8 the
 # first Adam step is a sign function and would hide a mis-scaled gradient), no clipping (it
 # would rescale a wrong gradient back to norm 1), and an LR that changes every step (so a
 # scheduler that advanced when it should not is visible).
