@@ -41,6 +41,7 @@ class StepSpec:
         device: compute device micro-batches are moved to (None: leave them where they are).
         max_positions: the model's maximum sequence length (e.g. HF ``max_position_embeddings``),
             checked against every sequence when known.
+        max_positions_reason: what imposes ``max_positions`` (named in the error).
         validate_over_world: agree on batch validation over the whole world instead of the DP
             group (a model-parallel backend: its TP/PP peers must stop together too).
     """
@@ -52,10 +53,13 @@ class StepSpec:
     grads_averaged_over_dp: bool = True
     device: torch.device | None = None
     max_positions: int | None = None
+    max_positions_reason: str = "the model's max_position_embeddings"
     validate_over_world: bool = False
 
 
-def seq_len_limit(config: EngineConfig, max_positions: int | None) -> tuple[int | None, str]:
+def seq_len_limit(
+    config: EngineConfig, max_positions: int | None, max_positions_reason: str = "the model's max_position_embeddings"
+) -> tuple[int | None, str]:
     """The longest sequence one call may hold, and the setting that imposes it (for the error).
 
     Two limits apply: the dynamic-batching budget (a longer sequence fits in no micro-batch)
@@ -66,7 +70,7 @@ def seq_len_limit(config: EngineConfig, max_positions: int | None) -> tuple[int 
         (value, name)
         for value, name in (
             (config.max_token_len_per_micro_batch, "engine.max_token_len_per_micro_batch"),
-            (max_positions, "the model's max_position_embeddings"),
+            (max_positions, max_positions_reason),
         )
         if value is not None
     ]
@@ -79,6 +83,7 @@ def validate_call(
     vocab_size: int | None,
     max_positions: int | None,
     group: dist.ProcessGroup | None = None,
+    max_positions_reason: str = "the model's max_position_embeddings",
 ) -> None:
     """Every per-call input check of ``forward_backward_step`` that reads only the batch and
     the config (``validate_batch`` with the vocabulary and the sequence-length limit), agreed
@@ -88,7 +93,7 @@ def validate_call(
     raised alone would leave its peers waiting forever in the call's first collective; here
     every rank raises a ``ValueError`` naming the rank, the field and the value instead.
     """
-    limit, field = seq_len_limit(config, max_positions)
+    limit, field = seq_len_limit(config, max_positions, max_positions_reason)
     error = None
     try:
         validate_batch(batch, vocab_size=vocab_size, max_seq_len=limit, max_seq_len_field=field)
@@ -187,7 +192,9 @@ def forward_backward_loop(
     and the global loss (the sum of every rank's contributions over DP).
     """
     cfg = spec.config
-    validate_call(batch, cfg, spec.vocab_size, spec.max_positions, None if spec.validate_over_world else spec.dp_group)
+    validate_call(
+        batch, cfg, spec.vocab_size, spec.max_positions, None if spec.validate_over_world else spec.dp_group, spec.max_positions_reason
+    )
     if not forward_only and loss_fn is None:
         raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
     ctx = {} if ctx is None else ctx

@@ -1,4 +1,16 @@
-"""HF <-> megatron-core conversion for the Llama / Qwen2 / Qwen3 families: config and weights.
+"""HF <-> megatron-core conversion for the Llama / Mistral / Qwen2 / Qwen3 families: config and weights.
+
+RoPE: default, ``linear``, ``llama3`` and ``yarn`` scaling. The rotary frequencies are HF's own
+(``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` on the model's config, so every
+parameter of the config is honoured, not megatron's hard-coded llama3 defaults) and replace
+megatron's after the model is built; YaRN's attention factor ``a`` (HF multiplies cos and sin
+by it, i.e. q and k) becomes ``softmax_scale = a**2 / sqrt(head_dim)``, the same logits. Other
+RoPE types are refused.
+
+Sliding windows (Mistral; Qwen2/3 with ``use_sliding_window``): the local spec has no sliding
+window attention, so the window becomes a sequence-length limit: a sequence that fits in the
+window attends exactly as under full causal attention (HF's window admits key j for query i
+when i - j < window), and a longer one is refused by the engine's batch validation.
 
 Why not mbridge: it hard-codes the Transformer-Engine layer spec and TE weight names
 (docs/design.md, megatron-core on CPU), so it cannot serve the local spec the CPU tests run. This converter maps
@@ -26,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -50,6 +63,22 @@ class ArchInfo:
     max_positions: int
     # HF builds embed_tokens with padding_idx = pad_token_id: lookups of it get no gradient.
     pad_token_id: int | None = None
+    rope_type: str = "default"
+    # HF's rotary inverse frequencies for a scaled RoPE (None: megatron's default ones are HF's).
+    rope_inv_freq: tuple[float, ...] | None = None
+    # Multiplier of the attention logits (YaRN's attention factor squared; 1 otherwise).
+    attention_logit_scale: float = 1.0
+    # Sliding attention window (None: full causal attention).
+    sliding_window: int | None = None
+
+    def length_limit(self) -> tuple[int, str]:
+        """The longest sequence the model takes, and what imposes it (for the error message)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_positions:
+            return self.sliding_window, (
+                f"the model's sliding_window: megatron's local layer spec has no sliding-window attention, so only "
+                f"sequences inside the window (where it changes nothing) are exact; fix: shorten sequences to <= {self.sliding_window}"
+            )
+        return self.max_positions, "the model's max_position_embeddings"
 
 
 def arch_info(hf_config) -> ArchInfo:
@@ -61,11 +90,12 @@ def arch_info(hf_config) -> ArchInfo:
     family = hf_config.model_type
     if family not in FAMILIES:
         raise ValueError(f"model_type = {family!r} is not supported by the megatron backend; fix: use one of {', '.join(FAMILIES)}")
+    rope_type, inv_freq, attention_factor = rope_frequencies(hf_config)
     rope = getattr(hf_config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type != "default":  # transformers 5: rope_scaling is an alias of rope_parameters
-        raise ValueError(f"rope_type = {rope_type!r}: RoPE scaling is not converted; fix: use a model with default RoPE")
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+    window = getattr(hf_config, "sliding_window", None)
+    if family != "mistral" and not getattr(hf_config, "use_sliding_window", False):
+        window = None  # Qwen2/3 record a window but apply it only with use_sliding_window
     heads = hf_config.num_attention_heads
     return ArchInfo(
         family=family,
@@ -83,7 +113,38 @@ def arch_info(hf_config) -> ArchInfo:
         eps=hf_config.rms_norm_eps,
         max_positions=hf_config.max_position_embeddings,
         pad_token_id=getattr(hf_config, "pad_token_id", None),
+        rope_type=rope_type,
+        rope_inv_freq=inv_freq,
+        attention_logit_scale=attention_factor**2,
+        sliding_window=int(window) if window else None,
     )
+
+
+def rope_frequencies(hf_config) -> tuple[str, tuple[float, ...] | None, float]:
+    """``(rope_type, inverse frequencies or None for default RoPE, attention factor)`` of an HF
+    config, computed by HF's own RoPE initialisers.
+
+    Raises:
+        ValueError: a RoPE type the converter does not reproduce exactly.
+    """
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_type = {rope_type!r}: the megatron backend converts RoPE {', '.join(ROPE_TYPES)} exactly and no other; "
+            "fix: use the fsdp backend for this model"
+        )
+    if rope_type == "default":
+        return rope_type, None, 1.0
+    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor = {hf_config.partial_rotary_factor} with rope_type {rope_type!r} is not converted; "
+            "fix: use the fsdp backend for this model"
+        )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return rope_type, tuple(float(x) for x in inv_freq.float()), float(attention_factor)
 
 
 def transformer_config_kwargs(arch: ArchInfo) -> dict:
@@ -114,6 +175,8 @@ def transformer_config_kwargs(arch: ArchInfo) -> dict:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # YaRN: HF scales q and k by the attention factor a; the same logits are a**2 / sqrt(d).
+        softmax_scale=arch.attention_logit_scale / math.sqrt(arch.head_dim) if arch.attention_logit_scale != 1.0 else None,
     )
 
 

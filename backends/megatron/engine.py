@@ -222,7 +222,8 @@ class MegatronEngine(BaseEngine):
             dp_group=self.dp_group,
             vocab_size=self.arch.vocab,
             device=self.device,
-            max_positions=self.arch.max_positions,
+            max_positions=self.arch.length_limit()[0],
+            max_positions_reason=self.arch.length_limit()[1],
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
         )

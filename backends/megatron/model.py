@@ -266,6 +266,11 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
             parallel_output=False,
             vp_stage=stage,
         )
+        if arch.rope_inv_freq is not None:
+            # Scaled RoPE: HF's frequencies (backends.megatron.convert.rope_frequencies), set
+            # before the first forward (megatron caches the rotary table per length).
+            old = model.rotary_pos_emb.inv_freq
+            model.rotary_pos_emb.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=old.dtype, device=old.device)
         if value and post:
             model.output_layer = ValueHead(arch.hidden, tconfig.sequence_parallel)
         if pre and arch.pad_token_id is not None:

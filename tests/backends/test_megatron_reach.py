@@ -1,0 +1,141 @@
+"""The megatron backend on more HF families (issue 15, items 1-2): scaled RoPE and Mistral.
+
+Each model is built from its HF config with a fixed seed (reduced width and depth, the family's
+real structural choices) and loaded back through the normal loading path:
+
+* Llama-3.x RoPE scaling (``rope_type: llama3``: factor, low/high frequency factors and the
+  original context length all from the config), YaRN (with its attention factor), linear;
+* Mistral, whose sliding window the local spec cannot apply: exact when every sequence fits in
+  the window, refused (naming the window) when one does not.
+
+Checks: megatron log-probs equal a per-sequence HF forward (packed and padded, 1 rank), within
+the issue's 1e-4 (measured: the same ~5e-7 as the default-RoPE families); a RoPE-scaled Llama-3
+step at TP=2 equals the FSDP step (loss, grad norm, updated weights; relative 1e-5, as for the
+other families). The original context length is set to 16 so that positions 0-11 of the test
+batch reach the scaled frequencies; a control asserts that scaling changes HF's log-probs there
+(otherwise a converter that ignored it would pass). Other RoPE types are refused at
+``build_engine``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+from engine_api import build_engine, load_config, make_batch
+from engine_api.conformance.fixtures import perturb_constants
+from tests.backends import megatron_workers as W
+from tests.backends.hf_utils import VOCAB, assert_same, hf_log_probs, make_test_batch, max_abs_diff, one_step
+from tests.dist_harness import run_distributed
+
+TOL = 1e-4  # the issue's bound; measured ~5e-7
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    # Larger weights than HF's 0.02 so that attention, and with it RoPE, moves the log-probs
+    # well beyond the tolerance (at 0.02 the tiny model's outputs are nearly uniform).
+    initializer_range=0.3,
+)
+ROPE = {
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+}
+
+
+def _save(config, path, seed: int = 0) -> str:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    perturb_constants(model, seed + 1)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reach")
+    out = {name: _save(LlamaConfig(**BASE, rope_parameters=rope), root / name) for name, rope in ROPE.items()}
+    out["default"] = _save(LlamaConfig(**BASE), root / "default")  # same seed: same weights, default RoPE
+    out["mistral"] = _save(MistralConfig(**BASE, sliding_window=16), root / "mistral")
+    out["mistral-narrow"] = _save(MistralConfig(**BASE, sliding_window=8), root / "mistral-narrow")
+    out["dynamic"] = _save(
+        LlamaConfig(**BASE, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), root / "dynamic"
+    )
+    return out
+
+
+def _single(rank, world, models):
+    out = {}
+    for name in (*ROPE, "mistral"):
+        for packed in (True, False):
+            out[(name, packed)] = W.infer(models[name], f"use_remove_padding={packed}", "micro_batch_size=2")["log_probs"]
+    engine = W.engine_for(models["mistral-narrow"], strategy="megatron")
+    try:
+        with engine.eval_mode():
+            engine.infer_batch(make_test_batch())
+        out["narrow"] = None
+    except ValueError as exc:
+        out["narrow"] = str(exc)
+    with engine.eval_mode():  # sequences inside the window are fine
+        short = make_batch([torch.arange(8) % VOCAB, torch.arange(5)])
+        out["narrow_ok"] = engine.infer_batch(short)["log_probs"]
+    return out
+
+
+def _tp2_step(rank, world, model_dir):
+    return one_step(model_dir, "token-mean", ["megatron.tensor_model_parallel_size=2"], strategy="megatron")
+
+
+def _fsdp_step(rank, world, model_dir):
+    return one_step(model_dir, "token-mean")
+
+
+@pytest.fixture(scope="module")
+def single(models):
+    return run_distributed(_single, 1, models, timeout=600)[0]
+
+
+def test_the_batch_exercises_the_scaled_frequencies(models):
+    batch = make_test_batch()
+    default = hf_log_probs(models["default"], batch)
+    for name in ROPE:
+        scaled = torch.nested.as_nested_tensor(hf_log_probs(models[name], batch), layout=torch.jagged)
+        assert max_abs_diff(scaled, default) > 100 * TOL, name
+
+
+@pytest.mark.parametrize("name", [*ROPE, "mistral"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_log_probs_match_hf(single, models, name, packed):
+    assert max_abs_diff(single[(name, packed)], hf_log_probs(models[name], make_test_batch())) <= TOL
+
+
+def test_a_sequence_longer_than_the_sliding_window_is_refused_and_shorter_ones_are_exact(single, models):
+    assert single["narrow"] is not None and "sliding_window" in single["narrow"] and "<= 8" in single["narrow"], single["narrow"]
+    short = make_batch([torch.arange(8) % VOCAB, torch.arange(5)])
+    assert max_abs_diff(single["narrow_ok"], hf_log_probs(models["mistral-narrow"], short)) <= TOL
+
+
+def test_other_rope_types_are_refused_at_build_engine(models):
+    with pytest.raises(ValueError, match=r"rope_type = 'dynamic'.*fix: use the fsdp backend"):
+        build_engine(load_config(None, ["strategy=megatron", f"model.path={models['dynamic']}"]))
+
+
+@pytest.mark.slow
+def test_rope_scaled_llama3_step_at_tp2_equals_fsdp(models):
+    got = run_distributed(_tp2_step, 2, models["llama3"], timeout=600)[0]
+    want = run_distributed(_fsdp_step, 1, models["llama3"], timeout=600)[0]
+    assert_same(got, want, "llama3 RoPE, megatron TP=2 vs fsdp", rtol=1e-5)
