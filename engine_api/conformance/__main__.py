@@ -6,6 +6,7 @@ Exit status 0 when no check failed, 1 otherwise; the summary lists every check.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine_api.conformance.checks import CHECKS
@@ -27,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc < 1:
         parser.error(f"--nproc = {args.nproc}: must be >= 1")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and os.environ.get("RANK", "0") != "0":
+        return 0  # under a launcher: rank 0 runs the kit (it starts its own processes); the others wait out
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        print(
+            f"note: running under a launcher (WORLD_SIZE={os.environ['WORLD_SIZE']}); the kit starts its own --nproc processes", flush=True
+        )
     try:
         report = run_conformance(args.strategy, args.nproc, args.overrides, args.only, args.workdir)
     except ValueError as exc:

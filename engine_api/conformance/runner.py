@@ -114,7 +114,10 @@ def _resolvable(strategy: str) -> str:
     before anything is launched."""
     from engine_api import registry
 
-    if registry.is_import_path(strategy) or strategy in registry.available_engines() and strategy not in registry._REGISTRY:
+    if registry.is_import_path(strategy):
+        registry.get_engine_class(strategy)  # fails here, once, if it does not import
+        return strategy
+    if strategy in registry.available_engines() and strategy not in registry._REGISTRY:
         return strategy
     cls = registry.get_engine_class(strategy)
     if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
@@ -172,6 +175,10 @@ def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], re
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per engine would bury the report
     hf_logging.set_verbosity_error()  # and the value-head load report (new `score` head: expected)
+    # The kit's ranks form their own world: nothing inherited from a launcher the caller ran
+    # under (torchrun) may leak in, or a 1-process run would try to join that world.
+    for key in _LAUNCHER_KEYS:
+        os.environ.pop(key, None)
     if world > 1:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -196,6 +203,20 @@ def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], re
             kind = "" if isinstance(exc, C.CheckFailed) else f"{type(exc).__name__} at {os.path.basename(where.filename)}:{where.lineno}: "
             results.put((rank, name, "failed", kind + detail))
     results.put((rank, None, None, None))
+
+
+_LAUNCHER_KEYS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _free_port() -> int:

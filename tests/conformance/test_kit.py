@@ -86,3 +86,17 @@ def test_a_name_registered_in_this_process_reaches_the_fresh_processes():
     finally:
         unregister_engine("local_reference")
     assert report.ok and report.status("export_names") == "passed", report.summary()
+
+
+def test_the_kit_ignores_a_launcher_environment_it_runs_under():
+    """Started by torchrun (rank 0 runs the kit, the others exit 0), the kit's own processes
+    must not try to join the launcher's world: here that world does not exist, so a leak would
+    hang or fail."""
+    import os
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    args = [sys.executable, "-m", "engine_api.conformance", REFERENCE, "--only", "export_names"]
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "1 passed, 0 failed" in result.stdout, result.stdout + result.stderr[-2000:]
+    other = subprocess.run(args, capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=300)
+    assert other.returncode == 0 and "passed" not in other.stdout, other.stdout
