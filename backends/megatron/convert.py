@@ -1,4 +1,7 @@
-"""HF <-> megatron-core conversion for the Llama / Mistral / Qwen2 / Qwen3 families: config and weights.
+"""HF <-> megatron-core conversion for the Llama / Mistral / Phi-3 / Qwen2 / Qwen3 families: config and weights.
+
+Phi-3 is Llama-shaped with fused checkpoint tensors: ``qkv_proj`` rows are [q; k; v] and
+``gate_up_proj`` rows are [gate; up]; they are split on import and fused again on export.
 
 RoPE: default, ``linear``, ``llama3`` and ``yarn`` scaling. The rotary frequencies are HF's own
 (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` on the model's config, so every
@@ -38,7 +41,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+# Families whose checkpoint fuses q/k/v (``self_attn.qkv_proj``) and gate/up (``mlp.gate_up_proj``).
+_FUSED_HF = ("phi3",)
+# Families whose ``sliding_window`` applies whenever it is set (Qwen2/3 need use_sliding_window).
+_WINDOWED = ("mistral", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -94,7 +101,7 @@ def arch_info(hf_config) -> ArchInfo:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
     window = getattr(hf_config, "sliding_window", None)
-    if family != "mistral" and not getattr(hf_config, "use_sliding_window", False):
+    if family not in _WINDOWED and not getattr(hf_config, "use_sliding_window", False):
         window = None  # Qwen2/3 record a window but apply it only with use_sliding_window
     heads = hf_config.num_attention_heads
     return ArchInfo(
@@ -134,13 +141,11 @@ def rope_frequencies(hf_config) -> tuple[str, tuple[float, ...] | None, float]:
             f"rope_type = {rope_type!r}: the megatron backend converts RoPE {', '.join(ROPE_TYPES)} exactly and no other; "
             "fix: use the fsdp backend for this model"
         )
+    partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
+    if partial not in (None, 1.0):
+        raise ValueError(f"partial_rotary_factor = {partial}: partial RoPE is not converted; fix: use the fsdp backend for this model")
     if rope_type == "default":
         return rope_type, None, 1.0
-    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor = {hf_config.partial_rotary_factor} with rope_type {rope_type!r} is not converted; "
-            "fix: use the fsdp backend for this model"
-        )
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
@@ -218,12 +223,19 @@ def to_megatron(name: str, hf: dict[str, torch.Tensor], arch: ArchInfo, layer: i
         return hf[p + "self_attn.k_norm.weight"].clone()
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
-        qkv = _fuse_qkv(*(hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv"), arch)
-        return _rows(qkv, tp_rank, tp)
+        if arch.family in _FUSED_HF:
+            d = arch.head_dim
+            q, k, v = hf[f"{p}self_attn.qkv_proj.{kind}"].split([arch.heads * d, arch.groups * d, arch.groups * d])
+        else:
+            q, k, v = (hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
+        return _rows(_fuse_qkv(q, k, v, arch), tp_rank, tp)
     if rest == "self_attention.linear_proj.weight":
         return _cols(hf[p + "self_attn.o_proj.weight"], tp_rank, tp)
     if rest == "mlp.linear_fc1.weight":
-        gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
+        if arch.family in _FUSED_HF:
+            gate, up = hf[p + "mlp.gate_up_proj.weight"].chunk(2)
+        else:
+            gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
         return torch.cat([_rows(gate, tp_rank, tp), _rows(up, tp_rank, tp)])
     if rest == "mlp.linear_fc2.weight":
         return _cols(hf[p + "mlp.down_proj.weight"], tp_rank, tp)
@@ -258,12 +270,18 @@ def to_hf(name: str, full: torch.Tensor, arch: ArchInfo, layer: int | None, tp: 
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         q, k, v = _split_qkv(full, arch)
+        if arch.family in _FUSED_HF:
+            return [(f"{p}self_attn.qkv_proj.{kind}", torch.cat([q, k, v]))]
         return [(f"{p}self_attn.q_proj.{kind}", q), (f"{p}self_attn.k_proj.{kind}", k), (f"{p}self_attn.v_proj.{kind}", v)]
     if rest == "self_attention.linear_proj.weight":
         return [(p + "self_attn.o_proj.weight", full)]
     if rest == "mlp.linear_fc1.weight":
         # Concatenated TP shards are [gate_0; up_0; gate_1; up_1; ...].
         per_rank = full.reshape(tp, 2, arch.ffn // tp, -1)
+        if arch.family in _FUSED_HF:
+            return [
+                (p + "mlp.gate_up_proj.weight", torch.cat([per_rank[:, 0].reshape(arch.ffn, -1), per_rank[:, 1].reshape(arch.ffn, -1)]))
+            ]
         return [
             (p + "mlp.gate_proj.weight", per_rank[:, 0].reshape(arch.ffn, -1)),
             (p + "mlp.up_proj.weight", per_rank[:, 1].reshape(arch.ffn, -1)),

@@ -5,6 +5,8 @@ real structural choices) and loaded back through the normal loading path:
 
 * Llama-3.x RoPE scaling (``rope_type: llama3``: factor, low/high frequency factors and the
   original context length all from the config), YaRN (with its attention factor), linear;
+* Phi-3, Llama-shaped with fused ``qkv_proj`` / ``gate_up_proj`` checkpoint tensors (split
+  on import, fused on export: round trip bit-exact);
 * Mistral, whose sliding window the local spec cannot apply: exact when every sequence fits in
   the window, refused (naming the window) when one does not.
 
@@ -21,12 +23,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config
 
 from engine_api import build_engine, load_config, make_batch
 from engine_api.conformance.fixtures import perturb_constants
 from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import VOCAB, assert_same, hf_log_probs, make_test_batch, max_abs_diff, one_step
+from tests.backends.hf_utils import VOCAB, assert_same, full_params, hf_log_probs, make_test_batch, max_abs_diff, one_step
 from tests.dist_harness import run_distributed
 
 TOL = 1e-4  # the issue's bound; measured ~5e-7
@@ -72,6 +74,8 @@ def models(tmp_path_factory):
     out["default"] = _save(LlamaConfig(**BASE), root / "default")  # same seed: same weights, default RoPE
     out["mistral"] = _save(MistralConfig(**BASE, sliding_window=16), root / "mistral")
     out["mistral-narrow"] = _save(MistralConfig(**BASE, sliding_window=8), root / "mistral-narrow")
+    # Phi-3: Llama-shaped with fused qkv_proj / gate_up_proj in the checkpoint.
+    out["phi3"] = _save(Phi3Config(**BASE, pad_token_id=None, bos_token_id=1, eos_token_id=2), root / "phi3")
     out["dynamic"] = _save(
         LlamaConfig(**BASE, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), root / "dynamic"
     )
@@ -80,9 +84,10 @@ def models(tmp_path_factory):
 
 def _single(rank, world, models):
     out = {}
-    for name in (*ROPE, "mistral"):
+    for name in (*ROPE, "mistral", "phi3"):
         for packed in (True, False):
             out[(name, packed)] = W.infer(models[name], f"use_remove_padding={packed}", "micro_batch_size=2")["log_probs"]
+    out["phi3_export"] = full_params(W.engine_for(models["phi3"], strategy="megatron"))
     engine = W.engine_for(models["mistral-narrow"], strategy="megatron")
     try:
         with engine.eval_mode():
@@ -96,12 +101,16 @@ def _single(rank, world, models):
     return out
 
 
-def _tp2_step(rank, world, model_dir):
-    return one_step(model_dir, "token-mean", ["megatron.tensor_model_parallel_size=2"], strategy="megatron")
+def _tp2_step(rank, world, model_dirs):
+    out = {}
+    for name, path in model_dirs.items():
+        out[name] = one_step(path, "token-mean", ["megatron.tensor_model_parallel_size=2"], strategy="megatron")
+        W.reset_parallel_state()
+    return out
 
 
-def _fsdp_step(rank, world, model_dir):
-    return one_step(model_dir, "token-mean")
+def _fsdp_step(rank, world, model_dirs):
+    return {name: one_step(path, "token-mean") for name, path in model_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +126,7 @@ def test_the_batch_exercises_the_scaled_frequencies(models):
         assert max_abs_diff(scaled, default) > 100 * TOL, name
 
 
-@pytest.mark.parametrize("name", [*ROPE, "mistral"])
+@pytest.mark.parametrize("name", [*ROPE, "mistral", "phi3"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_log_probs_match_hf(single, models, name, packed):
     assert max_abs_diff(single[(name, packed)], hf_log_probs(models[name], make_test_batch())) <= TOL
@@ -134,8 +143,19 @@ def test_other_rope_types_are_refused_at_build_engine(models):
         build_engine(load_config(None, ["strategy=megatron", f"model.path={models['dynamic']}"]))
 
 
+def test_phi3_fused_tensors_round_trip_exactly(single, models):
+    """HF (fused qkv_proj / gate_up_proj) -> megatron -> export_weights: the same names and
+    bit-equal tensors as the checkpoint."""
+    want = AutoModelForCausalLM.from_pretrained(models["phi3"], dtype=torch.float32).state_dict()
+    got = single["phi3_export"]
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.slow
-def test_rope_scaled_llama3_step_at_tp2_equals_fsdp(models):
-    got = run_distributed(_tp2_step, 2, models["llama3"], timeout=600)[0]
-    want = run_distributed(_fsdp_step, 1, models["llama3"], timeout=600)[0]
-    assert_same(got, want, "llama3 RoPE, megatron TP=2 vs fsdp", rtol=1e-5)
+def test_rope_scaled_llama3_and_phi3_steps_at_tp2_equal_fsdp(models):
+    picked = {name: models[name] for name in ("llama3", "phi3")}
+    got = run_distributed(_tp2_step, 2, picked, timeout=600)[0]
+    want = run_distributed(_fsdp_step, 1, picked, timeout=600)[0]
+    for name in picked:
+        assert_same(got[name], want[name], f"{name}, megatron TP=2 vs fsdp", rtol=1e-5)
