@@ -217,13 +217,14 @@ class MegatronEngine(BaseEngine):
         if not forward_only:
             self._refuse_if_frozen("forward_backward_step(forward_only=False)")
         self._require_loaded(model=True, optimizer=False)
+        limit, reason = self.arch.length_limit()
         spec = StepSpec(
             config=self.config,
             dp_group=self.dp_group,
             vocab_size=self.arch.vocab,
             device=self.device,
-            max_positions=self.arch.length_limit()[0],
-            max_positions_reason=self.arch.length_limit()[1],
+            max_positions=limit,
+            max_positions_reason=reason,
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
         )

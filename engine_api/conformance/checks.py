@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,6 @@ class Check:
     fn: Callable[[Env], str]
     doc: str
     phase: int = 1
-    prepare: Callable[[Env], None] | None = field(default=None)
 
 
 CHECKS: dict[str, Check] = {}
@@ -252,8 +251,6 @@ def abort(env: Env) -> str:
 
 def _bad_batches(env: Env, engine) -> dict[str, object]:
     """Bad inputs; most on rank 0 only (every rank must still raise)."""
-    import torch as t
-
     from engine_api.batch import make_batch
 
     good = _local(engine)
@@ -263,9 +260,9 @@ def _bad_batches(env: Env, engine) -> dict[str, object]:
     first = env.rank == 0
     oov = [s.clone() for s in seqs]
     oov[0][-1] = fx.VOCAB + 5
-    long = [t.randint(0, fx.VOCAB, (100,)), *seqs[1:]]
-    long_masks = [t.cat([t.zeros(90), t.ones(10)]), *masks[1:]]
-    long_adv = [t.zeros(100), *adv[1:]]
+    long = [torch.randint(0, fx.VOCAB, (100,)), *seqs[1:]]
+    long_masks = [torch.cat([torch.zeros(90), torch.ones(10)]), *masks[1:]]
+    long_adv = [torch.zeros(100), *adv[1:]]
     cold = make_batch(seqs, loss_mask=masks, advantages=adv)
     if first:
         cold.set_non_tensor("temperature", 0.0)  # make_batch itself would refuse it

@@ -21,27 +21,37 @@ LR, EPS, WEIGHT_DECAY, CLIP = 0.01, 1e-3, 0.01, 1.0
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def build_model(path: str, seed: int = 0) -> str:
-    """Save the tiny model under ``path`` (``save_pretrained``); returns ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The kit's model: a Llama-style decoder (GQA, untied head); tests reuse the dimensions.
+TINY_DIMS = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-    )
+
+def build_model(path: str, seed: int = 0) -> str:
+    """Save the kit's tiny Llama-style model under ``path``; returns ``path``."""
+    from transformers import LlamaConfig
+
+    return save_model(LlamaConfig(**TINY_DIMS, rms_norm_eps=1e-6), path, seed)
+
+
+def save_model(config, path, seed: int = 0) -> str:
+    """A seeded HF causal LM of ``config`` with :func:`perturb_constants` applied, saved with
+    ``save_pretrained`` under ``path``; returns ``path`` as a string."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     perturb_constants(model, seed + 1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    return path
+    return str(path)
 
 
 def perturb_constants(model: torch.nn.Module, seed: int) -> None:

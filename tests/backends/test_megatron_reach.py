@@ -11,7 +11,7 @@ real structural choices) and loaded back through the normal loading path:
   the window, refused (naming the window) when one does not.
 
 Checks: megatron log-probs equal a per-sequence HF forward (packed and padded, 1 rank), within
-the issue's 1e-4 (measured: the same ~5e-7 as the default-RoPE families); a RoPE-scaled Llama-3
+1e-5, the project's HF parity tolerance (the issue asks 1e-4; measured ~5e-7); a RoPE-scaled Llama-3
 step at TP=2 equals the FSDP step (loss, grad norm, updated weights; relative 1e-5, as for the
 other families). The original context length is set to 16 so that positions 0-11 of the test
 batch reach the scaled frequencies; a control asserts that scaling changes HF's log-probs there
@@ -26,25 +26,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config
 
 from engine_api import build_engine, load_config, make_batch
-from engine_api.conformance.fixtures import perturb_constants
+from engine_api.conformance.fixtures import TINY_DIMS, save_model
 from tests.backends import megatron_workers as W
 from tests.backends.hf_utils import VOCAB, assert_same, full_params, hf_log_probs, make_test_batch, max_abs_diff, one_step
 from tests.dist_harness import run_distributed
 
-TOL = 1e-4  # the issue's bound; measured ~5e-7
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    # Larger weights than HF's 0.02 so that attention, and with it RoPE, moves the log-probs
-    # well beyond the tolerance (at 0.02 the tiny model's outputs are nearly uniform).
-    initializer_range=0.3,
-)
+TOL = 1e-5  # as for the default-RoPE families (the issue asks <= 1e-4); measured ~5e-7
+# Larger weights than HF's 0.02 so that attention, and with it RoPE, moves the log-probs well
+# beyond the tolerance (at 0.02 the tiny model's outputs are nearly uniform).
+BASE = {**TINY_DIMS, "initializer_range": 0.3}
 ROPE = {
     "llama3": {
         "rope_type": "llama3",
@@ -59,24 +49,16 @@ ROPE = {
 }
 
 
-def _save(config, path, seed: int = 0) -> str:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    perturb_constants(model, seed + 1)
-    model.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("reach")
-    out = {name: _save(LlamaConfig(**BASE, rope_parameters=rope), root / name) for name, rope in ROPE.items()}
-    out["default"] = _save(LlamaConfig(**BASE), root / "default")  # same seed: same weights, default RoPE
-    out["mistral"] = _save(MistralConfig(**BASE, sliding_window=16), root / "mistral")
-    out["mistral-narrow"] = _save(MistralConfig(**BASE, sliding_window=8), root / "mistral-narrow")
+    out = {name: save_model(LlamaConfig(**BASE, rope_parameters=rope), root / name) for name, rope in ROPE.items()}
+    out["default"] = save_model(LlamaConfig(**BASE), root / "default")  # same seed: same weights, default RoPE
+    out["mistral"] = save_model(MistralConfig(**BASE, sliding_window=16), root / "mistral")
+    out["mistral-narrow"] = save_model(MistralConfig(**BASE, sliding_window=8), root / "mistral-narrow")
     # Phi-3: Llama-shaped with fused qkv_proj / gate_up_proj in the checkpoint.
-    out["phi3"] = _save(Phi3Config(**BASE, pad_token_id=None, bos_token_id=1, eos_token_id=2), root / "phi3")
-    out["dynamic"] = _save(
+    out["phi3"] = save_model(Phi3Config(**BASE, pad_token_id=None, bos_token_id=1, eos_token_id=2), root / "phi3")
+    out["dynamic"] = save_model(
         LlamaConfig(**BASE, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), root / "dynamic"
     )
     return out
