@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
+
+from engine_api.moe import RouterSpec, RoutingRecorder
 
 # What loading a causal-LM directory as a value model leaves out or adds, by design: the LM head
 # is not used and the one-output ``score`` layer is new.
@@ -68,3 +71,29 @@ def value_head_state(path: str, seed: int) -> dict[str, torch.Tensor]:
     directory stores them, for a trained critic)."""
     model = load_hf_model(path, "value", seed)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("score.")}
+
+
+def attach_router_recorder(model: nn.Module, reduce_counts) -> RoutingRecorder | None:
+    """A :class:`~engine_api.moe.RoutingRecorder` fed by forward hooks on an HF MoE model's
+    routers, or None for a dense model.
+
+    The routers are the modules HF itself records ``router_logits`` from (the model's
+    ``_can_record_outputs["router_logits"]``: a class and the index of the logits in its
+    output), so any HF MoE family that declares them is covered; a global layer index is read
+    from the module path (``layers.<i>.``).
+    """
+    spec = RouterSpec.from_hf_config(model.config)
+    target = getattr(model, "_can_record_outputs", None) or {}
+    target = target.get("router_logits")
+    if spec is None or target is None:
+        return None
+    cls, index = (target.target_class, target.index) if hasattr(target, "target_class") else (target, 0)
+    recorder = RoutingRecorder(spec, model.config.num_hidden_layers, reduce_counts)
+    for name, module in model.named_modules():
+        match = re.search(r"layers\.(\d+)\.", name)
+        if isinstance(module, cls) and match:
+            layer = int(match.group(1))
+            module.register_forward_hook(
+                lambda mod, args, out, layer=layer: recorder.record(layer, out[index] if isinstance(out, tuple) else out)
+            )
+    return recorder

@@ -23,6 +23,7 @@ from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
 from engine_api.losses import DeferredNormalizer, LossFn, backward_scale, build_norm_context
 from engine_api.microbatch import make_micro_batches
+from engine_api.moe import RoutingRecorder
 
 ForwardFn = Callable[[TensorDict], TensorDict]
 
@@ -44,6 +45,10 @@ class StepSpec:
         max_positions_reason: what imposes ``max_positions`` (named in the error).
         validate_over_world: agree on batch validation over the whole world instead of the DP
             group (a model-parallel backend: its TP/PP peers must stop together too).
+        router: an MoE model's routing recorder (``engine_api.moe``): the loop starts and
+            ends it per training call, adds its load-balancing term to each micro-batch's
+            loss (the default runner; a backend's own runner calls ``close`` itself) and
+            reports its metrics. None for a dense model.
     """
 
     config: EngineConfig
@@ -55,6 +60,7 @@ class StepSpec:
     max_positions: int | None = None
     max_positions_reason: str = "the model's max_position_embeddings"
     validate_over_world: bool = False
+    router: RoutingRecorder | None = None
 
 
 def seq_len_limit(
@@ -162,7 +168,8 @@ def run_eagerly(spec: StepSpec, state: CallState) -> tuple[list | None, torch.Te
                 out = state.postprocess_fn(mb, out, state.ctx)
             if not state.forward_only:
                 loss, metrics = state.loss_fn(mb, out, state.norm)
-                (loss * state.scale).backward()
+                aux = spec.router.close() if spec.router is not None else None
+                ((loss if aux is None else loss + aux) * state.scale).backward()
                 total += loss.detach().double().cpu()
                 for key, value in metrics.items():
                     state.ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
@@ -207,7 +214,17 @@ def forward_backward_loop(
     micro = plan.batches if spec.device is None else [to_device(mb, spec.device) for mb in plan.batches]
     keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
     state = CallState(batch, micro, plan, ctx, norm, scale, forward_only, keep, loss_fn, preprocess_fn, postprocess_fn)
+    routed = spec.router is not None and not forward_only
+    if routed:
+        tokens = torch.tensor([float(batch["input_ids"].offsets()[-1])], dtype=torch.float64, device=comm_device(spec.dp_group))
+        spec.router.start_call(float(all_reduce(tokens, "sum", spec.dp_group)))
     outputs, total = runner(spec, state)
+    if routed:
+        metrics, counts = spec.router.end_call(
+            lambda x: float(all_reduce(torch.tensor([x], dtype=torch.float64, device=comm_device(spec.dp_group)), "sum", spec.dp_group))
+        )
+        ctx.setdefault("metrics", {}).update(metrics)
+        ctx["moe_expert_tokens"] = counts
     predictions = None
     if keep and outputs is not None:
         # Outputs go back to the caller's device, then onto the caller's jagged layout.

@@ -21,9 +21,10 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
 from backends.fsdp.options import FSDPOptions
+from backends.hf import attach_router_recorder
 from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.config import options_of
-from engine_api.dist import compute_device, ensure_process_group
+from engine_api.dist import all_reduce, compute_device, ensure_process_group
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.optim import build_adamw, clip_and_step
@@ -55,6 +56,8 @@ class FSDPEngine(BaseEngine):
         ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", self.config.dist_timeout_s)
         self.mesh = build_mesh(self.device, dist.get_world_size(), options_of(self.config, FSDPOptions).fsdp_size)
         model = load_model(self.config, self.device)
+        # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).
+        self.router = attach_router_recorder(model, lambda counts: all_reduce(counts, "sum", self.dp_group))
         if self.config.frozen:
             model.requires_grad_(False)
         if self.config.model.gradient_checkpointing:
@@ -132,13 +135,15 @@ class FSDPEngine(BaseEngine):
             vocab_size=self.vocab_size,
             device=self.device,
             max_positions=self.max_positions,
+            router=self.router,
         )
         return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
 
     def _forward(self, mb: TensorDict) -> TensorDict:
         self._forward_ran = True
         # mb is already on the compute device (the loop moved it).
-        return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding)
+        rows = self.router.begin if self.router is not None and torch.is_grad_enabled() else None
+        return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
 
     def optimizer_zero_grad(self) -> None:
         """Clear grads and the accumulation window; also FSDP2's per-iteration state, which a

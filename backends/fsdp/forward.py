@@ -4,6 +4,7 @@ the legacy FSDP workers (``roles/legacy``), so both read the same logits."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,9 @@ from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool) -> TensorDict:
+def hf_forward(
+    model: nn.Module, mb: TensorDict, head: str, remove_padding: bool, on_rows: Callable[[torch.Tensor], None] | None = None
+) -> TensorDict:
     """Per-token outputs of micro-batch ``mb`` (jagged ``input_ids`` on the model's device).
 
     ``head: lm`` gives ``log_probs`` (and ``entropy`` when the metadata ``calculate_entropy`` is
@@ -40,11 +43,18 @@ def hf_forward(model: nn.Module, mb: TensorDict, head: str, remove_padding: bool
         # whatever the block-diagonal mask hides; several narrower rows cost rows x width^2
         # (measured: benchmarks/packing.py).
         rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
+        if on_rows is not None:
+            real = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
+            if index is not None:
+                real = torch.zeros_like(real).index_fill_(0, index, True)
+            on_rows(real)
         out = model(input_ids=rows, position_ids=pos, use_cache=False)
         flat = out.logits.flatten(0, 1)
         flat = flat if index is None else flat[index]  # back to packed order
     else:
         padded, mask = pad(ids)
+        if on_rows is not None:
+            on_rows(mask.reshape(-1))
         out = model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
         flat = out.logits[mask]  # back to packed order
     if head == "value":

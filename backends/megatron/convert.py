@@ -1,4 +1,5 @@
-"""HF <-> megatron-core conversion for the Llama / Mistral / Phi-3 / Qwen2 / Qwen3 families: config and weights.
+"""HF <-> megatron-core conversion for the Llama / Mistral / Phi-3 / Qwen2 / Qwen3 and the MoE
+Qwen3-MoE / Mixtral families: config and weights.
 
 Phi-3 is Llama-shaped with fused checkpoint tensors: ``qkv_proj`` rows are [q; k; v] and
 ``gate_up_proj`` rows are [gate; up]; they are split on import and fused again on export.
@@ -30,6 +31,26 @@ Layouts (fp32 exact, round trip tested):
   the padding and the engine slices logits to the true vocabulary.
 * Value heads: HF token classification's ``score`` (weight ``[1, hidden]``, bias ``[1]``) is a
   replicated ``output_layer`` on the last stage.
+
+Mixture of experts (Qwen3-MoE, Mixtral): softmax router, top-k, dropless (HF drops no token).
+* Routing: HF takes the top-k of ``softmax(logits)`` and, with ``norm_topk_prob`` (Mixtral:
+  always), renormalises them; megatron's ``moe_router_pre_softmax=False`` (softmax over the
+  top-k logits) is the renormalised form, ``True`` (top-k of the full softmax) the other.
+* Which layers are MoE: Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` (layer i
+  is MoE when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``) become
+  megatron's per-layer ``moe_layer_freq`` list; Mixtral's are all MoE.
+* Experts are megatron's ``SequentialMLP`` (the local spec; no grouped GEMM): each expert's
+  ``linear_fc1`` is ``[gate; up]`` per expert-TP rank, like the dense MLP. Under expert
+  parallelism EP rank r holds the global experts ``r * E/EP ... (r + 1) * E/EP - 1`` as its
+  local experts ``0 ... E/EP - 1``.
+* HF layouts read: per-expert tensors (what transformers 5 writes to disk, and the Hub's
+  files: Qwen3-MoE ``mlp.experts.<e>.{gate,up,down}_proj.weight``, Mixtral
+  ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight``) and the fused in-memory layout
+  (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` rows ``[gate; up]``, ``mlp.experts.down_proj``
+  ``[E, H, I]``). Export writes the in-memory names and layout (what the HF model's
+  ``state_dict`` holds and ``load_state_dict`` takes), so a rollout model syncs from it.
+* Refused: Mixtral's ``router_jitter_noise > 0`` (random input scaling in training, which
+  megatron's router jitter does not reproduce), shared experts (other families).
 """
 
 from __future__ import annotations
@@ -41,13 +62,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families whose checkpoint fuses q/k/v (``self_attn.qkv_proj``) and gate/up (``mlp.gate_up_proj``).
 _FUSED_HF = ("phi3",)
 # Families whose ``sliding_window`` applies whenever it is set (Qwen2/3 need use_sliding_window).
-_WINDOWED = ("mistral", "phi3")
+_WINDOWED = ("mistral", "mixtral", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,18 @@ class ArchInfo:
     attention_logit_scale: float = 1.0
     # Sliding attention window (None: full causal attention).
     sliding_window: int | None = None
+    # Mixture of experts (num_experts = 0: a dense model).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn: int = 0
+    # Global (0-based) indices of the MoE layers; the others have a dense MLP of width ``ffn``.
+    moe_layers: tuple[int, ...] = ()
+    # Renormalise the top-k routing weights (HF norm_topk_prob; Mixtral always does).
+    norm_topk: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def length_limit(self) -> tuple[int, str]:
         """The longest sequence the model takes, and what imposes it (for the error message)."""
@@ -105,6 +140,7 @@ def arch_info(hf_config) -> ArchInfo:
         window = None  # Qwen2/3 record a window but apply it only with use_sliding_window
     heads = hf_config.num_attention_heads
     return ArchInfo(
+        **_moe_fields(hf_config),
         family=family,
         num_layers=hf_config.num_hidden_layers,
         hidden=hf_config.hidden_size,
@@ -115,7 +151,7 @@ def arch_info(hf_config) -> ArchInfo:
         vocab=hf_config.vocab_size,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         rope_theta=float(theta),
         eps=hf_config.rms_norm_eps,
         max_positions=hf_config.max_position_embeddings,
@@ -124,6 +160,35 @@ def arch_info(hf_config) -> ArchInfo:
         rope_inv_freq=inv_freq,
         attention_logit_scale=attention_factor**2,
         sliding_window=int(window) if window else None,
+    )
+
+
+def _moe_fields(hf_config) -> dict:
+    """The MoE fields of :class:`ArchInfo` (empty for a dense family)."""
+    family = hf_config.model_type
+    if family not in MOE_FAMILIES:
+        return {}
+    layers = hf_config.num_hidden_layers
+    if family == "mixtral":
+        jitter = float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0)
+        if jitter > 0:
+            raise ValueError(
+                f"router_jitter_noise = {jitter}: Mixtral's training-time jitter scales the MoE input randomly, which megatron's "
+                "router does not reproduce; fix: set router_jitter_noise to 0 in config.json, or use the fsdp backend"
+            )
+        experts, moe, norm = hf_config.num_local_experts, tuple(range(layers)), True
+    else:
+        experts, norm = hf_config.num_experts, bool(hf_config.norm_topk_prob)
+        step, dense = hf_config.decoder_sparse_step, set(hf_config.mlp_only_layers or ())
+        moe = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise ValueError("shared experts are not converted; fix: use the fsdp backend for this model")
+    return dict(
+        num_experts=experts,
+        moe_topk=hf_config.num_experts_per_tok,
+        moe_ffn=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
+        moe_layers=moe,
+        norm_topk=norm,
     )
 
 
@@ -182,6 +247,23 @@ def transformer_config_kwargs(arch: ArchInfo) -> dict:
         gradient_accumulation_fusion=False,
         # YaRN: HF scales q and k by the attention factor a; the same logits are a**2 / sqrt(d).
         softmax_scale=arch.attention_logit_scale / math.sqrt(arch.head_dim) if arch.attention_logit_scale != 1.0 else None,
+        **(_moe_config_kwargs(arch) if arch.is_moe else {}),
+    )
+
+
+def _moe_config_kwargs(arch: ArchInfo) -> dict:
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_ffn,
+        moe_layer_freq=[int(i in arch.moe_layers) for i in range(arch.num_layers)],
+        moe_router_pre_softmax=not arch.norm_topk,
+        # The engine adds HF's load-balancing loss itself (engine_api.moe), not megatron's.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
     )
 
 
@@ -191,17 +273,46 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 # --------------------------------------------------------------------------- HF -> megatron
-def to_megatron(name: str, hf: dict[str, torch.Tensor], arch: ArchInfo, layer: int | None, tp_rank: int, tp: int) -> torch.Tensor:
-    """This TP rank's value of megatron parameter ``name`` from HF tensors ``hf``.
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where this rank sits in the expert layout: EP rank/size and expert-TP rank/size."""
+
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+
+
+def to_megatron(
+    name: str,
+    hf: dict[str, torch.Tensor],
+    arch: ArchInfo,
+    layer: int | None,
+    tp_rank: int,
+    tp: int,
+    experts: ExpertShard = ExpertShard(),
+) -> torch.Tensor:
+    """This rank's value of megatron parameter ``name`` from HF tensors ``hf``.
 
     Args:
         name: local megatron name (``decoder.layers.<local>.<rest>`` or a non-layer name).
         hf: HF state dict (full tensors).
         layer: the global layer index of a ``decoder.layers`` name (None otherwise).
+        tp_rank, tp: tensor-parallel rank and size (dense parameters).
+        experts: the expert-parallel position (expert parameters).
     """
     match = _LAYER.match(name)
     rest = match.group(2) if match else name
     p = f"model.layers.{layer}." if match else ""
+    if rest == "mlp.router.weight":
+        return _hf_router(hf, p).clone()
+    expert = _EXPERT.match(rest)
+    if expert:
+        e = experts.ep_rank * (arch.num_experts // experts.ep) + int(expert.group(1))
+        gate, up, down = _hf_expert(hf, p, e)
+        if expert.group(2) == "linear_fc2":
+            return _cols(down, experts.etp_rank, experts.etp)
+        return torch.cat([_rows(gate, experts.etp_rank, experts.etp), _rows(up, experts.etp_rank, experts.etp)])
     if rest == "embedding.word_embeddings.weight":
         return _rows(_pad_rows(hf["model.embed_tokens.weight"], padded_vocab(arch.vocab, tp)), tp_rank, tp)
     if rest == "output_layer.weight":
@@ -240,6 +351,39 @@ def to_megatron(name: str, hf: dict[str, torch.Tensor], arch: ArchInfo, layer: i
     if rest == "mlp.linear_fc2.weight":
         return _cols(hf[p + "mlp.down_proj.weight"], tp_rank, tp)
     raise KeyError(f"no HF source for megatron parameter {name!r}")
+
+
+def _hf_router(hf: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+    for name in (p + "mlp.gate.weight", p + "block_sparse_moe.gate.weight"):
+        if name in hf:
+            return hf[name]
+    raise KeyError(f"no router weight for layer {p!r} (looked for mlp.gate.weight, block_sparse_moe.gate.weight)")
+
+
+def _hf_expert(hf: dict[str, torch.Tensor], p: str, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert ``e``'s ``(gate [I, H], up [I, H], down [H, I])`` from any HF layout (module docstring)."""
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in hf:
+        gate, up = hf[fused][e].chunk(2)
+        return gate, up, hf[p + "mlp.experts.down_proj"][e]
+    for prefix, names in (
+        (f"{p}mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+        (f"{p}block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+    ):
+        if prefix + names[0] + ".weight" in hf:
+            return tuple(hf[f"{prefix}{n}.weight"] for n in names)
+    raise KeyError(f"no weights for expert {e} of layer {p!r} in any known layout (per-expert or fused gate_up_proj)")
+
+
+def hf_experts(fc1: torch.Tensor, fc2: torch.Tensor, arch: ArchInfo, layer: int, etp: int) -> list[tuple[str, torch.Tensor]]:
+    """HF's fused expert tensors of a layer from every expert's megatron weights: ``fc1``
+    ``[E, 2I, H]`` (each expert's expert-TP shards concatenated: ``[gate_0; up_0; gate_1; ...]``)
+    and ``fc2`` ``[E, H, I]``. The inverse of the expert branch of :func:`to_megatron`."""
+    per_rank = fc1.reshape(arch.num_experts, etp, 2, arch.moe_ffn // etp, -1)
+    gate = per_rank[:, :, 0].reshape(arch.num_experts, arch.moe_ffn, -1)
+    up = per_rank[:, :, 1].reshape(arch.num_experts, arch.moe_ffn, -1)
+    p = f"model.layers.{layer}.mlp.experts."
+    return [(p + "gate_up_proj", torch.cat([gate, up], dim=1)), (p + "down_proj", fc2)]
 
 
 # --------------------------------------------------------------------------- megatron -> HF
@@ -288,7 +432,9 @@ def to_hf(name: str, full: torch.Tensor, arch: ArchInfo, layer: int | None, tp: 
         ]
     if rest == "mlp.linear_fc2.weight":
         return [(p + "mlp.down_proj.weight", full)]
-    raise KeyError(f"no HF name for megatron parameter {name!r}")
+    if rest == "mlp.router.weight":
+        return [(p + "mlp.gate.weight", full)]
+    raise KeyError(f"no HF name for megatron parameter {name!r} (expert weights: hf_experts)")
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ArchInfo) -> torch.Tensor:

@@ -19,7 +19,26 @@ are ``torch.cuda.FloatTensor``. :func:`enable` installs:
 * CPU stand-ins for ``torch.cuda.current_device`` (0, which the mode maps to the CPU),
   ``synchronize`` (no-op), ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` (the CPU
   generator: on CPU, the "device RNG" megatron forks for tensor-parallel regions *is* the
-  CPU generator), and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``.
+  CPU generator), and megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``;
+* for the MoE layer: ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream``
+  (the token dispatcher's device-to-host side stream; CPU work is synchronous, so every wait
+  and record is a no-op and a stream context changes nothing), and
+  ``moe_utils.te_general_gemm``, which megatron binds only when Transformer-Engine imports
+  and tests against None (so it must read None without TE);
+* for expert parallelism: the token dispatcher's ``maybe_move_tensor_to_cpu`` hands the
+  all-to-all split sizes over as numpy arrays on a GPU (its device-to-host copy), but leaves a
+  CPU tensor a tensor, which gloo's ``all_to_all_single`` rejects as split sizes; the stand-in
+  gives CPU tensors the numpy form the GPU path produces;
+* gloo's ``all_gather`` takes equal sizes only; megatron's token dispatcher gathers the
+  tokens of the expert-tensor-parallel ranks with uneven sizes (each routes its own number of
+  tokens). ``torch.distributed.all_gather`` with uneven first dimensions on a gloo group pads
+  every tensor to the largest, gathers, and copies the real rows out (equal sizes, and every
+  other backend, go straight through);
+* the mode is thread-local state that autograd does not carry into a custom Function's
+  ``backward`` (measured: the mode stack is empty there), so the ``backward`` of megatron's
+  communication Functions (``tensor_parallel.mappings``, ``moe.moe_utils``; e.g. the
+  all-to-all of expert parallelism allocates its output with ``device=current_device()``)
+  runs with the mode entered again.
 
 Every redirected call site (file:function) is recorded in :data:`SITES`, so
 ``tests/backends/test_megatron.py::test_compat_layer_sees_only_known_cuda_call_sites`` fails when a megatron-core upgrade adds a new
@@ -28,11 +47,13 @@ hard-coded CUDA call on a path we use.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 # (file basename, function) -> how often the compat layer redirected a CUDA use there.
@@ -56,9 +77,27 @@ def enable() -> bool:
     torch.cuda.manual_seed = _stand_in("manual_seed", lambda seed: torch.manual_seed(seed))
     mrandom._get_cuda_rng_state = _stand_in("_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     mrandom._set_cuda_rng_state = _stand_in("_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.current_stream = _stand_in("current_stream", lambda *a, **k: _CpuStream.current)
+    torch.cuda.stream = _stand_in("stream", lambda *a, **k: contextlib.nullcontext())
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy(token_dispatcher.maybe_move_tensor_to_cpu)
     mode = _CudaToCpu()
-    mode.__enter__()  # process-wide for this (main) thread; CPU autograd runs on it too
+    mode.__enter__()  # process-wide for this (main) thread (not inside custom Functions' backward: see below)
     _ACTIVE.append(mode)
+    dist.all_gather = _uneven_all_gather(dist.all_gather)
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    for module in (mappings, moe_utils):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
+                value.backward = staticmethod(_under_mode(vars(value)["backward"].__func__, mode))
     print(
         "[enginekit] megatron on CPU: compatibility layer on (CUDA device arguments of torch calls go to the CPU, "
         "torch.cuda RNG/sync calls use CPU stand-ins; backends/megatron/cpu_compat.py)",
@@ -92,6 +131,99 @@ def _stand_in(name: str, fn):
 
     wrapper.__name__ = f"cpu_stand_in_{name}"
     return wrapper
+
+
+def _uneven_all_gather(original):
+    """``all_gather`` that also takes uneven first dimensions on gloo (module docstring)."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = {t.shape[0] for t in tensor_list} | {tensor.shape[0]}
+        if len(rows) == 1 or async_op or dist.get_backend(group) != "gloo":
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        _record()
+        most = max(rows)
+        padded = [tensor.new_empty(most, *tensor.shape[1:]) for _ in tensor_list]
+        mine = torch.cat([tensor, tensor.new_zeros(most - tensor.shape[0], *tensor.shape[1:])])
+        original(padded, mine.contiguous(), group=group)
+        for out, full in zip(tensor_list, padded, strict=True):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _under_mode(backward, mode: TorchFunctionMode):
+    """A Function's ``backward`` run with the compat mode entered (autograd drops it there)."""
+
+    def backward_on_cpu(ctx, *grads):
+        with mode:
+            return backward(ctx, *grads)
+
+    return backward_on_cpu
+
+
+def _host_copy(original):
+    """megatron's ``maybe_move_tensor_to_cpu`` with the GPU path's result for CPU tensors."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            _record()
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+class _CpuStream:
+    """``torch.cuda.Stream`` on the CPU: work is synchronous, so waits and records do nothing."""
+
+    current: _CpuStream
+
+    def __init__(self, *args, **kwargs) -> None:
+        _record()
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)  # one CPU "stream": a side stream is the current one
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _CpuEvent:
+    """``torch.cuda.Event`` on the CPU (every event has already happened)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        _record()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CpuStream.current = object.__new__(_CpuStream)
 
 
 def _is_cuda(device) -> bool:

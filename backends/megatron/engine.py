@@ -49,12 +49,14 @@ from backends.megatron.model import (
 )
 from backends.megatron.offload import StorageOffloader
 from backends.megatron.options import MegatronOptions
+from backends.megatron.routing import attach_router_recorder, router_mask
 from engine_api import BaseEngine, ckpt_layout, register_engine
 from engine_api.batch import pack, pad, relayout, to_device, unpack
 from engine_api.config import options_of
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
+from engine_api.moe import RouterSpec
 from engine_api.optim import agree_to_skip, skipped_norm
 from engine_api.step import CallState, StepSpec, forward_backward_loop
 
@@ -79,9 +81,13 @@ class MegatronEngine(BaseEngine):
         if cfg.model.path is None:
             raise ValueError("model.path = None: MegatronEngine loads an HF directory; fix: set engine.model.path")
         self.device = init_parallel(cfg)
-        self.arch = arch_info(AutoConfig.from_pretrained(cfg.model.path))
+        hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        self.arch = arch_info(hf_config)
         self.tconfig = build_transformer_config(self.arch, cfg)
         chunks = build_chunks(self.tconfig, self.arch, cfg)
+        # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).
+        router_spec = RouterSpec.from_hf_config(hf_config) if self.arch.is_moe else None
+        self.router = attach_router_recorder(chunks, router_spec, self.arch.num_layers, self.tconfig.sequence_parallel)
         load_hf_weights(chunks, read_hf_state(cfg.model.path, cfg.model.head, cfg.seed), self.arch)
         if cfg.frozen:
             for chunk in chunks:
@@ -227,6 +233,7 @@ class MegatronEngine(BaseEngine):
             max_positions_reason=reason,
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
+            router=self.router,
         )
         return forward_backward_loop(
             spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn, runner=self._run_schedule
@@ -304,6 +311,8 @@ class MegatronEngine(BaseEngine):
     def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn, keep):
         mb = next(data_iterator)
         tokens, positions, mask, real = self._inputs(mb)
+        if self.router is not None and not forward_only:
+            self.router.begin(router_mask(real, self.tconfig.sequence_parallel))
         output = model(tokens, positions, attention_mask=mask)
         return output, partial(
             self._loss_func,
@@ -330,7 +339,8 @@ class MegatronEngine(BaseEngine):
         stored = {"loss": loss.detach().double(), "metrics": metrics}
         if keep:
             stored["outputs"] = out.detach()
-        return loss * scale, stored
+        aux = self.router.close() if self.router is not None else None  # MoE load balancing (engine_api.moe)
+        return (loss if aux is None else loss + aux) * scale, stored
 
     def _outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
         ids = mb["input_ids"]

@@ -1,8 +1,12 @@
 """Megatron -> HF weights for ``export_weights``: gather TP shards, broadcast each PP stage's
 tensors to every rank, convert names and layouts (``backends.megatron.convert.to_hf``).
 
+MoE layers: each layer's experts become HF's two fused tensors (``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``; ``convert.hf_experts``), gathered over expert-TP and EP.
+
 Collective over the world: every rank yields every tensor, in the same order (stage by stage,
-chunk by chunk, parameter by parameter). One parameter is materialised at a time.
+chunk by chunk, parameter by parameter). One parameter (one MoE layer's experts) is
+materialised at a time.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from backends.megatron.convert import ArchInfo, to_hf
+from backends.megatron.convert import ArchInfo, hf_experts, to_hf
 from backends.megatron.model import global_layer
+
+_EXPERT = ".mlp.experts.local_experts."
 
 
 def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]]:
@@ -22,7 +28,7 @@ def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]
     tp = mpu.get_tensor_model_parallel_world_size()
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
-    mine = [(chunk.module, name, param) for chunk in model_chunks for name, param in chunk.module.named_parameters()]
+    mine = _export_items(model_chunks)
     seen: set[str] = set()
     embedding = None
     for stage in range(pp):
@@ -34,8 +40,11 @@ def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]
             pairs = None
             if stage == pp_rank:
                 module, name, param = mine[i]
-                full = _gather_tp(param)
-                pairs = to_hf(name.replace("output_layer.linear.", "output_layer."), full.cpu(), arch, global_layer(module, name), tp)
+                if isinstance(param, list):  # one MoE layer's experts
+                    pairs = _experts_to_hf(module, name, param, arch)
+                else:
+                    full = _gather_tp(param)
+                    pairs = to_hf(name.replace("output_layer.linear.", "output_layer."), full.cpu(), arch, global_layer(module, name), tp)
             if pp > 1:
                 holder = [pairs]
                 dist.broadcast_object_list(holder, src=owner, group=pp_group)
@@ -49,6 +58,47 @@ def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]
     if arch.tied and "lm_head.weight" not in seen and embedding is not None:
         # HF's own state_dict lists the tied head too; keep the same key set as the FSDP backend.
         yield "lm_head.weight", embedding
+
+
+def _export_items(model_chunks) -> list[tuple]:
+    """``(module, name, param)`` per parameter, except that a MoE layer's expert parameters
+    become one item ``(module, first expert name, [(fc1, fc2) per local expert])``."""
+    items, experts = [], {}
+    for chunk in model_chunks:
+        params = dict(chunk.module.named_parameters())
+        for name, param in params.items():
+            if _EXPERT not in name:
+                items.append((chunk.module, name, param))
+                continue
+            prefix = name.split(_EXPERT)[0]
+            if (id(chunk), prefix) in experts:
+                continue
+            count = len(chunk.module.get_submodule(prefix + ".mlp.experts.local_experts"))
+            pairs = [
+                (params[f"{prefix}{_EXPERT}{j}.linear_fc1.weight"], params[f"{prefix}{_EXPERT}{j}.linear_fc2.weight"]) for j in range(count)
+            ]
+            experts[(id(chunk), prefix)] = True
+            items.append((chunk.module, name, pairs))
+    return items
+
+
+def _experts_to_hf(module, name: str, local: list, arch: ArchInfo) -> list[tuple[str, torch.Tensor]]:
+    """HF's fused expert tensors of one MoE layer: every local expert gathered over expert-TP,
+    then every EP rank's experts in EP-rank order (global expert ids, ``convert.to_megatron``)."""
+    etp_group, ep_group = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_model_parallel_group()
+    fc1 = torch.stack([_gather(w1, etp_group, 0) for w1, _ in local])
+    fc2 = torch.stack([_gather(w2, etp_group, 1) for _, w2 in local])
+    fc1, fc2 = _gather(fc1, ep_group, 0), _gather(fc2, ep_group, 0)
+    return hf_experts(fc1.cpu(), fc2.cpu(), arch, global_layer(module, name), mpu.get_expert_tensor_parallel_world_size())
+
+
+def _gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate ``tensor`` over ``group`` along ``dim`` (itself for a group of one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor.detach()
+    parts = [torch.empty_like(tensor.detach()) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def _gather_tp(param: torch.Tensor) -> torch.Tensor:

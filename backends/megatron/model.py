@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -25,10 +25,11 @@ from transformers import AutoConfig
 
 from backends.hf import note_once, value_head_state
 from backends.megatron import cpu_compat
-from backends.megatron.convert import ArchInfo, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
+from backends.megatron.convert import ArchInfo, ExpertShard, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
 from backends.megatron.options import MegatronOptions
 from engine_api.config import EngineConfig, format_problem, options_of
 from engine_api.dist import compute_device, ensure_process_group, process_group_timeout
+from engine_api.moe import RouterSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,17 +55,27 @@ def init_parallel(config: EngineConfig) -> torch.device:
             f"megatron.tensor_model_parallel_size x pipeline x context = {m.model_parallel_size} does not divide the world size {world}; "
             "fix: choose sizes whose product divides the number of processes"
         )
-    wanted = (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size, m.context_parallel_size)
+    wanted = (
+        m.tensor_model_parallel_size,
+        m.pipeline_model_parallel_size,
+        m.virtual_pipeline_model_parallel_size,
+        m.context_parallel_size,
+        m.expert_model_parallel_size,
+        m.expert_tensor_size,
+    )
     if mpu.model_parallel_is_initialized():
         current = (
             mpu.get_tensor_model_parallel_world_size(),
             mpu.get_pipeline_model_parallel_world_size(),
             mpu.get_virtual_pipeline_model_parallel_world_size(),
             mpu.get_context_parallel_world_size(),
+            mpu.get_expert_model_parallel_world_size(),
+            mpu.get_expert_tensor_parallel_world_size(),
         )
         if current != wanted:
             raise ValueError(
-                f"megatron parallel state is already {current} (tp, pp, vpp, cp) in this process; fix: one layout per process, got {wanted}"
+                f"megatron parallel state is already {current} (tp, pp, vpp, cp, ep, etp) in this process; "
+                f"fix: one layout per process, got {wanted}"
             )
     else:
         mpu.initialize_model_parallel(
@@ -72,6 +83,8 @@ def init_parallel(config: EngineConfig) -> torch.device:
             pipeline_model_parallel_size=m.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
             context_parallel_size=m.context_parallel_size,
+            expert_model_parallel_size=m.expert_model_parallel_size,
+            expert_tensor_parallel_size=m.expert_tensor_size,
             # megatron builds its groups with its own 30-minute default, not the world group's
             # timeout: without this a rank that fails but stays alive hangs its peers for 30 min.
             distributed_timeout_minutes=process_group_timeout().total_seconds() / 60,
@@ -122,9 +135,11 @@ def config_problems(config: EngineConfig) -> list[str]:
     if not os.path.isfile(os.path.join(path, "config.json")):
         return [*out, format_problem("model.path", path, "has no config.json (not an HF model directory)", "save it with save_pretrained")]
     try:
-        arch = arch_info(AutoConfig.from_pretrained(path))
+        hf_config = AutoConfig.from_pretrained(path)
+        arch = arch_info(hf_config)
     except ValueError as exc:
         return [*out, f"model.path = {path!r}: {exc}"]
+    out += _moe_problems(config, m, arch, hf_config)
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     if tp >= 1:
         for name, count in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.groups), ("intermediate_size", arch.ffn)):
@@ -146,6 +161,60 @@ def config_problems(config: EngineConfig) -> list[str]:
                 "use pipeline sizes whose product divides the layer count",
             )
         )
+    return out
+
+
+def _moe_problems(config: EngineConfig, m: MegatronOptions, arch: ArchInfo, hf_config) -> list[str]:
+    """Expert-parallel sizes against the model, and what the load-balancing loss cannot run with."""
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_size
+    if not arch.is_moe:
+        if ep > 1:
+            return [format_problem("megatron.expert_model_parallel_size", ep, "the model has no experts", "use 1 for a dense model")]
+        return []
+    out = []
+    if ep >= 1 and arch.num_experts % ep:
+        out.append(
+            format_problem(
+                "megatron.expert_model_parallel_size",
+                ep,
+                f"does not divide the model's {arch.num_experts} experts",
+                "use a divisor of the expert count",
+            )
+        )
+    if etp >= 1 and arch.moe_ffn % etp:
+        out.append(
+            format_problem(
+                "megatron.expert_tensor_parallel_size",
+                etp,
+                f"does not divide the model's expert width (moe_intermediate_size) {arch.moe_ffn}",
+                "use a divisor of the expert width (it defaults to the TP size)",
+            )
+        )
+    if RouterSpec.from_hf_config(hf_config).aux_on:
+        # HF's loss pools every MoE layer of a micro-batch (engine_api.moe): all layers' router
+        # logits must be on the rank that adds it, with their autograd graph, over whole sequences.
+        why = "the router load-balancing loss (config.json output_router_logits with router_aux_loss_coef > 0) pools every MoE layer's router logits of a micro-batch on one rank"
+        fix = "or turn the loss off (output_router_logits: false in config.json)"
+        if m.pipeline_model_parallel_size > 1:
+            out.append(
+                format_problem(
+                    "megatron.pipeline_model_parallel_size",
+                    m.pipeline_model_parallel_size,
+                    why + ", which pipeline stages split",
+                    "use 1 " + fix,
+                )
+            )
+        if m.sequence_parallel:
+            out.append(format_problem("megatron.sequence_parallel", True, why + " over whole sequences", "set it to false " + fix))
+        if config.model.gradient_checkpointing:
+            out.append(
+                format_problem(
+                    "model.gradient_checkpointing",
+                    True,
+                    why + "; megatron's recomputation runs the first forward without autograd, so the loss would get no gradient",
+                    "set it to false " + fix,
+                )
+            )
     return out
 
 
@@ -185,6 +254,8 @@ def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> Transforme
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_size,
         sequence_parallel=m.sequence_parallel,
         # Pipeline stages exchange fixed-shape tensors: the engine pads every micro-batch of a
         # call to one shape (megatron's interleaved schedule mis-pairs variable shapes).
@@ -240,7 +311,10 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
     Logits are gathered over TP (``parallel_output=False``) so log-probs and entropy use the
     same code as the FSDP backend; rows past the HF vocabulary (TP padding) are sliced off.
     """
-    if use_te_spec(config):
+    te = use_te_spec(config)
+    if arch.is_moe:
+        spec = None  # per stage below: the MoE / dense layer pattern is sliced per pipeline stage
+    elif te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
@@ -255,7 +329,7 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=spec or get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te, vp_stage=stage),
             vocab_size=padded_vocab(arch.vocab, tconfig.tensor_model_parallel_size),
             max_sequence_length=arch.max_positions,
             pre_process=pre,
@@ -312,10 +386,21 @@ def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch
 def load_hf_weights(chunks: list[GPTModel], hf_state: dict[str, torch.Tensor], arch: ArchInfo) -> None:
     """Copy every parameter this rank owns from the HF tensors (TP shard of its stage)."""
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    experts = expert_shard()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             with torch.no_grad():
-                param.copy_(to_megatron(_hf_name_space(name), hf_state, arch, global_layer(chunk, name), rank, tp))
+                param.copy_(to_megatron(_hf_name_space(name), hf_state, arch, global_layer(chunk, name), rank, tp, experts))
+
+
+def expert_shard() -> ExpertShard:
+    """This rank's place in megatron's expert layout (EP and expert-TP rank and size)."""
+    return ExpertShard(
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep=mpu.get_expert_model_parallel_world_size(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        etp=mpu.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def global_layer(chunk: GPTModel, name: str) -> int | None:

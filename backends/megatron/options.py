@@ -22,6 +22,10 @@ class MegatronOptions:
         virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
             1F1B), None for none; needs pipeline_model_parallel_size > 1.
         sequence_parallel: shard activations along the sequence in TP regions; needs TP > 1.
+        expert_model_parallel_size: EP, ranks the experts of an MoE layer are split over
+            (carved out of the data-parallel ranks: EP x expert-TP x PP must divide the world).
+        expert_tensor_parallel_size: tensor parallelism inside each expert; None means the
+            TP size (megatron's default).
         use_distributed_optimizer: shard optimizer state over DP (ZeRO-1).
         layer_spec: ``auto`` (Transformer-Engine when importable with CUDA, else local),
             ``local`` or ``te``.
@@ -34,6 +38,8 @@ class MegatronOptions:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     use_distributed_optimizer: bool = False
     layer_spec: str = "auto"
 
@@ -42,9 +48,20 @@ class MegatronOptions:
         """TP x PP x CP: ranks that share one data-parallel replica."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """The expert-TP size in effect (``expert_tensor_parallel_size``, defaulting to TP)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """EP x expert-TP x PP: ranks that share one expert-data-parallel replica."""
+        return self.expert_model_parallel_size * self.expert_tensor_size * self.pipeline_model_parallel_size
+
     def _problems(self) -> list[str]:
         out = []
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) < 1:
                 out.append(_p(name, getattr(self, name), "must be >= 1", "use 1 to disable this kind of parallelism"))
         vpp = self.virtual_pipeline_model_parallel_size
@@ -66,20 +83,35 @@ class MegatronOptions:
                     "set sequence_parallel=false or raise tensor_model_parallel_size",
                 )
             )
+        if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
+            out.append(
+                _p("expert_tensor_parallel_size", self.expert_tensor_parallel_size, "must be >= 1", "use null (= TP) or a size >= 1")
+            )
         if self.layer_spec not in LAYER_SPECS:
             out.append(_p("layer_spec", self.layer_spec, "unknown layer spec", f"use one of {', '.join(LAYER_SPECS)}"))
         return out
 
     def _problems_with(self, config: EngineConfig) -> list[str]:
-        """Checks that need the engine config: TP x PP x CP must divide the world size."""
-        world, mp = config.known_world_size(), self.model_parallel_size
+        """Checks that need the engine config: TP x PP x CP and EP x expert-TP x PP must divide
+        the world size."""
+        world, mp, ep = config.known_world_size(), self.model_parallel_size, self.expert_parallel_size
+        out = []
         if world is not None and mp >= 1 and world % mp:
-            return [
+            out.append(
                 format_problem(
                     "tensor_model_parallel_size",
                     self.tensor_model_parallel_size,
                     f"TP x PP x CP = {mp} does not divide the world size {world}",
                     "choose sizes whose product divides the number of processes",
                 )
-            ]
-        return []
+            )
+        if world is not None and ep >= 1 and world % ep:
+            out.append(
+                format_problem(
+                    "expert_model_parallel_size",
+                    self.expert_model_parallel_size,
+                    f"EP x expert-TP x PP = {ep} does not divide the world size {world}",
+                    "choose expert sizes whose product with the pipeline size divides the number of processes",
+                )
+            )
+        return out
