@@ -105,7 +105,9 @@ class MegatronOptions:
                     "choose sizes whose product divides the number of processes",
                 )
             )
-        if world is not None and ep >= 1 and world % ep:
+        # With EP = 1 and expert-TP = TP this is the TP x PP check above; report it once.
+        explicit = self.expert_model_parallel_size > 1 or self.expert_tensor_parallel_size is not None
+        if explicit and world is not None and ep >= 1 and world % ep:
             out.append(
                 format_problem(
                     "expert_model_parallel_size",
