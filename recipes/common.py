@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine_api.dist import ensure_process_group, is_initialized, launcher_world
+from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_initialized, launcher_world
 from recipes import data as task
 from recipes.tiny_model import FAMILIES, build_tiny_model
 
-__all__ = ["TinyModelConfig", "TrainerConfig", "init_distributed", "rank", "with_model_path"]
+__all__ = ["TinyModelConfig", "TrainerConfig", "data_model_problems", "init_distributed", "rank", "save_hf", "with_model_path"]
 
 
 # ---------------------------------------------------------------------------------- config
@@ -72,6 +72,9 @@ class TrainerConfig:
         progress_bar: show a tqdm bar on rank 0.
         max_consecutive_skips: stop with an error after this many consecutive steps whose
             optimizer step was skipped (non-finite loss or gradients); 0: never stop.
+        val_every: score the validation data every this many steps (0: only at the end).
+        save_hf: at the end, write the trained model as an HF directory (weights, config,
+            tokenizer, generation config) to ``<output_dir>/hf`` (``recipes.common.save_hf``).
     """
 
     total_steps: int = 800
@@ -82,6 +85,8 @@ class TrainerConfig:
     resume: bool = False
     progress_bar: bool = True
     max_consecutive_skips: int = 3
+    val_every: int = 0
+    save_hf: bool = False
 
     def _problems(self) -> list[str]:
         out = []
@@ -91,6 +96,8 @@ class TrainerConfig:
             out.append(f"log_every = {self.log_every}: must be positive; fix: e.g. 100")
         if self.max_consecutive_skips < 0:
             out.append(f"max_consecutive_skips = {self.max_consecutive_skips}: negative; fix: use 0 (never stop) or a positive count")
+        if self.val_every < 0:
+            out.append(f"val_every = {self.val_every}: negative; fix: use 0 (only at the end) or a step interval")
         if self.checkpoint_every < 0:
             out.append(f"checkpoint_every = {self.checkpoint_every}: negative; fix: use 0 (off) or a step interval")
         if not self.output_dir:
@@ -98,6 +105,16 @@ class TrainerConfig:
         if not self.metrics_file or os.sep in self.metrics_file:
             out.append(f"metrics_file = {self.metrics_file!r}: must be a plain file name; fix: e.g. metrics.jsonl")
         return out
+
+
+def data_model_problems(cfg) -> list[str]:
+    """Data files need a model directory with a tokenizer (the built tiny model has none)."""
+    if cfg.data.from_files and cfg.engine.model.path is None:
+        return [
+            "engine.model.path = None: data.train_files are tokenized with the model directory's own tokenizer, and the built "
+            "tiny model has none; fix: engine.model.path=DIR (an HF model directory with its tokenizer)"
+        ]
+    return []
 
 
 # ---------------------------------------------------------------------------------- setup
@@ -155,3 +172,64 @@ def with_model_path(cfg):
         dist.barrier()
     model = dataclasses.replace(cfg.engine.model, path=path)
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=model))
+
+
+# ---------------------------------------------------------------------------------- export
+def save_hf(source, model_path: str, out_dir: str) -> str:
+    """Write the weights ``source.export_weights()`` yields (an engine or a role) as an HF
+    directory: safetensors weights (float32, the engines' master precision) with the config,
+    generation config and tokenizer of ``model_path`` (the tokenizer only when that directory has
+    one). Collective: every rank drains the export; rank 0 assembles the model in CPU memory and
+    writes it; every rank returns once the directory is complete.
+
+    The directory appears whole or not at all (written next to ``out_dir``, then renamed), and a
+    previous ``out_dir`` is replaced only after the new one is complete.
+
+    Raises:
+        ValueError: (rank 0) an exported name is not a parameter of the HF model, a shape
+            differs, or a parameter received no value; nothing is written then.
+    """
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    rank0 = rank() == 0
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank0 else None
+    state = model.state_dict() if rank0 else {}
+    problems, written = [], set()
+    with torch.no_grad():
+        for name, tensor in source.export_weights():  # drained on every rank: it is collective
+            if not rank0:
+                continue
+            if name not in state or state[name].shape != tensor.shape:
+                got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+                problems.append(f"{name}: {got}")
+                continue
+            state[name].copy_(tensor.to(torch.float32))
+            written.add(state[name].data_ptr())
+    problems += [f"{n}: no exported value" for n, t in state.items() if t.data_ptr() not in written]  # tied names share storage
+    failed = torch.tensor([float(bool(problems))])
+    if is_initialized():  # every rank learns whether rank 0 may write (none waits on a failed peer)
+        failed = all_reduce(failed.to(comm_device(None)), "sum", None).cpu()
+    if problems:
+        raise ValueError(f"trainer.save_hf: the export does not match the HF model of {model_path!r}: " + "; ".join(problems[:5]))
+    if failed.item():
+        raise RuntimeError("trainer.save_hf: rank 0 found the export does not match the HF model (its error says how); nothing written")
+    if rank0:
+        tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        try:
+            from recipes.text_data import load_tokenizer
+
+            load_tokenizer(model_path).save_pretrained(tmp)
+        except ValueError:
+            pass  # a model directory without a tokenizer (the built tiny model): weights + config only
+        if os.path.exists(out_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    if is_initialized():
+        dist.barrier()
+    return out_dir

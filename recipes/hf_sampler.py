@@ -18,13 +18,31 @@ from transformers import AutoConfig, AutoModelForCausalLM
 class HFSampler:
     """Owns an HF causal LM built from ``model_path``'s config; weights arrive via ``load_weights``.
 
-    ``eos_token_id``: a row stops after sampling it (None: every row runs ``max_new_tokens``).
+    A row stops after sampling one of ``eos_token_id`` (an id or several; None: every row runs
+    ``max_new_tokens``), or after the token that completes one of ``stop_strings`` in the
+    row's decoded response (needs ``tokenizer``; the stop string stays in the response, as in
+    HF ``generate``). A stop string is looked for in the decoded text of the last
+    ``len(stop) + 8`` tokens, which holds it whenever those tokens decode to at least one
+    character each on average (every tokenizer in use; byte-fallback pieces decode to less).
     """
 
-    def __init__(self, model_path: str, eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop_strings: Sequence[str] = (),
+        tokenizer=None,
+    ) -> None:
         config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32).eval()
-        self.eos_token_id = eos_token_id
+        ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_ids = torch.tensor(ids, dtype=torch.long)
+        # Rows that ended keep being fed this id (their later draws are discarded).
+        self.eos_token_id = ids[0] if ids else None
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer that decodes the responses; fix: pass tokenizer=")
+        self.stop_strings, self.tokenizer = [s for s in stop_strings if s], tokenizer
+        self._window = max((len(s) for s in self.stop_strings), default=0) + 8
 
     def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the model (tied heads may come twice)."""
@@ -71,16 +89,27 @@ class HFSampler:
             token = torch.where(done, torch.full_like(token, self.eos_token_id or 0), token)
             tokens.append(token)
             log_probs.append(logp.gather(1, token[:, None])[:, 0])
-            if self.eos_token_id is not None:
-                ended = ~done & (token == self.eos_token_id)
-                lengths[ended] = step + 1
-                done |= ended
+            ended = ~done & torch.isin(token, self.eos_ids)
+            if self.stop_strings:
+                ended |= ~done & self._hits_stop_string(torch.stack(tokens, 1))
+            lengths[ended] = step + 1
+            done |= ended
             if bool(done.all()) or step + 1 == max_new_tokens:
                 break
             out = self.model(token[:, None], past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
         ids, lps = torch.stack(tokens, 1), torch.stack(log_probs, 1)
         return [(ids[r, : int(n)].clone(), lps[r, : int(n)].clone()) for r, n in enumerate(lengths.tolist())]
+
+    def _hits_stop_string(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows whose newest token [B, T][:, -1] completes a stop string: one is in the decoded
+        tail window and was not before that token."""
+        hits = torch.zeros(len(ids), dtype=torch.bool)
+        for r, row in enumerate(ids[:, -self._window :].tolist()):
+            now = self.tokenizer.decode(row, skip_special_tokens=False)
+            before = self.tokenizer.decode(row[:-1], skip_special_tokens=False) if len(row) > 1 else ""
+            hits[r] = any(s in now and now.count(s) > before.count(s) for s in self.stop_strings)
+        return hits
 
 
 def _sample_top_p(logp: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:

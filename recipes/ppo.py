@@ -1,16 +1,22 @@
-"""PPO (critic + GAE) and GRPO (group-normalised rewards, no critic) on the digit-sorting task,
-driven only through the roles (``roles/``) and therefore through ``BaseEngine``.
+"""PPO (critic + GAE) and GRPO (group-normalised rewards, no critic), driven only through the
+roles (``roles/``) and therefore through ``BaseEngine``: on the built-in digit-sorting task by
+default, or on the user's model directory, prompt files and reward function.
 
 Run: ``python -m recipes.ppo --config configs/ppo_tiny.yaml [key=value ...]`` (or
 ``configs/grpo_tiny.yaml``); ``engine.strategy=megatron`` switches backend; under
-``torchrun --nproc-per-node N`` all roles run colocated on every rank.
+``torchrun --nproc-per-node N`` all roles run colocated on every rank. Own data:
+``engine.model.path=DIR data.train_files=[p.parquet] reward.function=rw.py:score``
+(``recipes.text_data``, ``recipes.rewards``).
 
-One step: the prompts of the step (a pure function of ``data.seed`` and the step) ->
-``Rollout`` (weights synced from the actor) samples ``algo.n_samples`` responses per prompt ->
-partial-credit reward (fraction of target positions right: the sorted digits then EOS) ->
-reference log-probs (when ``actor.kl_coef > 0``) -> old log-probs (actor) -> values and GAE
-(PPO) or group-normalised advantages (GRPO) -> actor and critic updates. Rank 0 writes one JSON
-line per step and, at the end, a PNG of the reward curve.
+One step: the prompts of the step (a pure function of ``data.seed`` and the step,
+``recipes.rl_tasks``) -> ``Rollout`` (weights synced from the actor) samples ``algo.n_samples``
+responses per prompt, each ending at an EOS id, a stop string or the length limit -> rewards
+(the sorting task's partial credit, or ``reward.function`` on the decoded text) -> reference
+log-probs (when ``actor.kl_coef > 0``) -> old log-probs (actor) -> values and GAE (PPO) or
+group-normalised advantages (GRPO) -> actor and critic updates. Every ``trainer.val_every``
+steps (and at the end, when there are validation prompts) one response per validation prompt
+is sampled with the rollout settings and a fixed seed and its mean reward logged as
+``val/reward``. Rank 0 writes one JSON line per step and, at the end, a PNG of the reward curve.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import torch
@@ -31,9 +37,11 @@ from engine_api import EngineConfig, ckpt_layout
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
-from recipes import data as task
-from recipes.common import TinyModelConfig, TrainerConfig, init_distributed, with_model_path
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, init_distributed, save_hf, with_model_path
 from recipes.hf_sampler import HFSampler
+from recipes.rewards import RewardConfig, sort_task_score
+from recipes.rl_tasks import build_task, sort_prompts_at
+from recipes.text_data import DataConfig
 from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
@@ -43,6 +51,8 @@ from roles.legacy_flag import FLAG_VALUES, legacy_problems
 from roles.rollout import Rollout, RolloutConfig
 
 ADVANTAGES = ("gae", "grpo")
+# Validation rollouts draw from seeds this far above the training ones, which they never reach.
+_VAL_SEED_OFFSET = 10**9
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,18 @@ class RLTrainerConfig(TrainerConfig):
 
 
 @dataclass(frozen=True)
+class RLRolloutConfig(RolloutConfig):
+    """``roles.rollout.RolloutConfig`` plus what the recipe's text sampler honours.
+
+    Attributes:
+        stop_strings: a response also ends after the token that completes one of these in its
+            decoded text (kept in the response); needs data files (the tokenizer).
+    """
+
+    stop_strings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class PPOConfig:
     """Everything ``recipes.ppo`` reads; ``configs/ppo_tiny.yaml`` documents each key.
 
@@ -103,35 +125,34 @@ class PPOConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
-    data: task.DataConfig = field(default_factory=task.DataConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
     trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
 
     def _problems(self) -> list[str]:
+        out = data_model_problems(self)
+        if self.data.from_files and self.reward.function is None:
+            out.append("reward.function = None: prompts from data.train_files need a reward function; fix: reward.function=file.py:fn")
+        if not self.data.from_files and self.reward.function is not None:
+            out.append(
+                f"reward.function = {self.reward.function!r}: the built-in sorting task (no data.train_files) has no text to score; "
+                "fix: give data.train_files, or drop reward.function"
+            )
+        if self.rollout.stop_strings and not self.data.from_files:
+            out.append("rollout.stop_strings: the sorting task has no tokenizer to decode them; fix: give data.train_files, or drop them")
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
-        if self.trainer.use_legacy_worker_impl not in FLAG_VALUES:
-            return []  # reported by trainer._problems
-        return legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
+        if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
+            out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
+        return out
 
 
-def prompts_at(cfg: task.DataConfig, step: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The prompts of ``step`` and their target responses (sorted digits + EOS)."""
-    gen = torch.Generator().manual_seed(task._step_seed(cfg.seed, step))
-    prompts, targets = [], []
-    for _ in range(cfg.batch_size):
-        k = int(torch.randint(cfg.min_digits, cfg.max_digits + 1, (1,), generator=gen))
-        digits = torch.randint(0, task.NUM_DIGITS, (k,), generator=gen).tolist()
-        prompts.append(torch.tensor([task.BOS, *(task.FIRST_DIGIT + d for d in digits), task.SEP]))
-        targets.append([*(task.FIRST_DIGIT + d for d in sorted(digits)), task.EOS])
-    return prompts, targets
-
-
-def score(response: list[int], target: list[int]) -> float:
-    """Partial credit: the fraction of target positions the response gets right."""
-    return sum(1 for i, tok in enumerate(target) if i < len(response) and response[i] == tok) / len(target)
+# The sorting task's prompts and scorer, under their historical names.
+prompts_at = sort_prompts_at
+score = sort_task_score
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -152,9 +173,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def run(cfg: PPOConfig) -> dict[str, Any]:
     """Build the roles and train; see the module docstring for one step."""
     t = cfg.trainer
+    source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
+    if cfg.data.max_response_length is not None:
+        cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
     roles = build_roles(cfg)
     actor, critic, reference = roles.actor, roles.critic, roles.reference
-    rollout = Rollout(actor, HFSampler(cfg.engine.model.path, eos_token_id=task.EOS), cfg.rollout)
+    sampler = HFSampler(
+        cfg.engine.model.path, eos_token_id=source.stop_ids, stop_strings=cfg.rollout.stop_strings, tokenizer=source.tokenizer
+    )
+    rollout = Rollout(actor, sampler, cfg.rollout)
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
@@ -167,9 +194,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     rewards = []
     guard = SkipGuard(t.max_consecutive_skips)
     bar = _progress(t, start, rank0)
+    val_reward = None
     for step in range(start, t.total_steps):
-        m = rl_step(cfg, step, actor, critic, reference, rollout)
+        m = rl_step(cfg, step, actor, critic, reference, rollout, source)
         rewards.append(m["reward"])
+        if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
+            m["val/reward"] = val_reward = validate(source, rollout)
         if rank0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
@@ -183,27 +213,56 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step + 1)
     bar.close()
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
-    summary = {"steps": t.total_steps, "first_reward": _mean(history[:5]), "last_reward": _mean(history[-5:])}
+    summary = {
+        "steps": t.total_steps,
+        "first_reward": _mean(history[:5]),
+        "last_reward": _mean(history[-5:]),
+        "val_reward": val_reward,
+        "data": source.counts,
+        "hf_dir": save_hf(actor, cfg.engine.model.path, os.path.join(t.output_dir, "hf")) if t.save_hf else None,
+    }
     if rank0:
-        _plot(history, os.path.join(t.output_dir, "reward.png"), "PPO (GAE)" if critic is not None else "GRPO")
+        what = "your data" if cfg.data.from_files else "digit sorting"
+        _plot(history, os.path.join(t.output_dir, "reward.png"), f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}")
         print(
             f"{cfg.algo.advantage} done: mean reward {summary['first_reward']:.3f} (first 5 steps) -> {summary['last_reward']:.3f} (last 5)"
         )
     return summary
 
 
-def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout) -> dict[str, Any]:
-    """One RL step (see the module docstring) on any role implementation; returns its metrics."""
+def validate(source, rollout: Rollout) -> float | None:
+    """Mean reward of one response per validation prompt, sampled with the rollout settings
+    from a fixed seed (the same draws at every validation); None without validation prompts."""
+    val = source.val_prompts()
+    if val is None:
+        return None
+    prompts, metas = val
+    rollout.sync_weights()
+    batch = rollout.generate(prompts, seed_offset=_VAL_SEED_OFFSET)
+    return float(source.score(_responses(batch), metas).mean())
+
+
+def _responses(batch) -> list[torch.Tensor]:
+    return [batch["input_ids"][i][int(batch["prompt_len"][i]) :] for i in range(len(batch["prompt_len"]))]
+
+
+def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source=None) -> dict[str, Any]:
+    """One RL step (see the module docstring) on any role implementation; returns its metrics.
+
+    ``source``: the prompts and rewards (``recipes.rl_tasks.build_task(cfg)``; None builds it)."""
+    source = source if source is not None else build_task(cfg)
     timings, t0 = {}, time.perf_counter()
-    prompts, targets = prompts_at(cfg.data, step)
+    prompts, metas = source.prompts_at(step)
     n = cfg.algo.n_samples
     prompts = [p for p in prompts for _ in range(n)]
-    targets = [tg for tg in targets for _ in range(n)]
+    metas = [meta for meta in metas for _ in range(n)]
     rollout.sync_weights()
     batch = rollout.generate(prompts, seed_offset=step)
     timings["rollout_s"] = time.perf_counter() - t0
     lengths = batch["input_ids"].offsets().diff()
-    scores = torch.tensor([score(batch["input_ids"][i][int(batch["prompt_len"][i]) :].tolist(), targets[i]) for i in range(len(targets))])
+    t0 = time.perf_counter()
+    scores = source.score(_responses(batch), metas)  # raises before any update when a reward fails
+    timings["reward_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     old = actor.compute_log_probs(batch, calculate_entropy=True)
     batch.set("old_log_probs", unpack(old["log_probs"].values(), batch["input_ids"]))
@@ -299,7 +358,7 @@ def _plot(rewards: list[float], path: str, title: str) -> None:
     k = max(1, len(rewards) // 20)
     smooth = [_mean(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
     ax.plot(range(1, len(rewards) + 1), smooth, lw=2, label=f"mean of last {k}")
-    ax.set(xlabel="step", ylabel="mean reward", title=f"{title} on digit sorting", ylim=(0, 1))
+    ax.set(xlabel="step", ylabel="mean reward", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -1,14 +1,18 @@
-"""Supervised fine-tuning on the digit-sorting task, driven only through ``BaseEngine``.
+"""Supervised fine-tuning, driven only through ``BaseEngine``: on the built-in digit-sorting
+task by default, or on the user's model directory and data files.
 
 Run it as ``python -m recipes.sft --config configs/sft_tiny.yaml [key=value ...]`` (dot-list
 overrides, e.g. ``engine.micro_batch_size=2``), or under
-``torchrun --nproc-per-node N -m recipes.sft ...`` for N data-parallel ranks. ``make run``
-is the first form with the defaults.
+``torchrun --nproc-per-node N -m recipes.sft ...`` for N data-parallel ranks. ``make sft``
+is the first form with the defaults. Own data: ``engine.model.path=DIR
+data.train_files=[a.jsonl] [data.val_files=[b.jsonl]]`` (formats: ``recipes.text_data``).
 
-Per step: the global batch of that step (``recipes.data.batch_at``) -> this rank's shard ->
-``engine.train_batch``; rank 0 appends one JSON line to ``<output_dir>/metrics.jsonl``. At
-the end the response is scored on held-out batches under ``eval_mode``. :func:`main`
-returns the summary so tests call it in-process.
+Per step: the global batch of that step (``recipes.data.batch_at``, or the step's samples of
+the files, ``recipes.text_data.StepOrder``) -> this rank's shard -> ``engine.train_batch``;
+rank 0 appends one JSON line to ``<output_dir>/metrics.jsonl``. Every ``trainer.val_every``
+steps and at the end the validation data (held-out task batches, or ``data.val_files``) is
+scored under ``eval_mode`` (loss and token accuracy of the response). :func:`main` returns the
+summary so tests call it in-process.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout
+from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout, make_batch
 from engine_api.dist import all_reduce, comm_device, is_initialized
 from engine_api.typed_config import load_typed
 from recipes import data as task
-from recipes.common import TinyModelConfig, TrainerConfig, init_distributed, rank, with_model_path
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, init_distributed, rank, save_hf, with_model_path
+from recipes.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts
 from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
@@ -47,14 +52,17 @@ class SFTConfig:
     Attributes:
         engine: the engine (``engine.strategy`` picks the backend).
         tiny_model: the model built when ``engine.model.path`` is null.
-        data: the sorting task.
+        data: the sorting task, or the user's files (``recipes.text_data.DataConfig``).
         trainer: the loop.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
-    data: task.DataConfig = field(default_factory=task.DataConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def _problems(self) -> list[str]:
+        return data_model_problems(self)
 
 
 def load_sft_config(path: str | os.PathLike | None = DEFAULT_CONFIG, overrides: Sequence[str] = ()) -> SFTConfig:
@@ -91,8 +99,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Returns:
         ``steps``, ``first_loss``, ``last_loss``, ``loss_ratio`` (first / last),
-        ``eval_token_acc``, ``eval_seq_acc``, ``seconds``, ``world_size``,
-        ``metrics_path``, ``model_path``.
+        ``eval_loss``, ``eval_token_acc``, ``eval_seq_acc`` (``_evaluate``), ``data`` (row
+        counts of the files: read, kept, truncated, dropped), ``seconds``, ``world_size``,
+        ``metrics_path``, ``model_path``, ``hf_dir`` (``trainer.save_hf``).
     """
     args = _parse_args(argv)
     cfg = load_sft_config(args.config, args.overrides)
@@ -116,6 +125,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     rank0 = rank() == 0
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     cfg = with_model_path(cfg)
+    data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 
     engine = build_engine(cfg.engine)
     engine.init_model()
@@ -125,12 +135,14 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             f"data.batch_size = {cfg.data.batch_size}: not a multiple of the {engine.dp_size} data-parallel ranks; "
             f"fix: use a multiple of {engine.dp_size}"
         )
+    val_batches = data.val_batches(engine.dp_size)
 
     ckpt_dir = os.path.join(cfg.trainer.output_dir, "checkpoints")
     start = _maybe_resume(engine, cfg, ckpt_dir)
     metrics_path = os.path.join(cfg.trainer.output_dir, cfg.trainer.metrics_file)
-    losses = _train(engine, cfg, start, metrics_path, ckpt_dir, rank0)
-    evaluation = _evaluate(engine, cfg)
+    losses = _train(engine, cfg, data, val_batches, start, metrics_path, ckpt_dir, rank0)
+    evaluation = _evaluate(engine, val_batches)
+    hf_dir = save_hf(engine, cfg.engine.model.path, os.path.join(cfg.trainer.output_dir, "hf")) if cfg.trainer.save_hf else None
 
     summary = {
         "steps": cfg.trainer.total_steps,
@@ -139,17 +151,72 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         "last_loss": losses[-1] if losses else None,
         "loss_ratio": losses[0] / losses[-1] if losses and losses[-1] > 0 else None,
         **evaluation,
+        "data": data.counts,
         "seconds": round(time.perf_counter() - t0, 2),
         "world_size": dist.get_world_size() if is_initialized() else 1,
         "metrics_path": metrics_path,
         "model_path": cfg.engine.model.path,
+        "hf_dir": hf_dir,
     }
     if rank0:
         print(_summary_line(summary), flush=True)
     return summary
 
 
-def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ckpt_dir: str, rank0: bool) -> list[float]:
+class SFTData:
+    """The batches of a run: the sorting task's, or the user's files' (``recipes.text_data``)."""
+
+    def __init__(self, cfg: DataConfig, model_path: str) -> None:
+        self.cfg = cfg
+        self.counts: dict[str, dict[str, int]] = {}
+        self.train = self.val = None
+        if not cfg.from_files:
+            return
+        tokenizer = load_tokenizer(model_path)
+        self.train = SFTDataset(cfg.train_files, tokenizer, cfg, "data.train_files")
+        self.order = StepOrder(len(self.train), cfg.batch_size, cfg.seed, cfg.shuffle)
+        if cfg.val_files:
+            self.val = SFTDataset(cfg.val_files, tokenizer, cfg, "data.val_files")
+        self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, rank() == 0)
+
+    def batch_at(self, step: int) -> TensorDict:
+        """The global batch of training step ``step`` (0-based)."""
+        if self.train is None:
+            return task.batch_at(self.cfg, step)
+        return self.train.batch(self.order.indices(step))
+
+    def val_batches(self, dp_size: int) -> list[TensorDict]:
+        """Every validation sample once, in batches of ``data.batch_size``; the last batch is
+        filled up to a multiple of ``dp_size`` with copies of sample 0 whose loss mask is zero,
+        so they change no score."""
+        if self.train is None:
+            return [task.eval_batch(self.cfg, i) for i in range(self.cfg.eval_batches)]
+        if self.val is None:
+            return []
+        out, n, size = [], len(self.val), self.cfg.batch_size
+        for begin in range(0, n, size):
+            idx = list(range(begin, min(n, begin + size)))
+            pad = -len(idx) % dp_size
+            batch = self.val.batch(idx + [0] * pad)
+            if pad:
+                batch = self.val.batch(idx)
+                ids = [batch["input_ids"][i] for i in range(len(idx))] + [batch["input_ids"][0]] * pad
+                masks = [batch["loss_mask"][i] for i in range(len(idx))] + [torch.zeros_like(batch["loss_mask"][0])] * pad
+                batch = make_batch(ids, loss_mask=masks)
+            out.append(batch)
+        return out
+
+
+def _train(
+    engine: BaseEngine,
+    cfg: SFTConfig,
+    data: SFTData,
+    val_batches: list[TensorDict],
+    start: int,
+    metrics_path: str,
+    ckpt_dir: str,
+    rank0: bool,
+) -> list[float]:
     """The loop; returns the loss of every step it ran."""
     from tqdm.auto import tqdm
 
@@ -162,11 +229,17 @@ def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ck
         truncate_metrics(metrics_path, start)
     metrics_out = open(metrics_path, "a" if start else "w") if rank0 else contextlib.nullcontext()
     guard = SkipGuard(tc.max_consecutive_skips)
-    # SFT never alternates with inference, so the model stays loaded for the whole loop
-    # (with an offload policy this moves params/optimizer once, not once per step).
-    with metrics_out as out, engine.train_mode():
-        for step, batch in task.iter_batches(cfg.data, start, tc.total_steps):
+    # SFT alternates with inference only at validation steps, so the model stays in train mode
+    # between them (with an offload policy this moves params/optimizer once per stretch, not
+    # once per step).
+    training, in_train = contextlib.ExitStack(), False
+    with metrics_out as out, training:
+        for step in range(start, tc.total_steps):
+            batch = data.batch_at(step)
             tokens = int(batch["input_ids"].values().numel())
+            if not in_train:
+                training.enter_context(engine.train_mode())
+                in_train = True
             t_step = time.perf_counter()
             m = engine.train_batch(engine.shard_data(batch))
             seconds = time.perf_counter() - t_step
@@ -183,6 +256,12 @@ def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ck
                 "tokens_per_s": tokens / seconds if seconds > 0 else None,
                 "seconds": seconds,
             }
+            if data.train is not None:
+                record["epoch"] = data.order.epoch(step)
+            if tc.val_every and (step + 1) % tc.val_every == 0 and val_batches:
+                training.close()  # leave train mode before eval_mode (one mode at a time)
+                in_train = False
+                record.update({f"val/{k[len('eval_') :]}": v for k, v in _evaluate(engine, val_batches).items()})
             if rank0:
                 out.write(json.dumps(record) + "\n")
                 out.flush()
@@ -202,21 +281,22 @@ def _train(engine: BaseEngine, cfg: SFTConfig, start: int, metrics_path: str, ck
 
 
 @torch.no_grad()
-def _evaluate(engine: BaseEngine, cfg: SFTConfig) -> dict[str, float | None]:
-    """Teacher-forced scores of the response on held-out batches.
+def _evaluate(engine: BaseEngine, batches: list[TensorDict]) -> dict[str, float | None]:
+    """Teacher-forced scores of the response (loss-mask tokens) on ``batches``.
 
+    ``eval_loss``: mean negative log-likelihood per response token over all batches.
     ``eval_token_acc``: fraction of response tokens with p(token | prefix) > 0.5, which
-    makes the token the model's argmax. ``eval_seq_acc``: fraction of sequences where that
-    holds for every response token; such a response is exactly what greedy decoding would
-    generate, so this is a lower bound on greedy exact-match accuracy.
+    makes the token the model's argmax. ``eval_seq_acc``: fraction of sequences (with a
+    response) where that holds for every response token; such a response is exactly what greedy
+    decoding would generate, so this is a lower bound on greedy exact-match accuracy.
     """
-    if cfg.data.eval_batches == 0:
-        return {"eval_token_acc": None, "eval_seq_acc": None}
-    # [correct tokens, response tokens, correct sequences, sequences]
-    counts = torch.zeros(4, dtype=torch.float64)
+    if not batches:
+        return {"eval_loss": None, "eval_token_acc": None, "eval_seq_acc": None}
+    # [summed NLL, correct tokens, response tokens, correct sequences, sequences]
+    counts = torch.zeros(5, dtype=torch.float64)
     with engine.eval_mode():
-        for i in range(cfg.data.eval_batches):
-            local = engine.shard_data(task.eval_batch(cfg.data, i))
+        for batch in batches:
+            local = engine.shard_data(batch)
             predictions = engine.infer_batch(local)
             if predictions is None:  # a rank that produces no outputs (e.g. early pipeline stage)
                 continue
@@ -226,21 +306,33 @@ def _evaluate(engine: BaseEngine, cfg: SFTConfig) -> dict[str, float | None]:
     # ratios are unchanged, and ranks without outputs still learn the global result.
     counts = all_reduce(counts.to(comm_device(None)), "sum", None).cpu()
     return {
-        "eval_token_acc": float(counts[0] / counts[1]) if counts[1] else None,
-        "eval_seq_acc": float(counts[2] / counts[3]) if counts[3] else None,
+        "eval_loss": float(counts[0] / counts[2]) if counts[2] else None,
+        "eval_token_acc": float(counts[1] / counts[2]) if counts[2] else None,
+        "eval_seq_acc": float(counts[3] / counts[4]) if counts[4] else None,
     }
 
 
 def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """[correct tokens, response tokens, fully correct sequences, sequences] of one shard."""
-    lp = log_probs.values().detach().float().cpu()
+    """[summed NLL, correct tokens, response tokens, fully correct sequences, sequences with a
+    response] of one shard."""
+    lp = log_probs.values().detach().double().cpu()
     mask = loss_mask.values().cpu() > 0
     offsets = loss_mask.offsets().cpu()
     hit = (lp.exp() > 0.5) & mask
     seq = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
     n_seq = offsets.numel() - 1
     wrong_per_seq = torch.zeros(n_seq).index_add(0, seq, (mask & ~hit).float())
-    return torch.tensor([float(hit.sum()), float(mask.sum()), float((wrong_per_seq == 0).sum()), float(n_seq)], dtype=torch.float64)
+    has_response = torch.zeros(n_seq).index_add(0, seq, mask.float()) > 0
+    return torch.tensor(
+        [
+            float(-(lp * mask).sum()),
+            float(hit.sum()),
+            float(mask.sum()),
+            float(((wrong_per_seq == 0) & has_response).sum()),
+            float(has_response.sum()),
+        ],
+        dtype=torch.float64,
+    )
 
 
 # ---------------------------------------------------------------------------------- setup
@@ -274,7 +366,8 @@ def _summary_line(s: dict[str, Any]) -> str:
     return (
         f"sft done: {s['steps'] - s['start_step']} steps on {s['world_size']} rank(s) in {s['seconds']:.1f}s | "
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['last_loss'], '.4f')} ({f(s['loss_ratio'], '.1f')}x lower) | "
-        f"eval token_acc {f(s['eval_token_acc'], '.3f')}, seq_acc {f(s['eval_seq_acc'], '.3f')} | metrics {s['metrics_path']}"
+        f"eval loss {f(s['eval_loss'], '.4f')}, token_acc {f(s['eval_token_acc'], '.3f')}, seq_acc {f(s['eval_seq_acc'], '.3f')} | "
+        f"metrics {s['metrics_path']}" + (f" | HF model {s['hf_dir']}" if s["hf_dir"] else "")
     )
 
 

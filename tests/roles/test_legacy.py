@@ -38,7 +38,7 @@ PARITY = [
     "actor.entropy_coef=0.01",
     "trainer.progress_bar=false",
 ]
-TIMING = {"rollout_s", "prepare_s", "update_s", "tokens_per_s"}
+TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s"}
 
 
 def _config(tmp_path, *overrides) -> ppo.PPOConfig:
@@ -82,7 +82,9 @@ def test_only_the_factory_imports_the_legacy_package():
         if "legacy" in path.relative_to(ROOT).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [(node.module or "")] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue  # (ast.Global / ast.Nonlocal also have .names, of plain strings)
+            names = [(node.module or "")] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
             if isinstance(node, (ast.Import, ast.ImportFrom)) and any(n == "roles.legacy" or n.startswith("roles.legacy.") for n in names):
                 importers.append(path.name)  # roles.legacy or a submodule, not e.g. roles.legacy_flag
             if isinstance(node, ast.ImportFrom) and node.module == "roles" and any(a.name == "legacy" for a in node.names):

@@ -1,0 +1,86 @@
+"""Where the RL recipe's prompts and rewards come from: the built-in sorting task (token ids,
+its own scorer) or the user's prompt files with a reward function (``recipes.text_data``,
+``recipes.rewards``). Both give the prompts of a step as a pure function of the config and the
+step, so a resumed run replays the uninterrupted one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from recipes import data as task
+from recipes.common import rank
+from recipes.rewards import compute_rewards, load_reward_fn, sort_task_score
+from recipes.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
+
+
+def sort_prompts_at(cfg: task.DataConfig, step: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The sorting task's prompts of ``step`` and their target responses (sorted digits + EOS)."""
+    gen = torch.Generator().manual_seed(task._step_seed(cfg.seed, step))
+    prompts, targets = [], []
+    for _ in range(cfg.batch_size):
+        k = int(torch.randint(cfg.min_digits, cfg.max_digits + 1, (1,), generator=gen))
+        digits = torch.randint(0, task.NUM_DIGITS, (k,), generator=gen).tolist()
+        prompts.append(torch.tensor([task.BOS, *(task.FIRST_DIGIT + d for d in digits), task.SEP]))
+        targets.append([*(task.FIRST_DIGIT + d for d in sorted(digits)), task.EOS])
+    return prompts, targets
+
+
+class SortTask:
+    """The built-in digit-sorting task (no tokenizer; partial-credit reward on token ids)."""
+
+    tokenizer = None
+    counts: dict = {}
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+        self.stop_ids = [task.EOS]
+
+    def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:
+        """``(prompt ids, per-prompt metadata)`` of training step ``step``."""
+        return sort_prompts_at(self.cfg, step)
+
+    def val_prompts(self) -> tuple[list[torch.Tensor], list]:
+        """Held-out prompts (from a step no run reaches)."""
+        return sort_prompts_at(self.cfg, task._EVAL_STEP_OFFSET)
+
+    def score(self, responses: Sequence[torch.Tensor], metas: Sequence) -> torch.Tensor:
+        return torch.tensor([sort_task_score(r.tolist(), target) for r, target in zip(responses, metas, strict=True)])
+
+
+class FileTask:
+    """Prompts from ``data.train_files`` / ``data.val_files``, scored by ``reward.function``."""
+
+    def __init__(self, cfg: DataConfig, model_path: str, reward_function: str, batched: bool) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(model_path)
+        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        self.reward_fn, self.batched = load_reward_fn(reward_function), batched
+        self.train = PromptDataset(cfg.train_files, self.tokenizer, cfg, "data.train_files")
+        self.order = StepOrder(len(self.train), cfg.batch_size, cfg.seed, cfg.shuffle)
+        self.val = PromptDataset(cfg.val_files, self.tokenizer, cfg, "data.val_files") if cfg.val_files else None
+        self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, rank() == 0)
+
+    def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:
+        samples = [self.train.samples[i] for i in self.order.indices(step)]
+        return [s.ids for s in samples], samples
+
+    def val_prompts(self) -> tuple[list[torch.Tensor], list] | None:
+        if self.val is None:
+            return None
+        return [s.ids for s in self.val.samples], list(self.val.samples)
+
+    def score(self, responses: Sequence[torch.Tensor], metas: Sequence) -> torch.Tensor:
+        """The reward function on the decoded text (special tokens, e.g. EOS, left out)."""
+        texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses]
+        return compute_rewards(
+            self.reward_fn, self.batched, [m.text for m in metas], texts, [m.columns for m in metas], [m.source for m in metas]
+        ).float()
+
+
+def build_task(cfg) -> SortTask | FileTask:
+    """The task of a loaded RL config (``recipes.ppo.PPOConfig``)."""
+    if not cfg.data.from_files:
+        return SortTask(cfg.data)
+    return FileTask(cfg.data, cfg.engine.model.path, cfg.reward.function, cfg.reward.batched)
