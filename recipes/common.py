@@ -194,12 +194,16 @@ def save_hf(source, model_path: str, out_dir: str) -> str:
     from transformers import AutoModelForCausalLM
 
     rank0 = rank() == 0
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if rank0 else None
-    state = model.state_dict() if rank0 else {}
-    problems, written = [], set()
+    problems, written, model, state = [], set(), None, {}
+    if rank0:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            state = model.state_dict()
+        except (OSError, ValueError) as exc:  # still drain the export below: it is collective
+            problems.append(f"cannot load the HF model to write into: {exc}")
     with torch.no_grad():
         for name, tensor in source.export_weights():  # drained on every rank: it is collective
-            if not rank0:
+            if model is None:
                 continue
             if name not in state or state[name].shape != tensor.shape:
                 got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"

@@ -199,7 +199,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         m = rl_step(cfg, step, actor, critic, reference, rollout, source)
         rewards.append(m["reward"])
         if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
-            m["val/reward"] = val_reward = validate(source, rollout)
+            m["val/reward"] = val_reward = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples)
         if rank0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
@@ -230,16 +230,20 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     return summary
 
 
-def validate(source, rollout: Rollout) -> float | None:
+def validate(source, rollout: Rollout, chunk: int) -> float | None:
     """Mean reward of one response per validation prompt, sampled with the rollout settings
-    from a fixed seed (the same draws at every validation); None without validation prompts."""
+    from fixed seeds (the same draws at every validation), ``chunk`` prompts per sampler call
+    (a training step's number of responses); None without validation prompts."""
     val = source.val_prompts()
     if val is None:
         return None
     prompts, metas = val
     rollout.sync_weights()
-    batch = rollout.generate(prompts, seed_offset=_VAL_SEED_OFFSET)
-    return float(source.score(_responses(batch), metas).mean())
+    total = 0.0
+    for k, begin in enumerate(range(0, len(prompts), chunk)):
+        batch = rollout.generate(prompts[begin : begin + chunk], seed_offset=_VAL_SEED_OFFSET + k)
+        total += float(source.score(_responses(batch), metas[begin : begin + chunk]).sum())
+    return total / len(prompts)
 
 
 def _responses(batch) -> list[torch.Tensor]:

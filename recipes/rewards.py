@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -100,6 +101,27 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward.function = {spec!r}: {module_name!r} has no callable {attr!r}; fix: name a function defined there")
     return fn
+
+
+def check_reward_columns(fn: RewardFn, spec: str, columns: set[str]) -> None:
+    """Refuse data columns that would clash with ``fn``'s own first two parameters (the
+    prompt(s) and response(s), passed by position) when passed by name.
+
+    Raises:
+        ValueError: naming the column and the fix.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # not introspectable (a builtin or C function): nothing to check
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    clash = sorted(p.name for p in positional if p.kind is p.POSITIONAL_OR_KEYWORD and p.name in columns)
+    if clash:
+        raise ValueError(
+            f"reward.function = {spec!r}: the data has column(s) {clash}, which would also fill the function's parameter(s) of "
+            "the same name (the prompt and response are passed by position); fix: rename the column(s) in the data, or the "
+            "function's parameters"
+        )
 
 
 class RewardError(RuntimeError):
@@ -184,7 +206,9 @@ def exact_match(prompt: str, response: str, answer: object = None, **columns) ->
     return float(_norm(response) == _norm(answer))
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number not glued to a preceding digit (so "2023-2024" gives 2024, not -2024): an integer
+# with optional thousands commas, a decimal, or a fraction a/b.
+_NUMBER = re.compile(r"(?<![\d.])-?(?:\d[\d,]*(?:\.\d+)?(?:/\d+)?|\.\d+)")
 
 
 def extract_answer(text: str) -> str | None:
@@ -204,22 +228,40 @@ def extract_answer(text: str) -> str | None:
 
 
 def _as_number(text: str) -> float | None:
+    """``text`` as a number: ``1,200``, ``$3.50``, ``-7``, ``3/4``, ``\\frac{3}{4}``; None otherwise."""
+    t = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", t) or re.fullmatch(r"(-?)(-?\d+)/(\d+)", t)
     try:
-        return float(text.replace(",", "").replace("$", "").strip())
+        if frac:
+            sign = -1.0 if frac.group(1) else 1.0
+            return sign * float(frac.group(2)) / float(frac.group(3)) if float(frac.group(3)) else None
+        return float(t)
     except ValueError:
         return None
 
 
+def reference_answer(answer: object) -> str:
+    """The expected final answer of a dataset's ``answer`` column: after GSM8K's ``####``
+    marker when present, else inside its last ``\\boxed{...}``, else the whole value."""
+    text = str(answer)
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    if "\\boxed{" in text:
+        return extract_answer(text) or text
+    return text.strip()
+
+
 def math_answer(prompt: str, response: str, answer: object = None, **columns) -> float:
-    """1.0 when the response's final answer (``extract_answer``) equals the row's ``answer``:
-    numerically when both parse as numbers (``12``, ``12.0``, ``1,200``), else as normalised
-    text."""
+    """1.0 when the response's final answer (``extract_answer``) equals the row's expected answer
+    (``reference_answer``: a plain value, GSM8K's ``... #### 72``, or a ``\\boxed{}``):
+    numerically when both parse as numbers (``12``, ``12.0``, ``1,200``, ``3/4``), else as
+    normalised text."""
     if answer is None:
         raise KeyError("the row has no 'answer' column (math_answer compares the response's final answer with it)")
     got = extract_answer(response)
     if got is None:
         return 0.0
-    want = str(answer)
+    want = reference_answer(answer)
     a, b = _as_number(got), _as_number(want)
     if a is not None and b is not None:
         return float(math.isclose(a, b, rel_tol=0.0, abs_tol=1e-9 * max(1.0, abs(b))))

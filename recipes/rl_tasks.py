@@ -11,7 +11,7 @@ import torch
 
 from recipes import data as task
 from recipes.common import rank
-from recipes.rewards import compute_rewards, load_reward_fn, sort_task_score
+from recipes.rewards import check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
 from recipes.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 
 
@@ -55,11 +55,14 @@ class FileTask:
     def __init__(self, cfg: DataConfig, model_path: str, reward_function: str, batched: bool) -> None:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(model_path)
-        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        self.stop_ids = stop_token_ids(self.tokenizer, model_path, end_of_turn=cfg.apply_chat_template)
         self.reward_fn, self.batched = load_reward_fn(reward_function), batched
         self.train = PromptDataset(cfg.train_files, self.tokenizer, cfg, "data.train_files")
         self.order = StepOrder(len(self.train), cfg.batch_size, cfg.seed, cfg.shuffle)
         self.val = PromptDataset(cfg.val_files, self.tokenizer, cfg, "data.val_files") if cfg.val_files else None
+        for data in (self.train, self.val):
+            if data is not None:  # before any model is built: a clash would fail only after a rollout
+                check_reward_columns(self.reward_fn, reward_function, {k for s in data.samples for k in s.columns})
         self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, rank() == 0)
 
     def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:

@@ -7,10 +7,11 @@ row is a mapping of column -> value.
 
 SFT rows (``data.format``):
     * ``messages``: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant",
-      "content": ...}, ...]}``. Rendered with the chat template; the loss covers every assistant
-      turn: the text the template adds for that turn after the generation prompt (the content
-      and the template's end-of-turn marker), nothing of the system/user turns or of the
-      generation prompt itself.
+      "content": ...}, ...]}``. Rendered with the chat template and tokenized in one call (HF's
+      own ``apply_chat_template(tokenize=True)`` ids); the loss covers each assistant turn
+      (``data.loss_on``): the text the template adds for it after the generation prompt (the
+      content, the end-of-turn marker and what the template writes after it), nothing of the
+      system/user turns or of the generation prompt itself.
     * ``prompt_response``: ``{"prompt": ..., "response": ...}``. With ``data.apply_chat_template``
       it is the conversation ``[user: prompt, assistant: response]`` (as above); without, the
       raw text ``prompt`` (with the tokenizer's special tokens, e.g. BOS) then ``response`` and
@@ -19,11 +20,9 @@ RL rows: ``data.prompt_key`` holds a string (wrapped as one user turn when
 ``data.apply_chat_template``) or a list of chat messages; it is rendered with the generation
 prompt. Every other column travels with the row to the reward function.
 
-Tokenization is per segment (each turn's rendered text is tokenized on its own and the ids are
-concatenated), so the prompt a sampler sees at RL time tokenizes exactly as the prompt part of
-an SFT sample. A chat template that renders an earlier turn differently once later turns follow
-(e.g. one that drops past reasoning) cannot give a per-turn loss mask and is refused with the row
-named.
+A chat template that renders an earlier turn differently once later turns follow (e.g. one that
+drops past reasoning) cannot give that turn a loss mask: the row is refused, naming the fix
+(``data.loss_on=last_turn``).
 
 Order: the samples of step ``s`` are positions ``s * batch_size .. (s + 1) * batch_size - 1`` of
 the endless sequence formed by one permutation of the rows per epoch (seeded by ``data.seed``
@@ -40,6 +39,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -49,6 +49,7 @@ from recipes import data as task
 
 FORMATS = ("messages", "prompt_response")
 OVERLONG = ("truncate", "drop", "error")
+LOSS_ON = ("all_turns", "last_turn")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 
 
@@ -67,6 +68,10 @@ class DataConfig(task.DataConfig):
         response_key: SFT ``prompt_response`` column with the response.
         apply_chat_template: render string prompts (and SFT prompt/response pairs) through the
             tokenizer's chat template as a user turn; false: raw text (base models).
+        chat_template_kwargs: extra variables for the template, passed to every
+            ``apply_chat_template`` call (e.g. ``{enable_thinking: false}`` for Qwen3).
+        loss_on: SFT ``messages``: ``all_turns`` (every assistant turn) or ``last_turn`` (the
+            last one; earlier turns are context, rendered as the template renders history).
         max_length: SFT: longest sample in tokens.
         max_prompt_length: RL: longest prompt in tokens.
         max_response_length: RL: the response length limit (tokens); null: ``rollout.max_new_tokens``.
@@ -84,6 +89,8 @@ class DataConfig(task.DataConfig):
     prompt_key: str = "prompt"
     response_key: str = "response"
     apply_chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_on: str = "all_turns"
     max_length: int = 1024
     max_prompt_length: int = 512
     max_response_length: int | None = None
@@ -98,6 +105,8 @@ class DataConfig(task.DataConfig):
         out = super()._problems()
         if self.format not in FORMATS:
             out.append(f"format = {self.format!r}: unknown; fix: use one of {', '.join(FORMATS)}")
+        if self.loss_on not in LOSS_ON:
+            out.append(f"loss_on = {self.loss_on!r}: unknown; fix: use one of {', '.join(LOSS_ON)}")
         if self.overlong not in OVERLONG:
             out.append(f"overlong = {self.overlong!r}: unknown; fix: use one of {', '.join(OVERLONG)}")
         for name in ("max_length", "max_prompt_length"):
@@ -139,7 +148,7 @@ def read_rows(paths: Sequence[str], key: str = "data.train_files") -> list[Row]:
             if path.endswith(".parquet"):
                 import pyarrow.parquet as pq
 
-                values = [(f"{path}[{i}]", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+                values = [(f"{path}[{i}]", _drop_null_struct_keys(r)) for i, r in enumerate(pq.read_table(path).to_pylist())]
             else:
                 values = _read_json(path)
         except (OSError, ValueError) as exc:
@@ -153,9 +162,22 @@ def read_rows(paths: Sequence[str], key: str = "data.train_files") -> list[Row]:
     return rows
 
 
+def _drop_null_struct_keys(row: dict) -> dict:
+    """Parquet stores a list of messages as a list of structs with the union of all keys, so a
+    message without e.g. ``tool_calls`` comes back with ``tool_calls: None``; templates test
+    ``'tool_calls' in message``. Drop those None keys inside lists of dicts, as JSON lines would
+    not have them (top-level None values are kept: they are the column's value)."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            value = [{k: v for k, v in item.items() if v is not None} for item in value]
+        out[key] = value
+    return out
+
+
 def _read_json(path: str) -> list[tuple[str, object]]:
     """A ``.json`` array, or JSON lines (``.jsonl``, or a ``.json`` that is not one document)."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the data
         text = f.read()
     if path.endswith(".json"):
         try:
@@ -167,7 +189,8 @@ def _read_json(path: str) -> list[tuple[str, object]]:
         if isinstance(doc, dict):
             return [(f"{path}[0]", doc)]
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # split on newlines only: str.splitlines also splits inside strings on U+2028, U+0085, ...
+    for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 out.append((f"{path}:{n}", json.loads(line)))
@@ -194,10 +217,15 @@ def load_tokenizer(model_path: str):
         ) from exc
 
 
-def stop_token_ids(tokenizer, model_path: str) -> list[int]:
-    """Token ids that end a response: the tokenizer's EOS and the model's generation-config EOS
-    ids (chat models often list the end-of-turn token there)."""
+def stop_token_ids(tokenizer, model_path: str, end_of_turn: bool = True) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS, the model's generation-config EOS
+    ids, and (``end_of_turn``, with a chat template) the special token the template puts right
+    after an assistant message (e.g. ``<|im_end|>``, which base models' generation configs
+    omit)."""
     ids = set()
+    turn_end = _template_end_of_turn(tokenizer) if end_of_turn else None
+    if turn_end is not None:
+        ids.add(turn_end)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     gen_path = os.path.join(model_path, "generation_config.json")
@@ -213,6 +241,26 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
     return sorted(ids)
 
 
+def _template_end_of_turn(tokenizer) -> int | None:
+    """The special token the chat template writes right after an assistant message's content,
+    found by rendering a two-message chat; None without a template, when the template needs
+    more than that chat, or when what follows the content is not a special token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    try:
+        start = tokenizer.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(chat, tokenize=False)
+    except Exception:  # noqa: BLE001 (a template may raise anything on a minimal chat)
+        return None
+    if not full.startswith(start) or not full[len(start) :].lstrip().startswith("y"):
+        return None
+    rest = full[len(start) :].lstrip()[1:]
+    ids = tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else []
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return int(ids[0]) if ids and ids[0] in special else None
+
+
 class ChatEncoder:
     """Turns rows into token ids with one tokenizer and the recipe's ``data`` settings."""
 
@@ -226,7 +274,9 @@ class ChatEncoder:
                 "the tokenizer, or (string prompts only) set data.apply_chat_template=false"
             )
         try:
-            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **dict(self.cfg.chat_template_kwargs)
+            )
         except Exception as exc:  # noqa: BLE001 (jinja raises anything; the row must be named)
             raise ValueError(f"row {source}: the chat template failed on it: {exc}; fix: check the row's messages") from exc
 
@@ -234,33 +284,59 @@ class ChatEncoder:
         return list(self.tok(text, add_special_tokens=special)["input_ids"]) if text else []
 
     def conversation(self, messages: object, source: str) -> tuple[list[int], list[int]]:
-        """``(ids, loss_mask)`` of a chat: the mask is 1 on what the template adds for each
-        assistant turn after its generation prompt."""
+        """``(ids, loss_mask)`` of a chat rendered once with the template; the mask is 1 on the
+        tokens of what the template adds for each trained assistant turn after its generation
+        prompt (``data.loss_on``: every assistant turn, or the last one only).
+
+        A turn's text span runs from the end of ``render(messages[:i], add_generation_prompt)``
+        to the end of ``render(messages[:i + 1])``; both must be prefixes of the full rendering.
+        The full text is tokenized in one call, and a token is trained when its character span
+        overlaps a trained turn's span (tokenizers without offsets: each piece separately)."""
         _check_messages(messages, source)
-        if not any(m["role"] == "assistant" for m in messages):
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
             raise ValueError(f"row {source}: no assistant turn, so nothing to learn; fix: add one or drop the row")
-        ids: list[int] = []
-        mask: list[int] = []
-        done = ""
-
-        def extend(full: str, train: bool, what: str) -> None:
-            nonlocal done
-            if not full.startswith(done):
+        if self.cfg.loss_on == "last_turn":
+            turns = turns[-1:]
+        full = self._render(messages, False, source)
+        spans: list[tuple[int, int]] = []
+        for i in turns:
+            start = self._render(messages[:i], True, source) if i else ""
+            end = self._render(messages[: i + 1], False, source)
+            if not (
+                full.startswith(start) and full.startswith(end) and len(start) <= len(end) and (not spans or spans[-1][1] <= len(start))
+            ):
                 raise ValueError(
-                    f"row {source}: the chat template renders the conversation before turn {what} differently once that turn "
-                    "follows, so the assistant tokens cannot be told apart; fix: one row per assistant turn, or a template "
-                    "whose renderings of a conversation's prefixes are prefixes of each other"
+                    f"row {source}: the chat template renders the conversation up to message {i} differently once later messages "
+                    "follow (e.g. it drops the reasoning of past turns), so that turn's tokens cannot be told apart; fix: "
+                    "data.loss_on=last_turn (earlier turns become context), or one row per assistant turn"
                 )
-            new = self._ids(full[len(done) :])
-            ids.extend(new)
-            mask.extend([int(train)] * len(new))
-            done = full
+            spans.append((len(start), len(end)))
+        return self._tokenize_spans(full, spans)
 
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant":
-                extend(self._render(messages[:i], True, source) if i else "", False, str(i))
-                extend(self._render(messages[: i + 1], False, source), True, str(i))
-        extend(self._render(messages, False, source), False, "end")
+    def _tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):
+            enc = None  # a tokenizer without offsets (slow, Python-only): tokenize piece by piece
+        if enc is not None and "offset_mapping" in enc:
+            ids = list(enc["input_ids"])
+
+            def trained(s: int, e: int) -> bool:
+                return any((s < b and e > a) if e > s else a <= s < b for a, b in spans)
+
+            mask = [int(trained(s, e)) for s, e in enc["offset_mapping"]]
+        else:
+            ids, mask, cursor = [], [], 0
+            for a, b in spans:
+                for piece, train in ((text[cursor:a], 0), (text[a:b], 1)):
+                    new = self._ids(piece)
+                    ids.extend(new)
+                    mask.extend([train] * len(new))
+                cursor = b
+            tail = self._ids(text[cursor:])
+            ids.extend(tail)
+            mask.extend([0] * len(tail))
         if mask:
             mask[0] = 0  # nothing predicts the first token
         return ids, mask

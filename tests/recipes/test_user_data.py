@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recipes import rewards
-from recipes.text_data import ChatEncoder, DataConfig, PromptDataset, SFTDataset, StepOrder, load_tokenizer, read_rows
+from recipes.text_data import ChatEncoder, DataConfig, PromptDataset, SFTDataset, StepOrder, load_tokenizer, read_rows, stop_token_ids
 from tests.recipes import user_data as ud
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +79,10 @@ def test_the_three_file_formats_give_the_same_samples(files):
     tok = _tok(files)
     got = [SFTDataset([files[f"sft.{ext}"]], tok, DataConfig()).samples for ext in ("jsonl", "json", "parquet")]
     assert got[0] == got[1] == got[2] and len(got[0]) == 96
+    # Parquet's list-of-struct column gives every message every key (None where absent): the
+    # rows still equal the JSON lines' (templates test `'key' in message`)
+    rows = [[r.values for r in read_rows([files[f"sft.{ext}"]])] for ext in ("jsonl", "parquet")]
+    assert rows[0] == rows[1]
 
 
 def test_overlong_policies_count_and_name_the_row(files):
@@ -120,6 +124,9 @@ def test_bad_rows_and_files_are_named(files, tmp_path):
         SFTDataset([str(bad)], tok, DataConfig())
     with pytest.raises(ValueError, match=r"no column 'conversation' \(data.messages_key\)"):
         SFTDataset([files["sft.jsonl"]], tok, DataConfig(messages_key="conversation"))
+    # U+2028 inside a string is not a line break of JSON lines; a byte-order mark is not data
+    bad.write_text('\ufeff{"prompt": "a\u2028b"}\n', encoding="utf-8")
+    assert [r.values for r in read_rows([str(bad)])] == [{"prompt": "a\u2028b"}]
     bad.write_text('{"messages": []}\nnot json\n')
     with pytest.raises(ValueError, match=r"cannot read .*bad\.jsonl.*line 2"):
         read_rows([str(bad)])
@@ -144,9 +151,44 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(files, tmp_path):
         "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
         "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    rows = [r for r in ud.message_rows(3, 0) if len(r["messages"]) > 2]
-    with pytest.raises(ValueError, match="renders the conversation before turn .* differently"):
-        ChatEncoder(tok, DataConfig()).conversation(rows[0]["messages"], "row0")
+    msgs = next(r for r in ud.message_rows(3, 0) if len(r["messages"]) > 2)["messages"]
+    with pytest.raises(
+        ValueError, match=r"row0: the chat template renders the conversation up to message 2 differently.*loss_on=last_turn"
+    ):
+        ChatEncoder(tok, DataConfig()).conversation(msgs, "row0")
+    # the fix it names: only the last turn is trained, earlier turns are context as rendered
+    ids, mask = ChatEncoder(tok, DataConfig(loss_on="last_turn")).conversation(msgs, "row0")
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == msgs[-1]["content"] + "<|end|>"
+
+
+def test_sentencepiece_style_tokenizer_gives_hf_own_ids_and_mask():
+    """A Metaspace BPE tokenizer (Llama-2 / Mistral style: a word-start marker at the start of
+    each tokenization call) with a Mistral-like template: the sample is exactly HF's own
+    ``apply_chat_template(tokenize=True)`` ids (no stray marker between turns), and the mask
+    covers each assistant turn's content and EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    corpus = [f"[INST] {q} [/INST] {a}" for q, a in ud.additions(500, 0, 99)]
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]))
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=template)
+    msgs = [
+        {"role": "user", "content": "3+4="},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "12+5="},
+        {"role": "assistant", "content": "17"},
+    ]
+    ids, mask = ChatEncoder(tok, DataConfig()).conversation(msgs, "row")
+    assert ids == list(tok.apply_chat_template(msgs, tokenize=True)["input_ids"])
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "7</s>17</s>"
 
 
 def _load_error(recipe: str, overrides: list[str], create: Path | None = None) -> ValueError:
@@ -188,10 +230,34 @@ def test_reward_functions_load_by_path_module_and_name(files):
         ("13", 12, 0.0),
         ("no number here", 3, 0.0),
         ("-4", -4, 1.0),
+        ("The answer is 72.", "She sells 16 - 3 - 4 = 9 eggs, 9 * 2 = 18... #### 72", 1.0),  # GSM8K's answer column
+        ("so 3/4", "0.75", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+        ("in 2023-2024", 2024, 1.0),
+        ("1e3", 1000, 0.0),
     ],
 )
 def test_math_answer(response, answer, want):
     assert rewards.math_answer("q", response, answer=answer) == want
+
+
+def test_reward_columns_that_clash_with_the_function_are_refused_at_load(files, tmp_path):
+    def score(prompt, response, **columns):
+        return 0.0
+
+    rewards.check_reward_columns(score, "rw.py:score", {"answer", "id"})
+    with pytest.raises(ValueError, match=r"column\(s\) \['response'\].*fix: rename"):
+        rewards.check_reward_columns(score, "rw.py:score", {"answer", "response"})
+
+
+def test_the_template_end_of_turn_token_stops_a_response(files, tmp_path):
+    """A base model's EOS is often not the chat template's end-of-turn token: both stop."""
+    tok = _tok(files)
+    tok.eos_token = "<pad>"
+    bare = tmp_path / "no_generation_config"
+    bare.mkdir()
+    assert stop_token_ids(tok, str(bare)) == [tok.convert_tokens_to_ids("<pad>"), tok.convert_tokens_to_ids("<|end|>")]
+    assert stop_token_ids(tok, str(bare), end_of_turn=False) == [tok.convert_tokens_to_ids("<pad>")]
 
 
 def test_exact_match_and_missing_answer():

@@ -87,7 +87,7 @@ def message_rows(n: int, seed: int) -> list[dict]:
         (q1, a1), (q2, a2) = pairs[2 * i], pairs[2 * i + 1]
         if i % 3 == 2:
             msgs = [
-                {"role": "system", "content": "x"},
+                {"role": "system", "content": "x", "name": "sys"},  # a key other messages lack
                 {"role": "user", "content": q1},
                 {"role": "assistant", "content": a1},
                 {"role": "user", "content": q2},
