@@ -37,6 +37,7 @@ from benchmarks.common import ModelSpec, Report, Row, build_model, cli, command_
 SPEC = ModelSpec(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)
 N_SEQ, PROMPT, RESPONSE = 8, 96, 32
 MB = 2**20
+LORA_RANK = 8
 
 
 class PeakMemory:
@@ -101,9 +102,11 @@ def _ppo_batch(vocab: int):
     return make_batch(seqs, loss_mask=mask, advantages=[torch.randn(n, generator=g) for _ in range(N_SEQ)])
 
 
-def _roles(path: str, backend: str, offload: bool):
+def _roles(path: str, backend: str, offload: bool, lora_rank: int = 0):
     """Actor, critic and reference engines as ``recipes.ppo`` configures them (critic: value
-    head; reference: frozen), all with the same offload policy."""
+    head; reference: frozen), all with the same offload policy. ``lora_rank`` > 0: the actor
+    trains LoRA adapters and the reference is the actor's engine with them off (no third model);
+    the critic stays a full model."""
     from engine_api import build_engine, load_config
     from roles.actor import Actor, ActorConfig
     from roles.critic import Critic, CriticConfig
@@ -115,10 +118,16 @@ def _roles(path: str, backend: str, offload: bool):
         + (["megatron.layer_spec=local"] if backend == "megatron" else []),
     )
     critic_cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, head="value"))
-    engines = [build_engine(c) for c in (base, critic_cfg, dataclasses.replace(base, frozen=True))]
+    if lora_rank:
+        lora = dataclasses.replace(base.model.lora, rank=lora_rank, alpha=2.0 * lora_rank)
+        actor_cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, lora=lora))
+        engines = [build_engine(c) for c in (actor_cfg, critic_cfg)]
+    else:
+        engines = [build_engine(c) for c in (base, critic_cfg, dataclasses.replace(base, frozen=True))]
     for engine in engines:
         engine.init_model()
-    return Actor(engines[0], ActorConfig(kl_coef=0.01)), Critic(engines[1], CriticConfig()), Reference(engines[2])
+    reference = Reference(engines[0] if lora_rank else engines[2])
+    return Actor(engines[0], ActorConfig(kl_coef=0.01)), Critic(engines[1], CriticConfig()), reference
 
 
 def _ppo_step(actor, critic, reference, batch, meter: PeakMemory) -> dict[str, int]:
@@ -143,16 +152,35 @@ def _ppo_step(actor, critic, reference, batch, meter: PeakMemory) -> dict[str, i
     return peaks
 
 
-def measure(path: str, backend: str, offload: bool, threads: int) -> dict[str, float]:
+def measure(path: str, backend: str, offload: bool, threads: int, lora_rank: int = 0) -> dict[str, float]:
     """Runs in a fresh spawned process: build the roles, one warm-up step, one measured step."""
     set_threads(threads)
     meter = PeakMemory()
-    actor, critic, reference = _roles(path, backend, offload)
+    actor, critic, reference = _roles(path, backend, offload, lora_rank)
     batch = _ppo_batch(SPEC.vocab_size)
     _ppo_step(actor, critic, reference, batch.clone(), meter)  # allocates AdamW state
     before = meter.current()
     peaks = _ppo_step(actor, critic, reference, batch.clone(), meter)
-    return {"rest_mb": before / MB, **{f"{k}_peak_mb": v / MB for k, v in peaks.items()}, "after_mb": meter.current() / MB}
+    return {
+        "rest_mb": before / MB,
+        **{f"{k}_peak_mb": v / MB for k, v in peaks.items()},
+        "after_mb": meter.current() / MB,
+        "actor_optim_state_mb": _optimizer_state_bytes(actor.engine) / MB,
+    }
+
+
+def _optimizer_state_bytes(engine) -> int:
+    """This rank's bytes of optimizer state (AdamW moments; the step counters left out)."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None:
+        return 0
+    total = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def main(argv=None) -> Report:
@@ -179,8 +207,22 @@ def main(argv=None) -> Report:
             for offload in (False, True):
                 with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     results[offload] = pool.submit(measure, path, backend, offload, args.threads).result()
+            if backend == "fsdp":  # LoRA: adapters on the actor, the reference = the actor with them off
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    results["lora"] = pool.submit(measure, path, backend, False, args.threads, LORA_RANK).result()
             for offload, r in results.items():
                 delta = r["actor_update_peak_mb"] - results[False]["actor_update_peak_mb"]
+                if offload == "lora":
+                    report.rows.append(
+                        Row(
+                            case=f"{backend}, LoRA r={LORA_RANK} (no reference copy)",
+                            values={**r, "actor_peak_vs_off_mb": delta},
+                            target="actor optimizer state adapter-sized; lower rest than two full copies",
+                            met=r["actor_optim_state_mb"] < 0.1 * results[False]["actor_optim_state_mb"],
+                            note="reference = the actor's engine with adapters off; critic full",
+                        )
+                    )
+                    continue
                 report.rows.append(
                     Row(
                         case=f"{backend}, offload {'on' if offload else 'off'}",

@@ -82,6 +82,12 @@ class BaseEngine(abc.ABC):
       another backend or layout with a ``ValueError``. Resume in a fresh process is bit-exact
       (model, optimizer, scheduler, RNG, step: ``make_extra`` / ``apply_extra``).
     * **Export.** :meth:`export_weights` yields every weight by its HF name, in HF layout.
+    * **LoRA** (only a backend that sets :attr:`supports_lora`; ``build_engine`` refuses
+      ``model.lora.rank > 0`` for the others): adapters on the ``model.lora.target_modules``,
+      only they are trained and checkpointed (with their optimizer state); batch metadata
+      ``disable_adapters=True`` makes a forward-only call use the base weights;
+      :meth:`export_weights` yields the merged weights and :meth:`export_adapter_weights` the
+      adapters alone.
     * **Collectives.** ``init_model``, ``forward_backward_step``, ``optimizer_step``,
       ``unshard_data``, ``save_checkpoint``, ``load_checkpoint`` and ``export_weights`` are
       collective over every rank of the engine; so are ``train_mode`` / ``eval_mode`` when
@@ -93,6 +99,8 @@ class BaseEngine(abc.ABC):
     #: naming the engine-config section that holds them (``megatron.*``); ``build_engine``
     #: gives the engine ``config.backend`` as an instance of it. None: no settings.
     options_class: ClassVar[type | None] = None
+    #: Whether the backend implements ``model.lora`` (see the LoRA duty above).
+    supports_lora: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         """Store the typed config; build nothing heavy (no model, no process groups)."""
@@ -343,8 +351,22 @@ class BaseEngine(abc.ABC):
     @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight, in HF naming and layout, for
-        weight sync into a rollout/inference model or HF export. Collective: every rank must
-        drain the generator."""
+        weight sync into a rollout/inference model or HF export (with LoRA: the base weights
+        with the adapters merged in). Collective: every rank must drain the generator."""
+
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(peft_name, full_tensor)`` for every LoRA adapter weight, named as peft saves
+        them (``base_model.model.<module>.lora_A.weight``), for a LoRA-aware rollout engine or a
+        peft adapter directory. Collective.
+
+        Raises:
+            ValueError: the engine has no adapters (``model.lora.rank`` is 0, or the backend
+                does not support LoRA).
+        """
+        raise ValueError(
+            f"export_adapter_weights on {type(self).__name__} (model.lora.rank = {self.config.model.lora.rank}): no LoRA adapters; "
+            "fix: build the engine with engine.model.lora.rank > 0 on a backend that supports LoRA, or use export_weights"
+        )
 
     # ------------------------------------------------------------------ templates
     def train_batch(self, batch: TensorDict) -> dict[str, Any]:

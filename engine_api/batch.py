@@ -363,6 +363,8 @@ def _positive_number(value: object) -> bool:
 METADATA_RULES = {
     "temperature": (_positive_number, "a finite number > 0 (log-probs are of logits / temperature)"),
     "calculate_entropy": (lambda v: isinstance(v, bool), "True or False"),
+    # Forward-only calls of a LoRA engine: run the base weights (the adapters bypassed).
+    "disable_adapters": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

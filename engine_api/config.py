@@ -29,6 +29,43 @@ def _p(field_name: str, value: object, problem: str, fix: str) -> str:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the model; only the adapters are trained.
+
+    Attributes:
+        rank: adapter rank r; 0 turns LoRA off.
+        alpha: scaling numerator: the update is ``(alpha / rank) * B @ A``.
+        dropout: dropout on the adapter input, in training only.
+        target_modules: module names (suffixes) that get adapters; ``[all-linear]`` (default):
+            every linear layer except the output head (for the usual decoders: all attention
+            and MLP projections; on MoE models also the router).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.rank < 0:
+            out.append(_p("rank", self.rank, "negative", "use 0 (off) or a rank such as 8"))
+        if self.alpha <= 0:
+            out.append(_p("alpha", self.alpha, "must be > 0", "e.g. 16"))
+        if not 0 <= self.dropout < 1:
+            out.append(_p("dropout", self.dropout, "must be in [0, 1)", "e.g. 0.0"))
+        if not self.target_modules or any(not isinstance(t, str) or not t for t in self.target_modules):
+            out.append(_p("target_modules", self.target_modules, "needs module names", "e.g. [all-linear] or [q_proj, v_proj]"))
+        elif "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            out.append(_p("target_modules", self.target_modules, "all-linear cannot be combined with names", "use [all-linear] alone"))
+        return out
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model an engine trains.
 
@@ -38,12 +75,14 @@ class ModelConfig:
         head: ``lm`` (causal LM: log-probs, entropy) or ``value`` (a scalar per token).
         dtype: parameter dtype of the compute copy.
         gradient_checkpointing: recompute activations in backward to save memory.
+        lora: low-rank adapters (:class:`LoraConfig`; ``rank`` 0: off).
     """
 
     path: str | None = None
     head: str = "lm"
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def _problems(self) -> list[str]:
         out = []

@@ -210,6 +210,11 @@ def build_engine(config: EngineConfig) -> BaseEngine:
             "fix: build the config with load_config, or pass that class"
         )
     problems = config_problems(config) + wrong_type
+    if config.model.lora.enabled and not cls.supports_lora:
+        problems.append(
+            f"model.lora.rank = {config.model.lora.rank}: the {config.strategy!r} backend does not support LoRA; "
+            "fix: set engine.model.lora.rank=0, or use a backend that supports it (fsdp)"
+        )
     if not wrong_type:
         problems += cls.check_config(config)
     if problems:

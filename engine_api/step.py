@@ -202,6 +202,11 @@ def forward_backward_loop(
     validate_call(
         batch, cfg, spec.vocab_size, spec.max_positions, None if spec.validate_over_world else spec.dp_group, spec.max_positions_reason
     )
+    if not forward_only and "disable_adapters" in batch.keys() and batch.get_non_tensor("disable_adapters"):
+        raise ValueError(
+            "batch metadata disable_adapters = True in a training call: it selects the base weights for forward-only calls "
+            "(a LoRA reference); fix: drop it from batches passed to train_batch / forward_backward_step(forward_only=False)"
+        )
     if not forward_only and loss_fn is None:
         raise ValueError("forward_backward_step(forward_only=False) has no loss function; fix: call engine.set_loss_fn(loss_fn) first")
     ctx = {} if ctx is None else ctx

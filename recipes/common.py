@@ -75,6 +75,8 @@ class TrainerConfig:
         val_every: score the validation data every this many steps (0: only at the end).
         save_hf: at the end, write the trained model as an HF directory (weights, config,
             tokenizer, generation config) to ``<output_dir>/hf`` (``recipes.common.save_hf``).
+        save_hf_format: ``merged`` (full weights; with LoRA the adapters merged in) or
+            ``adapter`` (a peft adapter directory; needs ``engine.model.lora.rank > 0``).
     """
 
     total_steps: int = 800
@@ -87,6 +89,7 @@ class TrainerConfig:
     max_consecutive_skips: int = 3
     val_every: int = 0
     save_hf: bool = False
+    save_hf_format: str = "merged"
 
     def _problems(self) -> list[str]:
         out = []
@@ -96,6 +99,8 @@ class TrainerConfig:
             out.append(f"log_every = {self.log_every}: must be positive; fix: e.g. 100")
         if self.max_consecutive_skips < 0:
             out.append(f"max_consecutive_skips = {self.max_consecutive_skips}: negative; fix: use 0 (never stop) or a positive count")
+        if self.save_hf_format not in ("merged", "adapter"):
+            out.append(f"save_hf_format = {self.save_hf_format!r}: unknown; fix: use merged or adapter")
         if self.val_every < 0:
             out.append(f"val_every = {self.val_every}: negative; fix: use 0 (only at the end) or a step interval")
         if self.checkpoint_every < 0:
@@ -108,13 +113,20 @@ class TrainerConfig:
 
 
 def data_model_problems(cfg) -> list[str]:
-    """Data files need a model directory with a tokenizer (the built tiny model has none)."""
+    """Data files need a model directory with a tokenizer (the built tiny model has none); an
+    adapter export needs LoRA."""
+    out = []
+    if cfg.trainer.save_hf_format == "adapter" and not cfg.engine.model.lora.enabled:
+        out.append(
+            "trainer.save_hf_format = 'adapter': the engine has no LoRA adapters (engine.model.lora.rank = 0); fix: "
+            "save_hf_format=merged, or train with engine.model.lora.rank > 0"
+        )
     if cfg.data.from_files and cfg.engine.model.path is None:
-        return [
+        return out + [
             "engine.model.path = None: data.train_files are tokenized with the model directory's own tokenizer, and the built "
             "tiny model has none; fix: engine.model.path=DIR (an HF model directory with its tokenizer)"
         ]
-    return []
+    return out
 
 
 # ---------------------------------------------------------------------------------- setup
@@ -175,12 +187,19 @@ def with_model_path(cfg):
 
 
 # ---------------------------------------------------------------------------------- export
-def save_hf(source, model_path: str, out_dir: str) -> str:
-    """Write the weights ``source.export_weights()`` yields (an engine or a role) as an HF
-    directory: safetensors weights (float32, the engines' master precision) with the config,
-    generation config and tokenizer of ``model_path`` (the tokenizer only when that directory has
-    one). Collective: every rank drains the export; rank 0 assembles the model in CPU memory and
-    writes it; every rank returns once the directory is complete.
+def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
+    """Write the trained model of ``source`` (an engine or a role) as an HF directory.
+    Collective: every rank drains the export; rank 0 writes; every rank returns once the
+    directory is complete.
+
+    ``fmt``:
+        * ``merged``: the weights ``source.export_weights()`` yields (with LoRA: merged) as
+          float32 safetensors (the engines' master precision), with the config, generation
+          config and tokenizer of ``engine_config.model.path`` (the tokenizer only when that
+          directory has one); rank 0 assembles the model in CPU memory.
+        * ``adapter``: a peft adapter directory (``adapter_config.json``,
+          ``adapter_model.safetensors``) from ``source.export_adapter_weights()``, plus the
+          tokenizer; load it with ``PeftModel.from_pretrained(base, out_dir)``.
 
     The directory appears whole or not at all (written next to ``out_dir``, then renamed), and a
     previous ``out_dir`` is replaced only after the new one is complete.
@@ -189,10 +208,9 @@ def save_hf(source, model_path: str, out_dir: str) -> str:
         ValueError: (rank 0) an exported name is not a parameter of the HF model, a shape
             differs, or a parameter received no value; nothing is written then.
     """
-    import shutil
-
     from transformers import AutoModelForCausalLM
 
+    model_path = engine_config.model.path
     rank0 = rank() == 0
     problems, written, model, state = [], set(), None, {}
     if rank0:
@@ -201,17 +219,22 @@ def save_hf(source, model_path: str, out_dir: str) -> str:
             state = model.state_dict()
         except (OSError, ValueError) as exc:  # still drain the export below: it is collective
             problems.append(f"cannot load the HF model to write into: {exc}")
-    with torch.no_grad():
-        for name, tensor in source.export_weights():  # drained on every rank: it is collective
-            if model is None:
-                continue
-            if name not in state or state[name].shape != tensor.shape:
-                got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
-                problems.append(f"{name}: {got}")
-                continue
-            state[name].copy_(tensor.to(torch.float32))
-            written.add(state[name].data_ptr())
-    problems += [f"{n}: no exported value" for n, t in state.items() if t.data_ptr() not in written]  # tied names share storage
+    if fmt == "adapter":
+        adapters = {name: tensor for name, tensor in source.export_adapter_weights()}  # collective
+        if model is not None:
+            model = _peft_model_with(model, engine_config, adapters, problems)
+    else:
+        with torch.no_grad():
+            for name, tensor in source.export_weights():  # drained on every rank: it is collective
+                if model is None:
+                    continue
+                if name not in state or state[name].shape != tensor.shape:
+                    got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+                    problems.append(f"{name}: {got}")
+                    continue
+                state[name].copy_(tensor.to(torch.float32))
+                written.add(state[name].data_ptr())
+        problems += [f"{n}: no exported value" for n, t in state.items() if t.data_ptr() not in written]  # tied names share storage
     failed = torch.tensor([float(bool(problems))])
     if is_initialized():  # every rank learns whether rank 0 may write (none waits on a failed peer)
         failed = all_reduce(failed.to(comm_device(None)), "sum", None).cpu()
@@ -220,20 +243,39 @@ def save_hf(source, model_path: str, out_dir: str) -> str:
     if failed.item():
         raise RuntimeError("trainer.save_hf: rank 0 found the export does not match the HF model (its error says how); nothing written")
     if rank0:
-        tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        try:
-            from recipes.text_data import load_tokenizer
-
-            load_tokenizer(model_path).save_pretrained(tmp)
-        except ValueError:
-            pass  # a model directory without a tokenizer (the built tiny model): weights + config only
-        if os.path.exists(out_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        _write_dir(out_dir, model, model_path)
     if is_initialized():
         dist.barrier()
     return out_dir
+
+
+def _peft_model_with(model, engine_config, adapters: dict, problems: list[str]):
+    """peft's model on ``model`` with the engine's LoRA settings and ``adapters`` loaded."""
+    import peft
+
+    from backends.fsdp.lora import peft_config  # the adapter format is peft's, whichever backend trained it
+
+    wrapped = peft.get_peft_model(model, peft_config(engine_config.model.lora, engine_config.model.head))
+    result = peft.set_peft_model_state_dict(wrapped, adapters)
+    problems += [f"{k}: not an adapter of the peft model" for k in result.unexpected_keys]
+    return wrapped
+
+
+def _write_dir(out_dir: str, model, model_path: str) -> None:
+    """``model.save_pretrained`` + the tokenizer of ``model_path`` into ``out_dir``, atomically."""
+    import shutil
+
+    tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    try:
+        from recipes.text_data import load_tokenizer
+
+        load_tokenizer(model_path).save_pretrained(tmp)
+    except ValueError:
+        pass  # a model directory without a tokenizer (the built tiny model): weights + config only
+    if os.path.exists(out_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

@@ -219,7 +219,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "last_reward": _mean(history[-5:]),
         "val_reward": val_reward,
         "data": source.counts,
-        "hf_dir": save_hf(actor, cfg.engine.model.path, os.path.join(t.output_dir, "hf")) if t.save_hf else None,
+        "hf_dir": save_hf(actor, cfg.engine, os.path.join(t.output_dir, "hf"), t.save_hf_format) if t.save_hf else None,
     }
     if rank0:
         what = "your data" if cfg.data.from_files else "digit sorting"

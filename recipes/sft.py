@@ -142,7 +142,9 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     metrics_path = os.path.join(cfg.trainer.output_dir, cfg.trainer.metrics_file)
     losses = _train(engine, cfg, data, val_batches, start, metrics_path, ckpt_dir, rank0)
     evaluation = _evaluate(engine, val_batches)
-    hf_dir = save_hf(engine, cfg.engine.model.path, os.path.join(cfg.trainer.output_dir, "hf")) if cfg.trainer.save_hf else None
+    hf_dir = (
+        save_hf(engine, cfg.engine, os.path.join(cfg.trainer.output_dir, "hf"), cfg.trainer.save_hf_format) if cfg.trainer.save_hf else None
+    )
 
     summary = {
         "steps": cfg.trainer.total_steps,

@@ -62,6 +62,10 @@ class TrainableRole:
         """``(hf_name, full_tensor)`` pairs, one at a time. Collective."""
         return self.engine.export_weights()
 
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters by peft's names (``BaseEngine.export_adapter_weights``). Collective."""
+        return self.engine.export_adapter_weights()
+
     def save_checkpoint(self, path: str, global_step: int) -> None:
         """Model, optimizer, LR schedule, RNG and step under ``path``. Collective."""
         self.engine.save_checkpoint(path, global_step=global_step)

@@ -43,7 +43,8 @@ class Roles:
     Attributes:
         actor: the policy (also the rollout's weight source).
         critic: the value model, or None (GRPO).
-        reference: the frozen policy for the KL penalty, or None (``actor.kl_coef == 0``).
+        reference: the frozen policy for the KL penalty, or None (``actor.kl_coef == 0``); with
+            LoRA it shares the actor's engine (the base weights, adapters off).
         legacy: whether these are the legacy workers.
     """
 
@@ -85,10 +86,15 @@ def build_roles(config: RolesRecipeConfig) -> Roles:
             reference=legacy.LegacyReference(frozen) if config.actor.kl_coef else None,
             legacy=True,
         )
+    actor = Actor(_engine(config.engine), config.actor)
+    reference = None
+    if config.actor.kl_coef:
+        # LoRA: the reference is the actor's own engine with the adapters off (one model).
+        reference = Reference(actor.engine if config.engine.model.lora.enabled else _engine(frozen))
     return Roles(
-        actor=Actor(_engine(config.engine), config.actor),
+        actor=actor,
         critic=Critic(_engine(critic_engine), config.critic) if with_critic else None,
-        reference=Reference(_engine(frozen)) if config.actor.kl_coef else None,
+        reference=reference,
         legacy=False,
     )
 

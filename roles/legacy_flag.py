@@ -52,6 +52,10 @@ def legacy_problems(value: object, engine: EngineConfig) -> list[str]:
         )
     if engine.offload.param or engine.offload.optimizer:
         out.append(f"{FLAG} = {value!r} with engine.offload = {engine.offload}: the legacy workers do not offload; {fix} turn offload off")
+    if engine.model.lora.enabled:
+        out.append(
+            f"{FLAG} = {value!r} with engine.model.lora.rank = {engine.model.lora.rank}: the legacy workers have no LoRA; {fix} engine.model.lora.rank=0"
+        )
     if engine.deferred_normalization:
         out.append(
             f"{FLAG} = {value!r} with engine.deferred_normalization = true: the legacy workers normalize per call; "

@@ -6,23 +6,35 @@ inside the shared directory protocol of ``engine_api.ckpt_layout`` (temp dir, at
 from __future__ import annotations
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from engine_api import ckpt_layout
 
 BACKEND = "fsdp"  # recorded in enginekit.json
 
 
-def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
-    """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). Collective."""
+def _options(lora_rank: int) -> StateDictOptions:
+    # LoRA: the frozen base is the HF directory the engine loads at init; the checkpoint holds
+    # only what training changes (the adapters, a trained head copy) and their optimizer state.
+    # Loading then sets only those keys (not strict about the frozen rest); dcp.load itself
+    # fails if a trainable key is missing from the checkpoint.
+    lora = lora_rank > 0
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora_rank: int = 0) -> str:
+    """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). With LoRA
+    (``lora_rank`` > 0) only the trainable parameters. Collective."""
     tmp = ckpt_layout.begin(root, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora_rank))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND})
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora_rank": lora_rank})
 
 
-def load(model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True) -> dict:
+def load(
+    model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True, lora_rank: int = 0
+) -> dict:
     """Load into ``model``/``optimizer`` in place; return this rank's ``extra``. Collective.
 
     ``local_path`` without a complete checkpoint: ``remote`` is downloaded into it first, and
@@ -40,11 +52,18 @@ def load(model, optimizer, local_path: str, remote: str | None, del_local_after_
     if info.get("backend") != BACKEND:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path} was written by backend {info.get('backend')!r}; fix: load it with that engine.strategy")
+    if int(info.get("lora_rank", 0)) != lora_rank:
+        ckpt_layout.finish_load(downloaded)
+        raise ValueError(
+            f"checkpoint {path} was written with model.lora.rank = {info.get('lora_rank', 0)}, this engine has {lora_rank}; "
+            "fix: build the engine with the checkpoint's LoRA settings"
+        )
+    options = _options(lora_rank)
     with ckpt_layout.reading(path):
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra

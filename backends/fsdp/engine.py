@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
+from backends.fsdp.lora import adapter_weights, merged_weights
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
@@ -39,6 +40,7 @@ class FSDPEngine(BaseEngine):
     predicted from the prefix before token i (aligned like log-probs; 0 at position 0)."""
 
     options_class = FSDPOptions
+    supports_lora = True
 
     @classmethod
     def check_config(cls, config) -> list[str]:
@@ -66,8 +68,12 @@ class FSDPEngine(BaseEngine):
         self.model = model.to(self.device)
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.optimizer = None if self.config.frozen else build_adamw(self.model.parameters(), self.config.optim)
+        # Only trainable parameters: with LoRA the adapters (the frozen base gets no state).
+        self.optimizer = None if self.config.frozen else build_adamw(self._trainable(), self.config.optim)
         self.scheduler = None if self.config.frozen else build_lr_scheduler(self.optimizer, self.config.optim)
+        if self.config.model.lora.enabled and dist.get_rank() == 0:
+            trained, total = sum(p.numel() for p in self._trainable()), sum(p.numel() for p in self.model.parameters())
+            print(f"[enginekit] LoRA rank {self.config.model.lora.rank}: {trained:,} of {total:,} parameters trained", flush=True)
         self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
         self.global_step = 0
         self._forward_ran = False  # see _reset_fsdp_iteration
@@ -143,7 +149,9 @@ class FSDPEngine(BaseEngine):
         self._forward_ran = True
         # mb is already on the compute device (the loop moved it).
         rows = self.router.begin if self.router is not None and torch.is_grad_enabled() else None
-        return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
+        base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
+        with self.model.disable_adapter() if base_only else contextlib.nullcontext():  # peft bypasses every adapter
+            return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
 
     def optimizer_zero_grad(self) -> None:
         """Clear grads and the accumulation window; also FSDP2's per-iteration state, which a
@@ -168,12 +176,15 @@ class FSDPEngine(BaseEngine):
         every rank (non-finite norm or loss), clip, AdamW step."""
         self._refuse_if_frozen("optimizer_step")
         deferred = self.deferred if self.config.deferred_normalization else None
-        params = list(self.model.parameters())
+        params = self._trainable()
         grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
         if math.isfinite(grad_norm):
             self._check_update(self.model.named_parameters())
             self.global_step += 1
         return grad_norm
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def lr_scheduler_step(self) -> float:
         """Advance the schedule; return the new learning rate."""
@@ -186,13 +197,15 @@ class FSDPEngine(BaseEngine):
         self._refuse_if_broken("save_checkpoint")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
         with self._on_compute_device():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path)
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, self._lora_rank)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
         self._refuse_if_frozen("load_checkpoint")
         with self._on_compute_device():
-            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+            extra = ckpt.load(
+                self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora_rank
+            )
         self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
         self.deferred.reset()
         self._broken = None
@@ -208,12 +221,29 @@ class FSDPEngine(BaseEngine):
             self.to(saved["model"], model=True, optimizer=False)
             self.to(saved["optimizer"], model=False, optimizer=True)
 
+    @property
+    def _lora_rank(self) -> int:
+        return self.config.model.lora.rank
+
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the LoRA adapters by peft's names (see ``BaseEngine.export_adapter_weights``). Collective."""
+        if not self.config.model.lora.enabled:
+            yield from super().export_adapter_weights()
+            return
+        self._refuse_if_broken("export_adapter_weights")
+        with self._on_compute_device():
+            yield from adapter_weights(self.model)
+
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
         peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
-        tied weights appear under both names, as in HF's own ``state_dict``."""
+        tied weights appear under both names, as in HF's own ``state_dict``. With LoRA: the
+        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``)."""
         self._refuse_if_broken("export_weights")
         with self._on_compute_device():
+            if self.config.model.lora.enabled:
+                yield from merged_weights(self.model)
+                return
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 yield name, full.detach()

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from backends.fsdp.lora import apply_lora
 from backends.fsdp.options import FSDPOptions
 from backends.hf import load_hf_model
 from engine_api.config import EngineConfig, format_problem, options_of
@@ -45,10 +46,14 @@ def config_problems(config: EngineConfig) -> list[str]:
 
 def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     """The HF model of ``config.model`` (see ``backends.hf.load_hf_model``), fp32 master weights
-    on CPU; ``model.dtype`` is the compute dtype (FSDP mixed precision)."""
+    on CPU; ``model.dtype`` is the compute dtype (FSDP mixed precision). With ``model.lora``
+    the model comes wrapped by peft, the base frozen (``backends.fsdp.lora``)."""
     if config.model.path is None:
         raise ValueError("model.path = None: FSDPEngine loads an HF directory; fix: set engine.model.path")
-    return load_hf_model(config.model.path, config.model.head, config.seed, attn_implementation(device))
+    model = load_hf_model(config.model.path, config.model.head, config.seed, attn_implementation(device))
+    if config.model.lora.enabled:
+        model = apply_lora(model, config.model.lora, config.model.head, config.seed)
+    return model
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

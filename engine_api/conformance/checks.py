@@ -357,6 +357,54 @@ def frozen(env: Env) -> str:
     return f"refused: {', '.join(refused)}"
 
 
+@check("lora")
+def lora(env: Env) -> str:
+    """model.lora: refused unless the backend declares supports_lora; else adapters off == HF, on == peft, merged export == peft's merge, only adapters train."""
+    from engine_api import build_engine, load_config
+    from engine_api.registry import get_engine_class
+
+    settings = ["model.lora.rank=4", "model.lora.alpha=8"]
+    if not get_engine_class(env.strategy).supports_lora:
+        config = load_config(None, [*fx.engine_overrides(env.strategy, env.model_dir), *env.overrides, *settings])
+        try:
+            build_engine(config)
+        except ValueError as exc:
+            if "model.lora.rank" in str(exc):
+                return "refused at build_engine (the backend does not declare supports_lora)"
+            raise
+        raise CheckFailed("build_engine accepted model.lora.rank=4 on a backend that does not declare supports_lora")
+    import peft
+
+    engine = new_engine(env, *settings)
+    base = fx.hf_model(env.model_dir)
+    untouched = weights(engine)
+    window(engine, _local(engine))  # lora_B leaves its zero init: adapters on and off differ
+    adapters = {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
+    merged = weights(engine)
+    off = _local(engine, seed=1, disable_adapters=True)
+    on = _local(engine, seed=1)
+    with engine.eval_mode():
+        out_off, out_on = engine.infer_batch(off), engine.infer_batch(on)
+    wrapped = peft.get_peft_model(fx.hf_model(env.model_dir), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    if peft.set_peft_model_state_dict(wrapped, adapters).unexpected_keys:
+        raise CheckFailed("export_adapter_weights names are not peft's adapter names")
+    wrapped.eval()
+    if out_on is not None:
+        d_off = max_diff(out_off["log_probs"], fx.hf_token_outputs(base, off)[0])
+        d_on = max_diff(out_on["log_probs"], fx.hf_token_outputs(wrapped, on)[0])
+        if d_off > 1e-5 or d_on > 1e-5:
+            raise CheckFailed(f"log-probs: adapters off vs HF base {d_off:.2e}, adapters on vs peft {d_on:.2e} (> 1e-5)")
+    want = wrapped.merge_and_unload().state_dict()
+    if set(merged) != set(want):
+        raise CheckFailed(f"merged export names differ from HF's: {sorted(set(merged) ^ set(want))[:4]}")
+    err = fx.rel(merged, want)
+    if err > 1e-6:
+        raise CheckFailed(f"merged export differs from peft's merge_and_unload by {err:.2e} relative")
+    if not any(not torch.equal(merged[k], untouched[k]) for k in want):
+        raise CheckFailed("the step changed nothing")
+    return f"{len(adapters)} adapter tensors; merged export rel {err:.1e}"
+
+
 @check("offload")
 def offload(env: Env) -> str:
     """offload.param/optimizer round trips through train/eval modes train bit-identically to no offload."""

@@ -1,0 +1,124 @@
+"""LoRA on the FSDP backend, through peft.
+
+``apply_lora`` wraps the HF model with ``peft.get_peft_model`` before ``fully_shard``: peft
+freezes the base weights and adds ``lora_A`` / ``lora_B`` to the target modules (for a value
+head, peft's token-classification task also trains a copy of the ``score`` head). FSDP2 shards
+frozen and trainable parameters in the same units; only the trainable ones reach the optimizer.
+
+Export gathers one FSDP unit (a decoder layer, then the root) at a time with FSDP2's own
+``unshard`` and merges each adapter with peft's ``get_delta_weight``, so the merge is peft's
+(fan-in/fan-out layout, scaling). Under a mixed-precision policy the gathered weights are in the
+compute dtype (``param_dtype``), so a bf16 run exports bf16 merged weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from engine_api.config import LoraConfig
+
+ADAPTER = "default"  # peft's name for the one adapter
+
+
+def peft_config(cfg: LoraConfig, head: str):
+    """The ``peft.LoraConfig`` of the engine's ``model.lora`` section."""
+    import peft
+
+    targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM" if head == "lm" else "TOKEN_CLS",
+        # A value head's new ``score`` layer is trained in full (peft's token-classification
+        # task keeps a trainable copy of it), never given adapters of its own.
+        exclude_modules=None if head == "lm" else ["score"],
+    )
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, head: str, seed: int) -> nn.Module:
+    """``model`` wrapped by peft with adapters on ``cfg.target_modules``; the adapters are
+    initialised under ``torch.manual_seed(seed)`` (the same on every rank: FSDP shards each
+    rank's copy).
+
+    Raises:
+        ValueError: no module of the model matches ``cfg.target_modules``.
+    """
+    import peft
+
+    torch.manual_seed(seed)
+    try:
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning
+            # per engine that says nothing about this run).
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, peft_config(cfg, head))
+    except ValueError as exc:
+        raise ValueError(
+            f"model.lora.target_modules = {list(cfg.target_modules)}: {str(exc).splitlines()[0]}; fix: name modules of "
+            f"{type(model).__name__} (e.g. q_proj, v_proj) or use [all-linear]"
+        ) from exc
+
+
+def hf_name(peft_name: str) -> str | None:
+    """The HF name of a peft-wrapped parameter, or None for adapter-only tensors (``lora_*``,
+    the untrained ``original_module`` copy of a trained head)."""
+    name = peft_name.removeprefix("base_model.model.")
+    if ".lora_" in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every weight of the peft-wrapped, FSDP2-sharded ``model`` with
+    the adapters merged in (peft's ``get_delta_weight``), one FSDP unit gathered at a time.
+    Tied parameters appear under every name, as in HF's ``state_dict``. Collective."""
+    from peft.tuners.lora import LoraLayer
+
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+    prefixes = tuple(f"{name}." for name, _ in units)
+    for name, unit in [*units, ("", model)]:
+        with _unsharded(unit):
+            lora = {mname: m for mname, m in unit.named_modules(prefix=name) if isinstance(m, LoraLayer)}
+            for pname, param in unit.named_parameters(prefix=name, remove_duplicate=False):
+                if unit is model and pname.startswith(prefixes):
+                    continue  # a decoder layer's own unit yields it
+                target = hf_name(pname)
+                if target is None:
+                    continue
+                tensor = param.full_tensor() if isinstance(param, DTensor) else param
+                owner = pname.rsplit(".base_layer.", 1)[0] if ".base_layer." in pname else None
+                if owner in lora and pname.endswith(".base_layer.weight"):
+                    tensor = tensor + lora[owner].get_delta_weight(ADAPTER).to(tensor.dtype)
+                yield target, tensor.detach().clone()
+
+
+@contextlib.contextmanager
+def _unsharded(unit: nn.Module):
+    """The unit's own parameters gathered in full for the block (FSDP2 ``unshard``)."""
+    unit.unshard()
+    try:
+        yield
+    finally:
+        unit.reshard()
+
+
+def adapter_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(peft_name, full_tensor)`` of the trainable adapter tensors, named by peft's own
+    ``get_peft_model_state_dict`` (as in ``adapter_model.safetensors``). Collective."""
+    from peft import get_peft_model_state_dict
+
+    full = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name or f".modules_to_save.{ADAPTER}." in name:
+            full[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+    yield from get_peft_model_state_dict(model, state_dict=full).items()
