@@ -89,7 +89,7 @@ class BaseEngine(abc.ABC):
       :meth:`export_weights` yields the merged weights and :meth:`export_adapter_weights` the
       adapters alone.
     * **Collectives.** ``init_model``, ``forward_backward_step``, ``optimizer_step``,
-      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint`` and ``export_weights`` are
+      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint``, ``export_weights`` and ``export_adapter_weights`` are
       collective over every rank of the engine; so are ``train_mode`` / ``eval_mode`` when
       loading or offloading involves communication. A bad batch on one rank raises on every
       rank (validation is agreed), so no rank is left waiting.

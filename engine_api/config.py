@@ -252,6 +252,15 @@ class EngineConfig:
             out.append(_p("strategy", self.strategy, "empty", "name a registered engine, e.g. fsdp or megatron"))
         if self.seed < 0:
             out.append(_p("seed", self.seed, "negative", "use a seed >= 0"))
+        if self.frozen and self.model.lora.enabled:
+            out.append(
+                _p(
+                    "model.lora.rank",
+                    self.model.lora.rank,
+                    "a frozen engine trains nothing, so its adapters would stay at their initial values",
+                    "use lora.rank=0 for a frozen engine (a LoRA actor's engine serves as its own reference: roles.Reference)",
+                )
+            )
         if self.world_size is not None and self.world_size < 1:
             out.append(_p("world_size", self.world_size, "must be positive", "use the number of processes, or null to read $WORLD_SIZE"))
         if self.dist_timeout_s is not None and not self.dist_timeout_s > 0:

@@ -193,8 +193,8 @@ def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
     directory is complete.
 
     ``fmt``:
-        * ``merged``: the weights ``source.export_weights()`` yields (with LoRA: merged) as
-          float32 safetensors (the engines' master precision), with the config, generation
+        * ``merged``: the weights ``source.export_weights()`` yields (with LoRA: merged, in the
+          compute dtype of the engine's mixed-precision policy) as float32 safetensors, with the config, generation
           config and tokenizer of ``engine_config.model.path`` (the tokenizer only when that
           directory has one); rank 0 assembles the model in CPU memory.
         * ``adapter``: a peft adapter directory (``adapter_config.json``,
@@ -256,8 +256,14 @@ def _peft_model_with(model, engine_config, adapters: dict, problems: list[str]):
     from backends.fsdp.lora import peft_config  # the adapter format is peft's, whichever backend trained it
 
     wrapped = peft.get_peft_model(model, peft_config(engine_config.model.lora, engine_config.model.head))
-    result = peft.set_peft_model_state_dict(wrapped, adapters)
+    expected = set(peft.get_peft_model_state_dict(wrapped))
+    try:
+        result = peft.set_peft_model_state_dict(wrapped, adapters)
+    except (RuntimeError, ValueError, KeyError) as exc:  # e.g. a shape mismatch; the other ranks must still learn of it
+        problems.append(f"the adapters do not load into peft's model: {exc}")
+        return wrapped
     problems += [f"{k}: not an adapter of the peft model" for k in result.unexpected_keys]
+    problems += [f"{k}: no exported value" for k in sorted(expected - set(adapters))]
     return wrapped
 
 

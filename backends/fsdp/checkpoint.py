@@ -13,27 +13,28 @@ from engine_api import ckpt_layout
 BACKEND = "fsdp"  # recorded in enginekit.json
 
 
-def _options(lora_rank: int) -> StateDictOptions:
+def _options(lora: dict) -> StateDictOptions:
     # LoRA: the frozen base is the HF directory the engine loads at init; the checkpoint holds
     # only what training changes (the adapters, a trained head copy) and their optimizer state.
     # Loading then sets only those keys (not strict about the frozen rest); dcp.load itself
     # fails if a trainable key is missing from the checkpoint.
-    lora = lora_rank > 0
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+    return StateDictOptions(ignore_frozen_params=bool(lora), strict=not lora)
 
 
-def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora_rank: int = 0) -> str:
-    """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). With LoRA
-    (``lora_rank`` > 0) only the trainable parameters. Collective."""
+def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora: dict | None = None) -> str:
+    """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). With LoRA (``lora``: the
+    settings a resume must match, recorded in ``enginekit.json``) only the trainable
+    parameters. Collective."""
+    lora = lora or {}
     tmp = ckpt_layout.begin(root, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora_rank))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora_rank": lora_rank})
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora": lora})
 
 
 def load(
-    model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True, lora_rank: int = 0
+    model, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True, lora: dict | None = None
 ) -> dict:
     """Load into ``model``/``optimizer`` in place; return this rank's ``extra``. Collective.
 
@@ -52,13 +53,14 @@ def load(
     if info.get("backend") != BACKEND:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path} was written by backend {info.get('backend')!r}; fix: load it with that engine.strategy")
-    if int(info.get("lora_rank", 0)) != lora_rank:
+    lora = lora or {}
+    saved = info.get("lora") or {}
+    differ = [k for k in sorted(set(saved) | set(lora)) if saved.get(k) != lora.get(k)]
+    if differ:
         ckpt_layout.finish_load(downloaded)
-        raise ValueError(
-            f"checkpoint {path} was written with model.lora.rank = {info.get('lora_rank', 0)}, this engine has {lora_rank}; "
-            "fix: build the engine with the checkpoint's LoRA settings"
-        )
-    options = _options(lora_rank)
+        got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
+        raise ValueError(f"checkpoint {path} was written with {got}; fix: build the engine with the checkpoint's LoRA settings")
+    options = _options(lora)
     with ckpt_layout.reading(path):
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optimizer": optim_sd}

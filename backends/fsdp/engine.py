@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.forward import hf_forward
-from backends.fsdp.lora import adapter_weights, merged_weights
+from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
@@ -45,7 +45,7 @@ class FSDPEngine(BaseEngine):
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
-        return config_problems(config)
+        return config_problems(config) + tied_target_problems(config.model.lora, config.model.path)
 
     def init_model(self) -> None:
         """Load the HF model, shard it with FSDP2, build AdamW + LR schedule, apply offload.
@@ -150,7 +150,7 @@ class FSDPEngine(BaseEngine):
         # mb is already on the compute device (the loop moved it).
         rows = self.router.begin if self.router is not None and torch.is_grad_enabled() else None
         base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
-        with self.model.disable_adapter() if base_only else contextlib.nullcontext():  # peft bypasses every adapter
+        with adapters_off(self.model) if base_only else contextlib.nullcontext():
             return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
 
     def optimizer_zero_grad(self) -> None:
@@ -179,7 +179,8 @@ class FSDPEngine(BaseEngine):
         params = self._trainable()
         grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
         if math.isfinite(grad_norm):
-            self._check_update(self.model.named_parameters())
+            # only what the step changed (with LoRA, not the whole frozen base every step)
+            self._check_update([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
             self.global_step += 1
         return grad_norm
 
@@ -197,14 +198,14 @@ class FSDPEngine(BaseEngine):
         self._refuse_if_broken("save_checkpoint")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
         with self._on_compute_device():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, self._lora_rank)
+            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, self._lora)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
         self._refuse_if_frozen("load_checkpoint")
         with self._on_compute_device():
             extra = ckpt.load(
-                self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora_rank
+                self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora
             )
         self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
         self.deferred.reset()
@@ -222,8 +223,12 @@ class FSDPEngine(BaseEngine):
             self.to(saved["optimizer"], model=False, optimizer=True)
 
     @property
-    def _lora_rank(self) -> int:
-        return self.config.model.lora.rank
+    def _lora(self) -> dict:
+        """What a LoRA checkpoint must match ({} without LoRA)."""
+        lora = self.config.model.lora
+        if not lora.enabled:
+            return {}
+        return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules), "head": self.config.model.head}
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the LoRA adapters by peft's names (see ``BaseEngine.export_adapter_weights``). Collective."""

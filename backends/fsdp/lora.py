@@ -103,6 +103,49 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Forward with the base weights: every adapter layer bypassed for the block.
+
+    Only the layers' ``_disable_adapters`` flag is switched (what their forward reads). peft's own
+    ``disable_adapter()`` also turns the adapters' ``requires_grad`` off and back on; under FSDP2
+    with ``reshard_after_forward=false`` the units are still unsharded when it switches them back
+    on, so the sharded parameters would stay frozen for good (found in review).
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    saved = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, saved, strict=True):
+            m._disable_adapters = flag
+
+
+def tied_target_problems(cfg: LoraConfig, model_path: str | None) -> list[str]:
+    """Adapters on a tied embedding / LM head would give the one shared weight two different
+    deltas (peft only warns), so the merged export could not be one HF model: refused."""
+    names = set(cfg.target_modules) & {"embed_tokens", "lm_head", "wte", "word_embeddings"}
+    if not cfg.enabled or not names or model_path is None:
+        return []
+    try:
+        from transformers import AutoConfig
+
+        tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return []  # the model path problem is reported elsewhere
+    if not tied:
+        return []
+    return [
+        f"model.lora.target_modules = {list(cfg.target_modules)}: {sorted(names)} share the tied input/output embedding of "
+        f"{model_path!r}, and adapters on it cannot merge into one weight; fix: drop {sorted(names)} from target_modules"
+    ]
+
+
+@contextlib.contextmanager
 def _unsharded(unit: nn.Module):
     """The unit's own parameters gathered in full for the block (FSDP2 ``unshard``)."""
     unit.unshard()

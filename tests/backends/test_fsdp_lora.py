@@ -209,8 +209,11 @@ def test_checkpoint_holds_adapters_only_and_resumes_bit_exactly(model_dir, tmp_p
     assert all(torch.equal(final[k], full_final[k]) for k in full_final)
 
     plain = engine_for(model_dir)  # a checkpoint of another LoRA setting is refused by name
-    with pytest.raises(ValueError, match="model.lora.rank = 4, this engine has 0"):
+    with pytest.raises(ValueError, match=r"model.lora.rank = 4 \(this engine: 'off'\).*fix: build the engine with the checkpoint's LoRA"):
         plain.load_checkpoint(str(ckpt))
+    other_alpha = _engine(model_dir, "model.lora.alpha=4")
+    with pytest.raises(ValueError, match=r"model.lora.alpha = 8.0 \(this engine: 4.0\)"):
+        other_alpha.load_checkpoint(str(ckpt))
 
 
 def test_disable_adapters_is_refused_in_training_calls(model_dir):
@@ -221,6 +224,29 @@ def test_disable_adapters_is_refused_in_training_calls(model_dir):
     with engine.train_mode(), pytest.raises(ValueError, match="disable_adapters = True in a training call"):
         engine.train_batch(batch)
     assert all(torch.equal(v, before[k]) for k, v in engine.export_adapter_weights())
+
+
+def test_a_base_weights_call_leaves_the_adapters_trainable_without_resharding(model_dir):
+    """With ``fsdp.reshard_after_forward=false`` the units stay gathered after a forward: the
+    adapters-off call must not leave the sharded adapters frozen (the next step equals a run
+    without that call)."""
+    plain = _engine(model_dir, "fsdp.reshard_after_forward=false")
+    want = _engine_steps(plain, BATCHES)
+    engine = _engine(model_dir, "fsdp.reshard_after_forward=false")
+    off = make_test_batch(5)
+    off.set_non_tensor("disable_adapters", True)
+    with engine.eval_mode():
+        engine.infer_batch(off)
+    got = _engine_steps(engine, BATCHES)
+    assert got[1] == want[1] and all(torch.equal(got[3][k], want[3][k]) for k in want[3])
+
+
+def test_adapters_on_a_tied_embedding_are_refused(tmp_path):
+    tied = make_model(tmp_path / "qwen2", "qwen2")  # tie_word_embeddings
+    with pytest.raises(ValueError, match=r"model.lora.target_modules = .*share the tied input/output embedding.*fix: drop"):
+        build_engine(load_config(None, ["strategy=fsdp", f"model.path={tied}", *LORA, "model.lora.target_modules=[q_proj,lm_head]"]))
+    with pytest.raises(ValueError, match="a frozen engine trains nothing"):
+        load_config(None, [f"model.path={tied}", *LORA, "frozen=true"])
 
 
 def test_value_head_with_lora_trains_the_new_head_and_the_adapters(model_dir):
