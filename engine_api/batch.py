@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api.dist import all_gather_objects
+from engine_api.dist import all_gather_rows, group_size
 
 _META_TYPES = (bool, int, float, str, type(None))
 
@@ -292,10 +292,43 @@ def shard_batch(batch: TensorDict, dp_rank: int, dp_size: int) -> TensorDict:
 def unshard_batch(local: TensorDict, group: dist.ProcessGroup | None) -> TensorDict:
     """Gather every DP rank's shard (:func:`shard_batch` order) back into the global batch.
 
-    Collective over ``group``. Tensors travel on CPU (pickled), so outputs on any device work.
+    Collective over ``group``, with tensor collectives only (``all_gather_rows``: on the
+    communication device, never pickled): each rank's row lengths (two all-gathers), then one
+    all-gather per dtype for the jagged fields' values side by side, and one per dense field.
+    The result is on ``local``'s device, its jagged fields on one shared offsets tensor;
+    non-tensor metadata is ``local``'s. Every rank must hold the same fields with the same
+    dtypes and trailing shapes (as the outputs of one engine call do).
     """
-    shards = all_gather_objects(local.cpu(), group)
-    return torch.cat(shards) if len(shards) > 1 else shards[0]
+    if group_size(group) == 1:
+        return local
+    tensors = {k: local.get(k) for k in local.keys() if isinstance(local.get(k), torch.Tensor)}
+    jagged = [k for k, v in tensors.items() if v.is_nested]
+    first = tensors[jagged[0]].offsets().diff() if jagged else torch.zeros(local.batch_size[0], dtype=torch.long)
+    parts = all_gather_rows(first, group)
+    rows = [int(p.shape[0]) for p in parts]
+    all_lengths = torch.cat(parts)
+    tokens = [int(p.sum()) for p in parts]
+    offsets = torch.cat([all_lengths.new_zeros(1), all_lengths.cumsum(0)])
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for key in jagged:
+        by_dtype.setdefault(tensors[key].dtype, []).append(key)
+    for keys in by_dtype.values():
+        # the fields' values side by side ([tokens, width] each), gathered in one call
+        flats = [tensors[k].values().reshape(tensors[k].values().shape[0], -1) for k in keys]
+        widths = [f.shape[1] for f in flats]
+        gathered = torch.cat(all_gather_rows(torch.cat(flats, 1), group, counts=tokens))
+        for key, piece in zip(keys, gathered.split(widths, 1), strict=True):
+            values = piece.reshape(-1, *tensors[key].values().shape[1:])
+            out[key] = torch.nested.nested_tensor_from_jagged(values.contiguous(), offsets.to(values.device))
+    for key, value in tensors.items():
+        if not value.is_nested:
+            out[key] = torch.cat(all_gather_rows(value, group, counts=rows))
+    result = TensorDict({k: out[k] for k in tensors}, batch_size=[sum(rows)])
+    for key in local.keys():
+        if key not in tensors:
+            result.set_non_tensor(key, local.get_non_tensor(key))
+    return result
 
 
 def to_device(batch: TensorDict, device: torch.device | str) -> TensorDict:

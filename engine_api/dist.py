@@ -72,6 +72,34 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[obj
     return gathered
 
 
+def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None, counts: list[int] | None = None) -> list[torch.Tensor]:
+    """Gather a tensor whose first dimension may differ per rank (the other dimensions and the
+    dtype must agree), in group-rank order, with tensor collectives on the communication device
+    (``comm_device``): the rows padded to the longest, in one all-gather, after one all-gather of
+    the sizes unless every rank's row count is given (``counts``). Results come back on
+    ``tensor``'s device. Collective over ``group``."""
+    size = group_size(group)
+    if size == 1:
+        return [tensor]
+    device, home = comm_device(group), tensor.device
+    # gloo has no bool all-gather; bytes travel the same way
+    send = tensor.to(device).view(torch.uint8) if tensor.dtype == torch.bool else tensor.to(device)
+    if counts is None:
+        sizes = torch.tensor([send.shape[0]], dtype=torch.long, device=device)
+        all_sizes = [torch.empty_like(sizes) for _ in range(size)]
+        dist.all_gather(all_sizes, sizes, group=group)
+        counts = [int(c) for c in torch.cat(all_sizes).tolist()]
+    padded = send.new_zeros((max(counts), *send.shape[1:]))
+    padded[: send.shape[0]] = send
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group)
+    out = []
+    for part, count in zip(parts, counts, strict=True):
+        part = part[:count]
+        out.append((part.view(torch.bool) if tensor.dtype == torch.bool else part).to(home))
+    return out
+
+
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:
     """Device a small collective buffer must live on: CUDA for NCCL, CPU for gloo."""
     if is_initialized() and dist.get_backend(group) == "nccl":

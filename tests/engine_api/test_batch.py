@@ -159,3 +159,39 @@ def test_shard_unshard_and_equal_micro_batch_counts_over_two_ranks():
     (k0, g0, want), (k1, g1, _) = run_distributed(_shard_worker, 2)
     assert g0 == g1 == want
     assert k0 == k1 == 4  # rank 0 needs 4 parts (each holds one ~9-token sequence); rank 1 follows
+
+
+def _unshard_fields_worker(rank, world):
+    """Uneven shards per rank (rank r holds r + 1 rows), every dtype a gather meets: float and
+    int jagged fields, a bool jagged mask, a dense per-row field with trailing dims, metadata."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(rank)
+    n = rank + 1
+    seqs = [torch.randint(0, 50, (int(k),), generator=g) for k in torch.randint(1, 7, (n,), generator=g)]
+    local = make_batch(seqs, log_probs=[torch.randn(len(s), generator=g) for s in seqs], mask=[s > 20 for s in seqs])
+    local.set("score", torch.randn(n, 2, generator=g))
+    local.set_non_tensor("temperature", 0.7)
+    calls = []
+    original = dist.all_gather_object
+    dist.all_gather_object = lambda *a, **k: calls.append(a) or original(*a, **k)
+    try:
+        gathered = unshard_batch(local, None)
+    finally:
+        dist.all_gather_object = original
+    return calls, {k: gathered[k] for k in ("input_ids", "log_probs", "mask", "score")}, gathered.get_non_tensor("temperature"), local
+
+
+def test_unshard_gathers_uneven_shards_of_every_field_with_tensor_collectives():
+    results = run_distributed(_unshard_fields_worker, 2)
+    locals_ = [r[3] for r in results]
+    for calls, fields, temperature, _ in results:
+        assert calls == []  # no pickled collective
+        assert temperature == 0.7
+        for key in ("input_ids", "log_probs", "mask"):
+            want = [row for local in locals_ for row in local[key].unbind()]
+            got = list(fields[key].unbind())
+            assert len(got) == 3 and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True)), key
+        assert torch.equal(fields["score"], torch.cat([local["score"] for local in locals_]))
+        # one offsets tensor for every jagged field: they combine without relayout
+        assert (fields["log_probs"] * fields["mask"]).values().shape == fields["log_probs"].values().shape

@@ -1,0 +1,68 @@
+"""No pickled collective on a per-step path (issue 18, item 1): during training and inference
+steps and their global gathers (``unshard_data``, the roles' ``infer_global``), every rank's data
+moves with tensor collectives. ``all_gather_object`` and the other object collectives pickle
+each rank's data to host bytes (on NCCL: a device->host copy, a pickle and a host->device copy
+per call), so the test makes them raise during the steps, on every backend at its 2-rank
+layouts. Engine construction and checkpoints may still use them (once per run, not per step).
+
+Known exception, stated and not tested here: megatron with pipeline parallelism broadcasts the
+last stage's outputs to the other stages with ``broadcast_object_list`` (``MegatronEngine._collect``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch.distributed as dist
+
+from roles.common import infer_global
+from tests.backends.hf_utils import make_test_batch
+from tests.reliability._step_common import BACKENDS, new_engine, run, two_rank_layouts, worker_setup
+
+OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+
+@contextlib.contextmanager
+def no_object_collectives():
+    """Every object collective of ``torch.distributed`` raises inside the block."""
+    saved = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"torch.distributed.{name} (a pickled collective) called on a per-step path")
+
+        return call
+
+    for name in OBJECT_COLLECTIVES:
+        setattr(dist, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _steps_worker(rank, world, strategy, model_dir, layout):
+    worker_setup()
+    engine = new_engine(strategy, model_dir, "max_token_len_per_micro_batch=24", *layout)
+    batch = make_test_batch()
+    with no_object_collectives():
+        outputs = infer_global(engine, batch, calculate_entropy=True)
+        with engine.train_mode():
+            metrics = engine.train_batch(engine.shard_data(batch))
+        with engine.eval_mode():
+            local = engine.infer_batch(engine.shard_data(batch))
+        gathered = engine.unshard_data(local) if local is not None else None
+    assert metrics["step_skipped"] == 0.0
+    return outputs["log_probs"].values().shape[0], float(metrics["loss"]), None if gathered is None else gathered.batch_size[0]
+
+
+@pytest.mark.parametrize("strategy", BACKENDS)
+def test_steps_and_gathers_use_no_pickled_collective(strategy, model_dir):
+    for name, layout in two_rank_layouts(strategy).items():
+        results = run(_steps_worker, 2, strategy, model_dir, layout)
+        tokens = sum(len(r) for r in make_test_batch()["input_ids"].unbind())
+        for n_tokens, _loss, rows in results:
+            assert n_tokens == tokens, name  # every rank got the whole global batch back
+            assert rows in (None, 6), name
