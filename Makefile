@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format install clean run sft bench
+.PHONY: test lint format install clean run sft bench gpu-check gpu-wheels
 
 # The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
 $(VENV)/.installed: pyproject.toml ci/setup_venv.sh
@@ -40,3 +40,12 @@ clean:
 # under 10 minutes; the GPU row runs when CUDA is present. Extra flags: make bench ARGS="--quick".
 bench: install
 	$(PY) -m benchmarks.run_all $(ARGS)
+
+# Every GPU-only path in one go, one report (benchmarks/gpu_check.py): the gpu-marked tests, bf16
+# FSDP vs Megatron, throughput and MFU. On a bare GPU machine (Python 3.12 + CUDA torch) carry the
+# wheels of `make gpu-wheels` (.whl/) along; without CUDA it runs its CPU smoke mode.
+gpu-check:
+	bash ci/gpu_check.sh $(ARGS)
+
+gpu-wheels:
+	bash ci/gpu_wheels.sh
