@@ -25,7 +25,7 @@ import time
 from benchmarks.common import machine_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "checkpoint_verify", "gather", "gpu_throughput")
+SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "checkpoint_verify", "gather", "export_buckets", "gpu_throughput")
 # The one column of each benchmark that the summary shows.
 KEY = {
     "overhead": "ratio",
@@ -34,6 +34,7 @@ KEY = {
     "memory": "actor_update_peak_mb",
     "checkpoint_verify": "s_per_GB",
     "gather": "pickled/tensor",
+    "export_buckets": "bucketed/raw",
     "gpu_throughput": "mfu",
 }
 PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}

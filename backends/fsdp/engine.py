@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
+from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
@@ -239,15 +240,26 @@ class FSDPEngine(BaseEngine):
         with self._on_compute_device():
             yield from adapter_weights(self.model)
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
         peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
         tied weights appear under both names, as in HF's own ``state_dict``. With LoRA: the
-        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``)."""
+        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``).
+
+        ``bucket_mb``: gather in flat buckets of about this many MB, one collective per bucket
+        (``backends.fsdp.export``; same tensors, same order, bit-exact); peak memory is then one
+        bucket. Without LoRA only."""
         self._refuse_if_broken("export_weights")
         with self._on_compute_device():
             if self.config.model.lora.enabled:
                 yield from merged_weights(self.model)
+                return
+            if bucket_mb is not None:
+                if not bucket_mb > 0:
+                    raise ValueError(
+                        f"export_weights(bucket_mb={bucket_mb}): must be > 0 MB; fix: e.g. 512, or None for one tensor at a time"
+                    )
+                yield from bucketed_full_tensors(iter(self.model.state_dict().items()), int(bucket_mb * 2**20))
                 return
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
