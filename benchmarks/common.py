@@ -204,6 +204,27 @@ class Report:
     seconds: float = 0.0
 
 
+def run_ranks(target: Callable[..., None], world: int, *args, timeout: float = 900) -> object:
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes that
+    rendezvous on a free localhost port; return what rank 0 puts on ``queue``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, world, port, *args, queue)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=timeout)
+    for p in procs:
+        p.join(60)
+    return result
+
+
 def cli(description: str) -> argparse.ArgumentParser:
     """The common CLI: ``--json PATH`` writes the report, ``--quick`` runs fewer rounds,
     ``--threads`` sets torch's intra-op threads (see :func:`set_threads`)."""

@@ -18,9 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import ModelSpec, Report, Row, build_model, cli, command_line, emit
+from benchmarks.common import ModelSpec, Report, Row, build_model, cli, command_line, emit, run_ranks
 
 SPEC = ModelSpec(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1376)
 
@@ -75,20 +74,8 @@ def main(argv=None) -> Report:
         path = build_model(tmp, SPEC)
         raw = _raw_copy(path, rounds)
         gb = SPEC.params() * 4 / 1e9
-        ctx = mp.get_context("spawn")
         for world in (1, 2):
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            queue = ctx.Queue()
-            procs = [ctx.Process(target=_worker, args=(r, world, port, path, rounds, args.bucket_mb, queue)) for r in range(world)]
-            for p in procs:
-                p.start()
-            r = queue.get(timeout=900)
-            for p in procs:
-                p.join(60)
+            r = run_ranks(_worker, world, path, rounds, args.bucket_mb)
             gb = r["bytes"] / 1e9
             report.rows.append(
                 Row(

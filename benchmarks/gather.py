@@ -19,9 +19,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import Report, Row, cli, command_line, emit
+from benchmarks.common import Report, Row, cli, command_line, emit, run_ranks
 
 SIZES = (64, 256, 1024, 4096)
 
@@ -70,19 +69,7 @@ def main(argv=None) -> Report:
     args = cli(__doc__.splitlines()[0]).parse_args(argv)
     rounds = 3 if args.quick else 9
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, rounds, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    results = run_ranks(_worker, 2, rounds, timeout=600)
     report = Report(
         benchmark="gather",
         title="Gathering per-token outputs over 2 DP ranks: pickled objects vs tensor collectives (CPU, gloo)",

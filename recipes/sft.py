@@ -198,13 +198,11 @@ class SFTData:
         out, n, size = [], len(self.val), self.cfg.batch_size
         for begin in range(0, n, size):
             idx = list(range(begin, min(n, begin + size)))
-            pad = -len(idx) % dp_size
-            batch = self.val.batch(idx + [0] * pad)
-            if pad:
-                batch = self.val.batch(idx)
-                ids = [batch["input_ids"][i] for i in range(len(idx))] + [batch["input_ids"][0]] * pad
-                masks = [batch["loss_mask"][i] for i in range(len(idx))] + [torch.zeros_like(batch["loss_mask"][0])] * pad
-                batch = make_batch(ids, loss_mask=masks)
+            batch = self.val.batch(idx + [0] * (-len(idx) % dp_size))
+            if batch.batch_size[0] > len(idx):  # the fill rows: sample 0 with an empty loss mask
+                masks = list(batch["loss_mask"].unbind())
+                masks[len(idx) :] = [torch.zeros_like(m) for m in masks[len(idx) :]]
+                batch = make_batch(list(batch["input_ids"].unbind()), loss_mask=masks)
             out.append(batch)
         return out
 

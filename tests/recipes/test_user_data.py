@@ -480,3 +480,20 @@ def test_a_resumed_run_sees_the_same_samples_from_its_step_on(files, tmp_path, o
     assert [r["step"] for r in split] == list(range(1, 7))
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in full], rel=1e-5)
     assert [r["tokens"] for r in split] == [r["tokens"] for r in full]
+
+
+def test_validation_batches_score_every_row_once_on_any_dp_size(files):
+    """Filled up to a multiple of the DP size with rows whose loss mask is empty."""
+    from recipes.sft import SFTData
+
+    cfg = DataConfig(train_files=[files["sft.jsonl"]], val_files=[files["sft_val"]], batch_size=16)
+    data = SFTData(cfg, files["model"])
+    want = data.val.samples
+    batches = data.val_batches(dp_size=3)
+    assert [b.batch_size[0] % 3 for b in batches] == [0] * len(batches)
+    rows = [
+        (ids.tolist(), mask.tolist()) for b in batches for ids, mask in zip(b["input_ids"].unbind(), b["loss_mask"].unbind(), strict=True)
+    ]
+    real = [r for r in rows if any(r[1])]
+    assert real == [(ids, [float(m) for m in mask]) for ids, mask in want]
+    assert len(rows) - len(real) == -16 % 3 + -(len(want) - 16) % 3
