@@ -93,6 +93,31 @@ def random_batch(lengths: Sequence[int], vocab_size: int, seed: int = 0):
     return make_batch([torch.randint(0, vocab_size, (n,), generator=g) for n in lengths])
 
 
+def micro_batch_rows(batch, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The hand-written loops' micro-batches, in plain torch: ``(ids, loss_mask, offsets)`` flat,
+    per micro-batch. ``micro_batches``: a count (consecutive, near-equal numbers of sequences)
+    or a list of row-index tensors (e.g. the engine's dynamic-batching parts, so both sides run
+    the same micro-batches; the gather is inside the caller's timed step, as it would be in a
+    user's loop)."""
+    ids, offsets, mask = batch["input_ids"].values(), batch["input_ids"].offsets(), batch["loss_mask"].values()
+    if isinstance(micro_batches, int):
+        n_seq = offsets.numel() - 1
+        bounds = [round(i * n_seq / micro_batches) for i in range(micro_batches + 1)]
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            a, b = int(offsets[lo]), int(offsets[hi])
+            out.append((ids[a:b], mask[a:b], offsets[lo : hi + 1] - a))
+        return out
+    lengths = offsets.diff()
+    out = []
+    for rows in micro_batches:
+        part = lengths[rows]
+        starts = torch.cat([part.new_zeros(1), part.cumsum(0)])
+        token = torch.repeat_interleave(offsets[:-1][rows] - starts[:-1], part) + torch.arange(int(starts[-1]))
+        out.append((ids[token], mask[token], starts))
+    return out
+
+
 def nll_loss(mb, out, norm):
     """Token-mean negative log-likelihood through the engine's normalization (``agg_loss``), on
     the flat per-token values (as the roles write their losses; the raw loops are flat too)."""

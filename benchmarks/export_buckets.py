@@ -1,12 +1,13 @@
-"""Weight export for rollout sync: per-tensor vs bucketed FSDP export vs a raw state_dict copy.
+"""Weight export for rollout sync: per-tensor vs bucketed export vs a raw state_dict copy.
 
-Seconds per GB of fp32 weights, on 1 and 2 gloo ranks (CPU): ``export_weights()`` (one
-``full_tensor`` all-gather per tensor), ``export_weights(bucket_mb=B)`` (one all-gather per
-bucket, ``backends/fsdp/export.py``), and the floor: copying an unsharded HF model's
-``state_dict`` tensor by tensor in the same process. Median of several rounds; the target is
-bucketed within 1.5x of the raw copy.
+Seconds per GB of fp32 weights (CPU, gloo): ``export_weights()`` (one collective per tensor)
+and ``export_weights(bucket_mb=B)`` (one per bucket) of the FSDP engine on 1 and 2 ranks
+(``backends/fsdp/export.py``) and of the megatron engine at TP=1, TP=2 and PP=2 on 1-2 ranks
+(``backends/megatron/export.py``: a TP all-gather and a PP broadcast per bucket), against the
+floor: copying an unsharded HF model's ``state_dict`` tensor by tensor in one process. Median
+of several rounds; the target is bucketed within 1.5x of the raw copy.
 
-Run: ``.venv/bin/python -m benchmarks.export_buckets [--quick] [--bucket-mb 512]``.
+Run: ``.venv/bin/python -m benchmarks.export_buckets [--quick] [--bucket-mb 512] [--backends fsdp megatron]``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,22 @@ from benchmarks.common import ModelSpec, Report, Row, build_model, cli, command_
 SPEC = ModelSpec(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1376)
 
 
-def _worker(rank: int, world: int, port: int, path: str, rounds: int, bucket_mb: float, out):
+# case -> (backend, ranks, engine overrides)
+CASES = {
+    "fsdp, 1 rank": ("fsdp", 1, []),
+    "fsdp, 2 ranks": ("fsdp", 2, []),
+    "megatron, 1 rank": ("megatron", 1, []),
+    "megatron, TP=2": ("megatron", 2, ["megatron.tensor_model_parallel_size=2"]),
+    "megatron, PP=2": ("megatron", 2, ["megatron.pipeline_model_parallel_size=2"]),
+}
+
+
+def _worker(rank: int, world: int, port: int, path: str, rounds: int, bucket_mb: float, backend: str, overrides: list, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from engine_api import build_engine, load_config
 
-    engine = build_engine(load_config(None, ["strategy=fsdp", f"model.path={path}"]))
+    engine = build_engine(load_config(None, [f"strategy={backend}", f"model.path={path}", *overrides]))
     engine.init_model()
     times = {"per_tensor": [], "bucketed": []}
     nbytes = 0
@@ -61,12 +72,13 @@ def _raw_copy(path: str, rounds: int) -> float:
 def main(argv=None) -> Report:
     parser = cli(__doc__.splitlines()[0])
     parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--backends", nargs="+", default=["fsdp", "megatron"], choices=["fsdp", "megatron"])
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else 5
     start = time.perf_counter()
     report = Report(
         benchmark="export_buckets",
-        title="Weight export: per-tensor vs bucketed FSDP export vs raw state_dict copy (CPU, gloo)",
+        title="Weight export: per-tensor vs bucketed export vs raw state_dict copy (CPU, gloo)",
         command=command_line("benchmarks.export_buckets", argv),
         setup=f"{SPEC.describe()}, fp32; bucket {args.bucket_mb:g} MB; median of {rounds} rounds; s_per_GB = seconds / GB exported.",
     )
@@ -74,23 +86,30 @@ def main(argv=None) -> Report:
         path = build_model(tmp, SPEC)
         raw = _raw_copy(path, rounds)
         gb = SPEC.params() * 4 / 1e9
-        for world in (1, 2):
-            r = run_ranks(_worker, world, path, rounds, args.bucket_mb)
+        for case, (backend, world, overrides) in CASES.items():
+            if backend not in args.backends:
+                continue
+            r = run_ranks(_worker, world, path, rounds, args.bucket_mb, backend, overrides)
             gb = r["bytes"] / 1e9
             report.rows.append(
                 Row(
-                    case=f"{world} rank(s)",
+                    case=case,
                     values={
                         "raw_copy_s_per_GB": raw / gb,
                         "per_tensor_s_per_GB": r["per_tensor"] / gb,
                         "bucketed_s_per_GB": r["bucketed"] / gb,
                         "bucketed/raw": r["bucketed"] / raw,
+                        "per_tensor/bucketed": r["per_tensor"] / r["bucketed"],
                     },
                     target="bucketed <= 1.5x raw copy",
                     met=r["bucketed"] <= 1.5 * raw,
                 )
             )
     report.notes.append("raw copy: one process, unsharded HF model, state_dict tensors cloned one by one (no communication).")
+    report.notes.append(
+        "megatron exports on CPU: the HF layout conversion (fused QKV / gate-up split) and the copy to CPU happen at every "
+        "layout; at TP=2 each split parameter is also gathered, at PP=2 every tensor is broadcast from its stage."
+    )
     report.seconds = time.perf_counter() - start
     emit(report, args.json)
     return report

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from backends.fsdp.forward import packed_rows
+from benchmarks.common import micro_batch_rows
 
 
 class RawFSDPTrainer:
@@ -35,21 +36,17 @@ class RawFSDPTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.clip = clip
 
-    def step(self, batch, micro_batches: int = 1) -> tuple[float, float]:
+    def step(self, batch, micro_batches=1) -> tuple[float, float]:
         """One optimizer step on ``batch`` (a protocol batch, read through its flat values and
-        offsets); returns (loss, pre-clip grad norm)."""
-        ids, offsets, mask = batch["input_ids"].values(), batch["input_ids"].offsets(), batch["loss_mask"].values()
-        n_seq = offsets.numel() - 1
-        total_tokens = mask.sum()
+        offsets) in ``micro_batches`` (a count, or row-index lists:
+        ``benchmarks.common.micro_batch_rows``); returns (loss, pre-clip grad norm)."""
+        total_tokens = batch["loss_mask"].values().sum()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        bounds = [round(i * n_seq / micro_batches) for i in range(micro_batches + 1)]
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            a, b = int(offsets[lo]), int(offsets[hi])
-            mb_ids, mb_mask = ids[a:b], mask[a:b]
-            lengths = offsets[lo + 1 : hi + 1] - offsets[lo:hi]
-            positions = torch.arange(b - a) - torch.repeat_interleave(offsets[lo:hi] - a, lengths)
-            rows, row_pos, index = packed_rows(mb_ids, positions, offsets[lo : hi + 1] - a, self.model.config)
+        for mb_ids, mb_mask, mb_offsets in micro_batch_rows(batch, micro_batches):
+            lengths = mb_offsets[1:] - mb_offsets[:-1]
+            positions = torch.arange(mb_ids.numel()) - torch.repeat_interleave(mb_offsets[:-1], lengths)
+            rows, row_pos, index = packed_rows(mb_ids, positions, mb_offsets, self.model.config)
             logits = self.model(input_ids=rows, position_ids=row_pos, use_cache=False).logits.flatten(0, 1)
             logits = logits if index is None else logits[index]
             # Position t predicts t + 1; predictions across a sequence boundary land on a sequence

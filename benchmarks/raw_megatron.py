@@ -57,14 +57,16 @@ class RawMegatronTrainer:
         )
         self.model.train()
 
-    def step(self, batch, micro_batches: int = 1) -> tuple[float, float]:
-        """One optimizer step; returns (loss, pre-clip grad norm)."""
+    def step(self, batch, micro_batches=1) -> tuple[float, float]:
+        """One optimizer step in ``micro_batches`` (a count, or row-index lists:
+        ``benchmarks.common.micro_batch_rows``); returns (loss, pre-clip grad norm)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        ids, offsets, mask = batch["input_ids"].values(), batch["input_ids"].offsets(), batch["loss_mask"].values()
-        n_seq = offsets.numel() - 1
-        bounds = [round(i * n_seq / micro_batches) for i in range(micro_batches + 1)]
-        micro = [_packed_inputs(ids, offsets, mask, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        from benchmarks.common import micro_batch_rows
+
+        mask = batch["loss_mask"].values()
+        micro = [_packed_inputs(*rows) for rows in micro_batch_rows(batch, micro_batches)]
+        micro_batches = len(micro)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = get_forward_backward_func()(
@@ -91,11 +93,12 @@ class RawMegatronTrainer:
         return contribution * n, {"loss": contribution.detach()}
 
 
-def _packed_inputs(ids, offsets, mask, lo: int, hi: int):
-    """(tokens [1, s], positions [1, s], mask [1, 1, s, s] True = masked, labels, loss mask)."""
-    a, b = int(offsets[lo]), int(offsets[hi])
-    lengths = offsets[lo + 1 : hi + 1] - offsets[lo:hi]
-    positions = torch.arange(b - a) - torch.repeat_interleave(offsets[lo:hi] - a, lengths)
-    segment = torch.repeat_interleave(torch.arange(hi - lo), lengths)
-    allowed = (segment[:, None] == segment[None, :]) & torch.ones(b - a, b - a, dtype=torch.bool).tril()
-    return ids[None, a:b], positions[None], ~allowed[None, None], ids[a + 1 : b], mask[a + 1 : b]
+def _packed_inputs(ids, mask, offsets):
+    """One micro-batch's flat ``ids``, ``mask`` and ``offsets`` as (tokens [1, s], positions
+    [1, s], mask [1, 1, s, s] True = masked, labels, loss mask)."""
+    s = ids.numel()
+    lengths = offsets[1:] - offsets[:-1]
+    positions = torch.arange(s) - torch.repeat_interleave(offsets[:-1], lengths)
+    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    return ids[None], positions[None], ~allowed[None, None], ids[1:], mask[1:]

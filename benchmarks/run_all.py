@@ -50,9 +50,15 @@ def _profile_args(rep: dict) -> list[str]:
 
 
 TIMEOUT_S = 420
+# Scripts that need longer (overhead: the RL-size rows run 4096-sequence steps on both backends).
+TIMEOUT_OVERRIDES_S = {"overhead": 2400}
 # Full output of every script, and the last run's results for --render-only (outputs/ is git-ignored).
 LOG = os.path.join(ROOT, "outputs", "bench", "run_all.log")
 RESULTS = os.path.join(ROOT, "outputs", "bench", "results.json")
+
+
+def _timeout(module: str) -> int:
+    return TIMEOUT_OVERRIDES_S.get(module.rsplit(".", 1)[-1], TIMEOUT_S)
 
 
 def _run(module: str, args: list[str], log) -> tuple[int, str, float, tuple]:
@@ -62,11 +68,11 @@ def _run(module: str, args: list[str], log) -> tuple[int, str, float, tuple]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRANSFORMERS_VERBOSITY": "error"}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+            [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=_timeout(module), check=False
         )
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
-        rc, out, err = 124, exc.stdout or "", f"timed out after {TIMEOUT_S}s"
+        rc, out, err = 124, exc.stdout or "", f"timed out after {_timeout(module)}s"
         out, err = (out.decode() if isinstance(out, bytes) else out), err
     log.write(f"$ python -m {module} {' '.join(args)}  (rc {rc})\n{out}\n{err}\n")
     seconds = time.perf_counter() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -24,6 +25,21 @@ PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
 # predictions (returned as None), which ``train_batch`` discards anyway; saves the per-micro-batch
 # relayout and the final reorder.
 RETURN_PREDICTIONS = "return_predictions"
+
+
+def bucket_bytes(bucket_mb: float | None) -> int | None:
+    """``export_weights``'s ``bucket_mb`` in bytes (``None`` stays ``None``).
+
+    Raises:
+        ValueError: ``bucket_mb`` is not a positive number.
+    """
+    if bucket_mb is None:
+        return None
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real) or not bucket_mb > 0 or math.isinf(bucket_mb):
+        raise ValueError(
+            f"export_weights(bucket_mb={bucket_mb!r}): must be a finite number > 0 of MB; fix: e.g. 512, or None for one tensor at a time"
+        )
+    return max(1, int(bucket_mb * 2**20))
 
 
 class BaseEngine(abc.ABC):
@@ -349,10 +365,17 @@ class BaseEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight, in HF naming and layout, for
         weight sync into a rollout/inference model or HF export (with LoRA: the base weights
-        with the adapters merged in). Collective: every rank must drain the generator."""
+        with the adapters merged in). Collective: every rank must drain the generator.
+
+        ``bucket_mb``: a transfer hint. ``None`` moves one tensor per collective; a size in MB
+        asks the backend to gather consecutive tensors in flat buckets of about that size (one
+        collective per bucket: fewer, larger transfers, peak memory one bucket). The names,
+        order and values must be the same either way (bit-identical); a backend that cannot
+        bucket may ignore it. Validate it eagerly with :func:`bucket_bytes` (a bad size raises
+        at the call, not at the first ``next``)."""
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(peft_name, full_tensor)`` for every LoRA adapter weight, named as peft saves

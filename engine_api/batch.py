@@ -195,8 +195,9 @@ def split_by_size(batch: TensorDict, micro_batch_size: int) -> list[TensorDict]:
         raise ValueError(f"micro_batch_size = {micro_batch_size}; fix: use a positive micro-batch size")
     if micro_batch_size >= batch.batch_size[0]:
         # One part: a shallow copy (new container, same tensors, as split would give) costs
-        # microseconds; TensorDict.split rebuilds every jagged field (~0.2 ms each on CPU).
+        # microseconds; TensorDict.split rebuilds every jagged field (~0.1 ms each on CPU).
         return [batch.copy()]
+    # (TensorDict.split, not take_rows with slices: measured equal or faster for contiguous parts)
     return list(batch.split(micro_batch_size))
 
 
@@ -204,7 +205,98 @@ def restore_order(batch: TensorDict, order: torch.Tensor) -> TensorDict:
     """Undo a reordering: ``batch[j]`` is original row ``order[j]``; returns rows 0..B-1."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return batch[inverse]
+    return take_rows(batch, inverse)
+
+
+def take_rows(batch: TensorDict, rows: slice | torch.Tensor) -> TensorDict:
+    """``batch[rows]`` (a slice: views, as TensorDict's slicing; an index tensor: copies), with
+    every jagged field on one new offsets tensor, the dense fields indexed alike and the
+    non-tensor metadata kept.
+
+    Why not ``batch[rows]`` for an index: TensorDict gathers each jagged field through the
+    nested-tensor dispatcher; here the offsets and the token index are computed once and each
+    field is one ``index_select`` of its flat values (measured on CPU, 4 parts of 64 rows with
+    two jagged fields: 1.7 ms vs 2.8 ms; a permutation of 1024 rows: 0.74 vs 1.2 ms). Anything
+    else (a nested TensorDict, a jagged field whose row lengths differ from the first jagged
+    field's) goes through ``batch[rows]``.
+    """
+    if isinstance(rows, slice) and rows.step not in (None, 1) or isinstance(rows, torch.Tensor) and rows.numel() == 0:
+        return batch[rows]
+    fields = {k: batch.get(k) for k in batch.keys()}
+    tensors = {k: v for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    jagged = [k for k, v in tensors.items() if v.is_nested]
+    if any(isinstance(v, TensorDict) for v in fields.values()):
+        return batch[rows]
+    offsets = tensors[jagged[0]].offsets() if jagged else None
+    for key in jagged[1:]:
+        other = tensors[key].offsets()
+        if other is not offsets and not torch.equal(other, offsets):
+            return batch[rows]
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(rows, slice):
+        start, stop, _ = rows.indices(batch.batch_size[0])
+        stop = max(start, stop)
+        size = stop - start
+        if jagged:
+            lo, hi = int(offsets[start]), int(offsets[stop])
+            new_offsets = offsets[start : stop + 1] - lo
+            for key in jagged:
+                out[key] = torch.nested.nested_tensor_from_jagged(tensors[key].values()[lo:hi], new_offsets)
+        for key, value in tensors.items():
+            if not value.is_nested:
+                out[key] = value[start:stop]
+    else:
+        rows = rows.to(torch.int64)
+        size = rows.numel()
+        if jagged:
+            lengths = (offsets[1:] - offsets[:-1])[rows.to(offsets.device)]
+            new_offsets = torch.cat([offsets.new_zeros(1), lengths.cumsum(0)])
+            total = int(new_offsets[-1])
+            # token t of new row r comes from old position offsets[rows[r]] + (t - new_offsets[r])
+            shift = offsets[:-1][rows.to(offsets.device)] - new_offsets[:-1]
+            token = torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total, device=offsets.device)
+            for key in jagged:
+                values = tensors[key].values()
+                out[key] = torch.nested.nested_tensor_from_jagged(values.index_select(0, token.to(values.device)), new_offsets)
+        for key, value in tensors.items():
+            if not value.is_nested:
+                out[key] = value.index_select(0, rows.to(value.device))
+    result = TensorDict({k: out[k] for k in tensors}, batch_size=[size])
+    for key in fields:
+        if key not in tensors:
+            result.set_non_tensor(key, batch.get_non_tensor(key))
+    return result
+
+
+def cat_rows(batches: list[TensorDict]) -> TensorDict:
+    """Concatenate batches with the same fields along rows (``torch.cat`` of TensorDicts), every
+    jagged field on one new offsets tensor, the first batch's metadata kept; each jagged field
+    is one ``torch.cat`` of flat values (see :func:`take_rows` for why not TensorDict's own)."""
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    tensors = [k for k in first.keys() if isinstance(first.get(k), torch.Tensor)]
+    jagged = [k for k in tensors if first.get(k).is_nested]
+    if any(isinstance(first.get(k), TensorDict) for k in first.keys()):
+        return torch.cat(batches)
+    out: dict[str, torch.Tensor] = {}
+    if jagged:
+        lengths = [b.get(jagged[0]).offsets().diff() for b in batches]
+        all_lengths = torch.cat(lengths)
+        offsets = torch.cat([all_lengths.new_zeros(1), all_lengths.cumsum(0)])
+        for key in jagged:
+            parts = [b.get(key) for b in batches]
+            if any(not torch.equal(p.offsets().diff(), n) for p, n in zip(parts, lengths, strict=True)):
+                return torch.cat(batches)  # a field whose rows differ from the first jagged field's
+            out[key] = torch.nested.nested_tensor_from_jagged(torch.cat([p.values() for p in parts]), offsets)
+    for key in tensors:
+        if key not in out:
+            out[key] = torch.cat([b.get(key) for b in batches])
+    result = TensorDict({k: out[k] for k in tensors}, batch_size=[sum(b.batch_size[0] for b in batches)])
+    for key in first.keys():
+        if key not in tensors:
+            result.set_non_tensor(key, first.get_non_tensor(key))
+    return result
 
 
 @dataclass(frozen=True)

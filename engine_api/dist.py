@@ -25,6 +25,8 @@ surviving rank spends waiting for a failed peer (gloo):
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from datetime import timedelta
 
@@ -98,6 +100,61 @@ def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None, count
         part = part[:count]
         out.append((part.view(torch.bool) if tensor.dtype == torch.bool else part).to(home))
     return out
+
+
+def broadcast_tensors(
+    named: list[tuple[str, torch.Tensor]] | None,
+    extra: object,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device | str = "cpu",
+) -> tuple[list[tuple[str, torch.Tensor]], object]:
+    """``named`` (``(name, tensor)`` pairs) and ``extra`` (anything JSON can carry: numbers,
+    including inf and nan, strings, lists, dicts) of global rank ``src``, on every rank of
+    ``group``; the other ranks pass ``None`` and anything for ``extra``. Tensor collectives
+    only, on the communication device (``comm_device``): a JSON header (names, shapes, dtypes,
+    ``extra``) as bytes, its length before it, then one flat buffer per dtype, so a bucket of
+    tensors costs a fixed number of broadcasts, and nothing is pickled (a header is data, never
+    code). Results come back on ``device``. A group of one returns its input."""
+    if group_size(group) == 1:
+        return list(named or []), extra
+    comm = comm_device(group)
+    mine = dist.get_rank() == src
+    if mine:
+        tensors = [t.detach() for _, t in named]
+        header = {
+            "names": [n for n, _ in named],
+            "shapes": [list(t.shape) for t in tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "extra": extra,
+        }
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(comm)
+        length = torch.tensor([raw.numel()], dtype=torch.long, device=comm)
+    else:
+        length = torch.empty(1, dtype=torch.long, device=comm)
+    dist.broadcast(length, src=src, group=group)
+    if not mine:
+        raw = torch.empty(int(length), dtype=torch.uint8, device=comm)
+    dist.broadcast(raw, src=src, group=group)
+    header = json.loads(bytes(raw.cpu().numpy()).decode()) if not mine else header
+    dtypes = [getattr(torch, d) for d in header["dtypes"]]
+    numels = [math.prod(s) for s in header["shapes"]]
+    out: list[torch.Tensor | None] = [None] * len(dtypes)
+    for dtype in dict.fromkeys(dtypes):  # one flat buffer per dtype, in order of first use
+        idx = [i for i, d in enumerate(dtypes) if d == dtype]
+        wire = torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool broadcast
+        if mine:
+            flat = torch.cat([tensors[i].reshape(-1).view(wire) if dtype == torch.bool else tensors[i].reshape(-1) for i in idx]).to(comm)
+        else:
+            flat = torch.empty(sum(numels[i] for i in idx), dtype=wire, device=comm)
+        dist.broadcast(flat, src=src, group=group)
+        flat = flat.to(device)
+        offset = 0
+        for i in idx:
+            piece = flat[offset : offset + numels[i]]
+            out[i] = (piece.view(torch.bool) if dtype == torch.bool else piece).view(header["shapes"][i])
+            offset += numels[i]
+    return list(zip(header["names"], out, strict=True)), header["extra"]
 
 
 def comm_device(group: dist.ProcessGroup | None) -> torch.device:

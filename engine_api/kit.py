@@ -21,7 +21,9 @@ Groups:
   ``token_entropy``, ``align_to_tokens``, ``temperature_of`` / ``wants_entropy`` (batch
   metadata);
 * processes and placement: ``compute_device`` (``cuda:$LOCAL_RANK`` or the CPU),
-  ``ensure_process_group`` (join torchrun's world, or a 1-rank group for plain python), ``group_rank`` / ``group_size``, ``all_reduce``, ``barrier``;
+  ``ensure_process_group`` (join torchrun's world, or a 1-rank group for plain python), ``group_rank`` / ``group_size``, ``all_reduce``, ``barrier``,
+  ``broadcast_tensors`` (named tensors plus a JSON header from one rank, tensor collectives only);
+* weight export: ``bucket_bytes`` (validate ``export_weights``'s ``bucket_mb`` at the call);
 * checkpoints: ``ckpt_layout`` (``begin`` -> write your files + ``save_extra`` -> ``commit``;
   ``open_checkpoint`` -> ``reading`` -> ``load_extra`` -> ``apply_extra`` -> ``finish_load``),
   ``make_extra``, ``CorruptCheckpointError``.
@@ -32,12 +34,21 @@ from __future__ import annotations
 from tensordict import TensorDict
 
 from engine_api import ckpt_layout
-from engine_api.base import RETURN_PREDICTIONS, BaseEngine
+from engine_api.base import RETURN_PREDICTIONS, BaseEngine, bucket_bytes
 from engine_api.batch import loss_mask_of, make_batch, pack, pad, relayout, to_device, unpack, unpad, validate_batch
 from engine_api.ckpt_integrity import CorruptCheckpointError
 from engine_api.ckpt_layout import make_extra
 from engine_api.config import EngineConfig, format_problem, options_of
-from engine_api.dist import all_reduce, barrier, compute_device, ensure_process_group, group_rank, group_size, is_initialized
+from engine_api.dist import (
+    all_reduce,
+    barrier,
+    broadcast_tensors,
+    compute_device,
+    ensure_process_group,
+    group_rank,
+    group_size,
+    is_initialized,
+)
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
@@ -69,6 +80,8 @@ __all__ = [
     "all_reduce",
     "backward_scale",
     "barrier",
+    "broadcast_tensors",
+    "bucket_bytes",
     "build_adamw",
     "build_lr_scheduler",
     "build_norm_context",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api.batch import relayout, restore_order, seq_lengths, split_by_size
+from engine_api.batch import cat_rows, relayout, restore_order, seq_lengths, split_by_size, take_rows
 from engine_api.dist import all_reduce, comm_device
 from engine_api.partition import partition_balanced
 
@@ -38,7 +38,7 @@ class MicroBatches:
         """
         if len(outputs) != len(self.batches):
             raise ValueError(f"got {len(outputs)} outputs for {len(self.batches)} micro-batches")
-        merged = restore_order(torch.cat(outputs) if len(outputs) > 1 else outputs[0], self.order)
+        merged = restore_order(cat_rows(outputs), self.order)
         return relayout(merged, like.offsets()) if like is not None else merged
 
 
@@ -71,7 +71,7 @@ def make_micro_batches(
     lengths = seq_lengths(batch).tolist()
     index_lists = _agreed_partition(lengths, max_token_len, dp_group)
     order = torch.tensor([i for part in index_lists for i in part], dtype=torch.int64)
-    batches = [batch[torch.tensor(part, dtype=torch.int64)] for part in index_lists]
+    batches = [take_rows(batch, torch.tensor(part, dtype=torch.int64)) for part in index_lists]
     return MicroBatches(batches=batches, order=order)
 
 

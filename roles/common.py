@@ -58,9 +58,10 @@ class TrainableRole:
 
     engine: BaseEngine
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full_tensor)`` pairs, one at a time. Collective."""
-        return self.engine.export_weights()
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` pairs, gathered one tensor or one ``bucket_mb`` bucket per
+        collective (``BaseEngine.export_weights``). Collective."""
+        return self.engine.export_weights(bucket_mb=bucket_mb) if bucket_mb is not None else self.engine.export_weights()
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters by peft's names (``BaseEngine.export_adapter_weights``). Collective."""

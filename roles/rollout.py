@@ -7,6 +7,8 @@ The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no 
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,14 +17,16 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import make_batch
+from engine_api.base import bucket_bytes
 
 
 class WeightSource(Protocol):
     """Where the rollout's weights come from: an engine, or a role (``Actor`` or the legacy
     actor) exposing the same method."""
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full_tensor)`` pairs. Collective."""
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` pairs, gathered one tensor or one ``bucket_mb`` bucket per
+        collective (``BaseEngine.export_weights``). Collective."""
 
 
 class Sampler(Protocol):
@@ -48,12 +52,19 @@ class RolloutConfig:
         temperature: softmax temperature (> 0).
         top_p: nucleus sampling mass in (0, 1].
         seed: base seed; each ``generate`` call's generator is seeded with seed + call index.
+        sync_bucket_mb: weight sync gathers the actor's weights in flat buckets of about this
+            many MB, one collective per bucket (``export_weights(bucket_mb=...)``; 512, as in
+            verl and NeMo-RL, keeps a ~1B model to a few collectives and peak extra memory to
+            one bucket); ``None``: one tensor per collective. The synced weights are the same
+            either way. A source whose ``export_weights`` takes no ``bucket_mb`` (an engine
+            written before it existed) is synced per tensor, with a warning.
     """
 
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    sync_bucket_mb: float | None = 512.0
 
     def _problems(self) -> list[str]:
         out = []
@@ -63,7 +74,22 @@ class RolloutConfig:
             out.append(f"temperature = {self.temperature}: must be > 0; fix: e.g. 1.0")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p = {self.top_p}: must be in (0, 1]; fix: e.g. 1.0")
+        try:
+            bucket_bytes(self.sync_bucket_mb)
+        except ValueError:
+            out.append(
+                f"sync_bucket_mb = {self.sync_bucket_mb!r}: must be a number > 0 of MB or null; fix: e.g. 512, or null for one tensor at a time"
+            )
         return out
+
+
+def _takes_bucket_mb(method) -> bool:
+    """Whether ``method`` accepts a ``bucket_mb`` keyword (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
+        return False
+    return any(p.name == "bucket_mb" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class Rollout:
@@ -74,10 +100,22 @@ class Rollout:
         self.sampler = sampler
         self.config = config
         self._calls = 0
+        self._export_kwargs = {}
+        if config.sync_bucket_mb is not None:
+            if _takes_bucket_mb(source.export_weights):
+                self._export_kwargs = {"bucket_mb": config.sync_bucket_mb}
+            else:
+                warnings.warn(
+                    f"rollout.sync_bucket_mb = {config.sync_bucket_mb}: {type(source).__name__}.export_weights takes no bucket_mb, "
+                    "so weights sync one tensor per collective; fix: give export_weights a bucket_mb=None parameter "
+                    "(engine_api.BaseEngine.export_weights), or set rollout.sync_bucket_mb=null",
+                    stacklevel=2,
+                )
 
     def sync_weights(self) -> None:
-        """Copy the actor's weights into the sampler. Collective: every rank drains the export."""
-        self.sampler.load_weights(self.source.export_weights())
+        """Copy the actor's weights into the sampler, gathered in ``sync_bucket_mb`` buckets.
+        Collective: every rank drains the export."""
+        self.sampler.load_weights(self.source.export_weights(**self._export_kwargs))
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with

@@ -206,8 +206,13 @@ class ReferenceEngine(kit.BaseEngine):
         self._broken = None
         return self.global_step
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # Unsharded: nothing to gather, so the bucket size (a transfer hint) is validated and ignored.
         self._refuse_if_broken("export_weights")
+        kit.bucket_bytes(bucket_mb)
+        return self._export()
+
+    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.module.state_dict().items():
             yield name, param.detach().clone()
         if dist.is_initialized():

@@ -25,6 +25,7 @@ from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, buil
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
 from engine_api import BaseEngine, ckpt_layout, register_engine
+from engine_api.base import bucket_bytes
 from engine_api.config import options_of
 from engine_api.dist import all_reduce, compute_device, ensure_process_group
 from engine_api.losses import DeferredNormalizer
@@ -244,22 +245,23 @@ class FSDPEngine(BaseEngine):
         """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
         peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
         tied weights appear under both names, as in HF's own ``state_dict``. With LoRA: the
-        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``).
+        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``;
+        ``bucket_mb`` is then ignored: a layer is the unit).
 
         ``bucket_mb``: gather in flat buckets of about this many MB, one collective per bucket
         (``backends.fsdp.export``; same tensors, same order, bit-exact); peak memory is then one
-        bucket. Without LoRA only."""
+        bucket."""
         self._refuse_if_broken("export_weights")
+        size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
+        return self._export(size)
+
+    def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         with self._on_compute_device():
             if self.config.model.lora.enabled:
                 yield from merged_weights(self.model)
                 return
-            if bucket_mb is not None:
-                if not bucket_mb > 0:
-                    raise ValueError(
-                        f"export_weights(bucket_mb={bucket_mb}): must be > 0 MB; fix: e.g. 512, or None for one tensor at a time"
-                    )
-                yield from bucketed_full_tensors(iter(self.model.state_dict().items()), int(bucket_mb * 2**20))
+            if size is not None:
+                yield from bucketed_full_tensors(iter(self.model.state_dict().items()), size)
                 return
             for name, tensor in self.model.state_dict().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

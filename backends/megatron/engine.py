@@ -51,8 +51,10 @@ from backends.megatron.offload import StorageOffloader
 from backends.megatron.options import MegatronOptions
 from backends.megatron.routing import attach_router_recorder, router_mask
 from engine_api import BaseEngine, ckpt_layout, register_engine
+from engine_api.base import bucket_bytes
 from engine_api.batch import pack, pad, relayout, to_device, unpack
 from engine_api.config import options_of
+from engine_api.dist import broadcast_tensors
 from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer
 from engine_api.lr_schedule import build_lr_scheduler
@@ -359,7 +361,8 @@ class MegatronEngine(BaseEngine):
 
     def _collect(self, store: list, ctx: dict, keep: bool = True):
         """The per-micro-batch outputs (``keep``: else None) and this rank's loss contributions,
-        from the last stage, broadcast over the PP group; metrics go into ``ctx``."""
+        from the last stage, broadcast over the PP group with tensor collectives
+        (``_broadcast_outputs``); metrics go into ``ctx``."""
         payload = None
         if mpu.is_pipeline_last_stage(ignore_virtual=True):
             outputs = [to_device(relayout(item["outputs"]), "cpu") for item in store] if keep else None
@@ -369,10 +372,7 @@ class MegatronEngine(BaseEngine):
                     ctx.setdefault("metrics", {}).setdefault(key, []).append(float(value))
             payload = (outputs, ctx.get("metrics", {}), local)
         if mpu.get_pipeline_model_parallel_world_size() > 1:
-            holder = [payload]
-            last = mpu.get_pipeline_model_parallel_last_rank()
-            dist.broadcast_object_list(holder, src=last, group=mpu.get_pipeline_model_parallel_group())
-            payload = holder[0]
+            payload = _broadcast_outputs(payload, mpu.get_pipeline_model_parallel_last_rank(), mpu.get_pipeline_model_parallel_group())
             ctx["metrics"] = payload[1]
         outputs, _, local = payload
         return outputs, torch.tensor(local, dtype=torch.float64)
@@ -458,11 +458,50 @@ class MegatronEngine(BaseEngine):
         self._broken = None
         return self.global_step
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors: TP shards gathered, PP stages broadcast. Collective."""
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors (on CPU): TP shards gathered, PP stages broadcast, with tensor
+        collectives. ``bucket_mb``: move consecutive parameters in buckets of about this many MB
+        (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``), peak
+        memory then one bucket; ``None``: one parameter at a time. Collective."""
         self._refuse_if_broken("export_weights")
+        size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
+        return self._export(size)
+
+    def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         with self._loaded():
-            yield from export_hf(self.model, self.arch)
+            yield from export_hf(self.model, self.arch, size)
+
+
+def _broadcast_outputs(payload: tuple | None, src: int, group) -> tuple:
+    """The last stage's ``(outputs, metrics, local_loss)`` on every stage: the outputs' fields
+    as tensors (a jagged field as its values and offsets), the metrics and the loss (floats,
+    exact through JSON) in the header of one ``broadcast_tensors``. No pickling."""
+    named, extra = None, None
+    if payload is not None:
+        outputs, metrics, local = payload
+        named, fields = [], []
+        for i, out in enumerate(outputs or []):
+            for key in out.keys():
+                value = out.get(key)
+                if value.is_nested:
+                    named += [(f"{i}/{key}/values", value.values()), (f"{i}/{key}/offsets", value.offsets())]
+                else:
+                    named.append((f"{i}/{key}", value))
+                fields.append([i, key, bool(value.is_nested)])
+        rows = None if outputs is None else [out.batch_size[0] for out in outputs]
+        extra = {"rows": rows, "fields": fields, "metrics": metrics, "local": local}
+    named, extra = broadcast_tensors(named, extra, src, group)
+    tensors = dict(named)
+    if extra["rows"] is None:
+        return None, extra["metrics"], extra["local"]
+    parts: list[dict] = [{} for _ in extra["rows"]]
+    for i, key, jagged in extra["fields"]:
+        if jagged:
+            parts[i][key] = torch.nested.nested_tensor_from_jagged(tensors[f"{i}/{key}/values"], tensors[f"{i}/{key}/offsets"])
+        else:
+            parts[i][key] = tensors[f"{i}/{key}"]
+    outputs = [relayout(TensorDict(fields, batch_size=[rows])) for fields, rows in zip(parts, extra["rows"], strict=True)]
+    return outputs, extra["metrics"], extra["local"]
 
 
 class _TorchOptimizerView(torch.optim.Optimizer):

@@ -1,12 +1,15 @@
 """Megatron -> HF weights for ``export_weights``: gather TP shards, broadcast each PP stage's
-tensors to every rank, convert names and layouts (``backends.megatron.convert.to_hf``).
+tensors to every rank, convert names and layouts (``backends.megatron.convert.to_hf``), one
+parameter or one bucket of parameters at a time (issue 18, item 2), with tensor collectives
+only (the PP broadcast is ``engine_api.dist.broadcast_tensors``: a JSON header, then flat
+buffers; nothing is pickled).
 
 MoE layers: each layer's experts become HF's two fused tensors (``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``; ``convert.hf_experts``), gathered over expert-TP and EP.
 
 Collective over the world: every rank yields every tensor, in the same order (stage by stage,
-chunk by chunk, parameter by parameter). One parameter (one MoE layer's experts) is
-materialised at a time.
+chunk by chunk, parameter by parameter). One parameter, or one bucket (one MoE layer's
+experts), is materialised at a time.
 """
 
 from __future__ import annotations
@@ -19,37 +22,29 @@ from megatron.core import parallel_state as mpu
 
 from backends.megatron.convert import ArchInfo, hf_experts, to_hf
 from backends.megatron.model import global_layer
+from engine_api.dist import broadcast_tensors
 
 _EXPERT = ".mlp.experts.local_experts."
 
 
-def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` (on CPU) for every weight of the model."""
-    tp = mpu.get_tensor_model_parallel_world_size()
+def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` (on CPU) for every weight of the model.
+
+    ``bucket_bytes``: gather and move consecutive parameters of one dtype in buckets of about
+    this many bytes of full tensors (one TP all-gather and one PP broadcast per bucket; a larger
+    parameter is a bucket of its own); ``None``: one parameter at a time. Same names, same
+    order, bit-identical tensors either way."""
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
-    mine = _export_items(model_chunks)
     seen: set[str] = set()
     embedding = None
     for stage in range(pp):
-        owner = dist.get_global_rank(pp_group, stage) if pp > 1 else dist.get_rank()
-        count = [len(mine) if stage == pp_rank else None]
+        groups = _hf_groups(model_chunks, arch, bucket_bytes) if stage == pp_rank else None
         if pp > 1:
-            dist.broadcast_object_list(count, src=owner, group=pp_group)
-        for i in range(count[0]):
-            pairs = None
-            if stage == pp_rank:
-                module, name, param = mine[i]
-                if isinstance(param, list):  # one MoE layer's experts
-                    pairs = _experts_to_hf(module, name, param, arch)
-                else:
-                    full = _gather_tp(param)
-                    pairs = to_hf(name.replace("output_layer.linear.", "output_layer."), full.cpu(), arch, global_layer(module, name), tp)
-            if pp > 1:
-                holder = [pairs]
-                dist.broadcast_object_list(holder, src=owner, group=pp_group)
-                pairs = holder[0]
+            groups = _broadcast_groups(groups, dist.get_global_rank(pp_group, stage), pp_group)
+        for pairs in groups:
             for hf_name, tensor in pairs:
+                tensor = tensor.cpu()
                 if hf_name == "model.embed_tokens.weight":
                     embedding = tensor
                 if hf_name not in seen:  # tied embeddings: the last stage's copy repeats lm_head
@@ -58,6 +53,51 @@ def export_hf(model_chunks, arch: ArchInfo) -> Iterator[tuple[str, torch.Tensor]
     if arch.tied and "lm_head.weight" not in seen and embedding is not None:
         # HF's own state_dict lists the tied head too; keep the same key set as the FSDP backend.
         yield "lm_head.weight", embedding
+
+
+def _hf_groups(model_chunks, arch: ArchInfo, bucket_bytes: int | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """This stage's HF pairs, one list per bucket (one MoE layer's experts are a bucket)."""
+    tp = mpu.get_tensor_model_parallel_world_size()
+    bucket: list[tuple] = []
+    size = 0
+    for module, name, param in _export_items(model_chunks):
+        if isinstance(param, list):  # one MoE layer's experts
+            yield from _convert(bucket, arch, tp)
+            bucket, size = [], 0
+            yield _experts_to_hf(module, name, param, arch)
+            continue
+        nbytes = param.numel() * param.element_size() * (tp if _tp_split(param) else 1)
+        if bucket and (bucket_bytes is None or size + nbytes > bucket_bytes or bucket[0][2].dtype != param.dtype):
+            yield from _convert(bucket, arch, tp)
+            bucket, size = [], 0
+        bucket.append((module, name, param))
+        size += nbytes
+    yield from _convert(bucket, arch, tp)
+
+
+def _convert(bucket: list[tuple], arch: ArchInfo, tp: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """One bucket's HF pairs: its TP-split parameters gathered in one all-gather."""
+    if not bucket:
+        return
+    fulls = _gather_tp_bucket([param for _, _, param in bucket])
+    pairs = []
+    for (module, name, _), full in zip(bucket, fulls, strict=True):
+        pairs += to_hf(name.replace("output_layer.linear.", "output_layer."), full, arch, global_layer(module, name), tp)
+    yield pairs
+
+
+def _broadcast_groups(groups, owner: int, pp_group) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The owner stage's groups on every rank of the PP group, one ``broadcast_tensors`` per
+    group (tensor collectives; the header's ``extra`` says whether a group follows)."""
+    while True:
+        if groups is None:  # not the owner: receive
+            pairs, more = broadcast_tensors(None, None, owner, pp_group)
+        else:
+            pairs = next(groups, None)
+            pairs, more = broadcast_tensors(pairs or [], pairs is not None, owner, pp_group)
+        if not more:
+            return
+        yield pairs
 
 
 def _export_items(model_chunks) -> list[tuple]:
@@ -86,8 +126,9 @@ def _experts_to_hf(module, name: str, local: list, arch: ArchInfo) -> list[tuple
     """HF's fused expert tensors of one MoE layer: every local expert gathered over expert-TP,
     then every EP rank's experts in EP-rank order (global expert ids, ``convert.to_megatron``)."""
     etp_group, ep_group = mpu.get_expert_tensor_parallel_group(), mpu.get_expert_model_parallel_group()
-    fc1 = torch.stack([_gather(w1, etp_group, 0) for w1, _ in local])
-    fc2 = torch.stack([_gather(w2, etp_group, 1) for _, w2 in local])
+    # Stacked first, so each group costs one all-gather per layer, not one per expert.
+    fc1 = _gather(torch.stack([w1.detach() for w1, _ in local]), etp_group, 1)
+    fc2 = _gather(torch.stack([w2.detach() for _, w2 in local]), etp_group, 2)
     fc1, fc2 = _gather(fc1, ep_group, 0), _gather(fc2, ep_group, 0)
     return hf_experts(fc1.cpu(), fc2.cpu(), arch, global_layer(module, name), mpu.get_expert_tensor_parallel_world_size())
 
@@ -101,12 +142,29 @@ def _gather(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _gather_tp(param: torch.Tensor) -> torch.Tensor:
-    """Concatenate a TP-split parameter along its partition dim (megatron marks such params)."""
-    # Read megatron's attributes on the Parameter itself: detach() would drop them.
-    if not getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_world_size() == 1:
-        return param.detach()
-    group = mpu.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(param.detach()) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, param.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=param.partition_dim)
+def _tp_split(param: torch.Tensor) -> bool:
+    """Whether ``param`` is split over TP (megatron marks such params; read the attribute on the
+    Parameter itself: detach() would drop it)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) and mpu.get_tensor_model_parallel_world_size() > 1
+
+
+def _gather_tp_bucket(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors of ``params``: the TP-split ones concatenated along their partition dim
+    from one ``all_gather_into_tensor`` of their flattened local shards (megatron splits evenly,
+    so every TP rank's buffer has the same size); the others as they are (replicated over TP)."""
+    split = [p for p in params if _tp_split(p)]
+    gathered: dict[int, torch.Tensor] = {}
+    if split:
+        group = mpu.get_tensor_model_parallel_group()
+        world = dist.get_world_size(group)
+        local = torch.cat([p.detach().reshape(-1) for p in split])
+        received = local.new_empty(world * local.numel())
+        dist.all_gather_into_tensor(received, local, group=group)
+        regions = received.view(world, local.numel())
+        offset = 0
+        for p in split:
+            n = p.numel()
+            pieces = [regions[k, offset : offset + n].view(p.shape) for k in range(world)]
+            gathered[id(p)] = torch.cat(pieces, dim=p.partition_dim)
+            offset += n
+    return [gathered.get(id(p), p.detach()) for p in params]

@@ -192,15 +192,30 @@ def value_head(env: Env) -> str:
 
 @check("export_names")
 def export_names(env: Env) -> str:
-    """export_weights yields every HF tensor by its HF name, equal to the HF checkpoint before training."""
-    got = weights(new_engine(env))
+    """export_weights yields every HF tensor by its HF name, equal to the HF checkpoint before
+    training; with ``bucket_mb`` (a transfer hint) the same tensors in the same order."""
+    engine = new_engine(env)
+    got = weights(engine)
     want = fx.hf_model(env.model_dir).state_dict()
     if set(got) != set(want):
         raise CheckFailed(f"names differ: missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}")
     bad = [k for k in want if got[k].shape != want[k].shape or not torch.equal(got[k].float(), want[k].float())]
     if bad:
         raise CheckFailed(f"{len(bad)} tensors differ from the HF checkpoint, e.g. {bad[:3]}")
-    return f"{len(got)} tensors, bit-exact"
+    try:
+        # A bucket far smaller than the model: several buckets, and tensors larger than one.
+        bucketed = [(k, v.detach().clone().cpu()) for k, v in engine.export_weights(bucket_mb=0.01)]
+    except TypeError as exc:
+        raise CheckFailed(
+            f"export_weights(bucket_mb=0.01) raised TypeError ({exc}); fix: accept bucket_mb: float | None = None "
+            "(BaseEngine.export_weights; ignoring it is allowed)"
+        ) from None
+    if [k for k, _ in bucketed] != list(got):
+        raise CheckFailed("export_weights(bucket_mb=0.01) yields other names or another order than export_weights()")
+    differ = [k for k, v in bucketed if v.dtype != got[k].dtype or v.shape != got[k].shape or not torch.equal(v, got[k])]
+    if differ:
+        raise CheckFailed(f"export_weights(bucket_mb=0.01) differs from export_weights() in {len(differ)} tensors, e.g. {differ[:3]}")
+    return f"{len(got)} tensors, bit-exact; bucketed export identical"
 
 
 # ----------------------------------------------------------------------------- the update

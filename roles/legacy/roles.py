@@ -20,9 +20,9 @@ class _LegacyRole:
 
     worker: FSDPWorker
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full_tensor)`` pairs. Collective."""
-        return self.worker.export_weights()
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` pairs (``bucket_mb``: as ``BaseEngine.export_weights``). Collective."""
+        return self.worker.export_weights(bucket_mb)
 
     def save_checkpoint(self, path: str, global_step: int) -> None:
         """Checkpoint under ``path``. Collective."""

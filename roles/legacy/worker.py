@@ -15,10 +15,12 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
+from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, load_model
 from backends.fsdp.options import FSDPOptions
 from engine_api import ckpt_layout
+from engine_api.base import bucket_bytes
 from engine_api.batch import loss_mask_of, shard_batch, split_by_size, to_device, unpack, unshard_batch, validate_batch
 from engine_api.config import EngineConfig, options_of
 from engine_api.dist import all_reduce, comm_device, ensure_process_group
@@ -128,8 +130,15 @@ class FSDPWorker:
         return split_by_size(local, self.config.micro_batch_size or local.batch_size[0])
 
     # ------------------------------------------------------------------ weights and state
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full_tensor)`` one parameter at a time. Collective."""
+    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` one parameter at a time, or in ``bucket_mb`` buckets (the
+        FSDP backend's bucketed gather, ``backends.fsdp.export``). Collective."""
+        size = bucket_bytes(bucket_mb)
+        if size is not None:
+            return bucketed_full_tensors(iter(self.model.state_dict().items()), size)
+        return self._export_per_tensor()
+
+    def _export_per_tensor(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach()

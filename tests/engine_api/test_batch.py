@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine_api.batch import (
+    cat_rows,
     loss_mask_of,
     make_batch,
     pack,
@@ -13,6 +14,7 @@ from engine_api.batch import (
     restore_order,
     shard_batch,
     split_by_size,
+    take_rows,
     unpack,
     unpad,
     unshard_batch,
@@ -122,6 +124,71 @@ def test_split_and_restore_order():
     perm = torch.tensor([3, 0, 4, 1, 2])
     restored = restore_order(b[perm], perm)
     assert torch.equal(restored["input_ids"].values(), b["input_ids"].values())
+
+
+def _rich_batch():
+    """Every kind of field: jagged float / int / bool / with a trailing dim, dense 1-D and 2-D,
+    and metadata."""
+    b = make_batch(_seqs((3, 5, 2, 4, 6, 1)), temperature=0.7, calculate_entropy=True)
+    lengths = [len(r) for r in b["input_ids"].unbind()]
+    g = torch.Generator().manual_seed(1)
+    b["advantages"] = torch.nested.nested_tensor_from_jagged(torch.randn(sum(lengths), generator=g), b["input_ids"].offsets())
+    b["keep"] = torch.nested.nested_tensor_from_jagged(torch.rand(sum(lengths), generator=g) > 0.5, b["input_ids"].offsets())
+    b["pair"] = torch.nested.nested_tensor_from_jagged(torch.randn(sum(lengths), 2, generator=g), b["input_ids"].offsets())
+    b["prompt_len"] = torch.arange(6)
+    b["score"] = torch.randn(6, 3, generator=g)
+    return b
+
+
+def _same_batch(got, want):
+    assert set(got.keys()) == set(want.keys()) and got.batch_size == want.batch_size
+    offsets = None
+    for key in want.keys():
+        w = want.get(key)
+        if not isinstance(w, torch.Tensor):
+            assert got.get_non_tensor(key) == want.get_non_tensor(key), key
+            continue
+        g = got.get(key)
+        assert g.dtype == w.dtype and g.is_nested == w.is_nested, key
+        if w.is_nested:
+            assert [r.tolist() for r in g.unbind()] == [r.tolist() for r in w.unbind()], key
+            offsets = g.offsets() if offsets is None else offsets
+            assert g.offsets() is offsets, f"{key}: jagged fields must share one offsets tensor"
+        else:
+            assert torch.equal(g, w), key
+
+
+@pytest.mark.parametrize("rows", [[4, 0, 5, 2], [1], [5, 4, 3, 2, 1, 0], [2, 2, 0]], ids=["part", "one", "reverse", "repeat"])
+def test_take_rows_equals_tensordict_indexing(rows):
+    """The reference is TensorDict's own indexing (row by row, field by field)."""
+    b = _rich_batch()
+    index = torch.tensor(rows)
+    got = take_rows(b, index)
+    _same_batch(got, b[index])
+    assert got["input_ids"].values().data_ptr() != b["input_ids"].values().data_ptr()  # copies, as b[index]
+    view = take_rows(b, slice(1, 4))
+    _same_batch(view, b[1:4])
+    # a slice is a view, as TensorDict's slicing: writing into it writes into the batch
+    view["advantages"].values()[0] = 123.0
+    assert float(b["advantages"][1][0]) == 123.0
+
+
+def test_cat_rows_equals_torch_cat_and_restores_any_order():
+    b = _rich_batch()
+    parts = [b[0:2], b[2:3], b[3:6]]
+    _same_batch(cat_rows(parts), torch.cat(parts))
+    perm = torch.tensor([3, 0, 5, 1, 2, 4])
+    _same_batch(restore_order(take_rows(b, perm), perm), b)
+
+
+def test_take_rows_falls_back_when_jagged_fields_have_other_rows():
+    """A jagged field whose rows differ from input_ids' (not a per-token field) is still
+    indexed correctly (through TensorDict's own indexing)."""
+    b = make_batch(_seqs((3, 5, 2)))
+    b["other"] = torch.nested.nested_tensor_from_jagged(torch.arange(6.0), torch.tensor([0, 1, 3, 6]))
+    got = take_rows(b, torch.tensor([2, 0]))
+    assert [r.tolist() for r in got["other"].unbind()] == [[3.0, 4.0, 5.0], [0.0]]
+    assert [r.tolist() for r in got["input_ids"].unbind()] == [r.tolist() for r in b["input_ids"].unbind()][::-2]
 
 
 @pytest.mark.parametrize("mode", [{"micro_batch_size": 2}, {"max_token_len": 7}, {}])

@@ -1,12 +1,11 @@
 """No pickled collective on a per-step path (issue 18, item 1): during training and inference
-steps and their global gathers (``unshard_data``, the roles' ``infer_global``), every rank's data
-moves with tensor collectives. ``all_gather_object`` and the other object collectives pickle
+steps, their global gathers (``unshard_data``, the roles' ``infer_global``) and the weight
+export a rollout sync makes every RL step, every rank's data moves with tensor collectives. ``all_gather_object`` and the other object collectives pickle
 each rank's data to host bytes (on NCCL: a device->host copy, a pickle and a host->device copy
 per call), so the test makes them raise during the steps, on every backend at its 2-rank
-layouts. Engine construction and checkpoints may still use them (once per run, not per step).
-
-Known exception, stated and not tested here: megatron with pipeline parallelism broadcasts the
-last stage's outputs to the other stages with ``broadcast_object_list`` (``MegatronEngine._collect``).
+layouts plus megatron's PP=2 (where the last stage's outputs, metrics and loss go to the other
+stages: ``MegatronEngine._collect``, through ``engine_api.dist.broadcast_tensors``). Engine
+construction and checkpoints may still use them (once per run, not per step).
 """
 
 from __future__ import annotations
@@ -54,13 +53,18 @@ def _steps_worker(rank, world, strategy, model_dir, layout):
         with engine.eval_mode():
             local = engine.infer_batch(engine.shard_data(batch))
         gathered = engine.unshard_data(local) if local is not None else None
+        exported = sum(1 for _ in engine.export_weights()) + sum(1 for _ in engine.export_weights(bucket_mb=0.05))
+    assert exported > 0
     assert metrics["step_skipped"] == 0.0
     return outputs["log_probs"].values().shape[0], float(metrics["loss"]), None if gathered is None else gathered.batch_size[0]
 
 
 @pytest.mark.parametrize("strategy", BACKENDS)
 def test_steps_and_gathers_use_no_pickled_collective(strategy, model_dir):
-    for name, layout in two_rank_layouts(strategy).items():
+    layouts = dict(two_rank_layouts(strategy))
+    if strategy == "megatron":
+        layouts["pp2"] = ["megatron.pipeline_model_parallel_size=2"]
+    for name, layout in layouts.items():
         results = run(_steps_worker, 2, strategy, model_dir, layout)
         tokens = sum(len(r) for r in make_test_batch()["input_ids"].unbind())
         for n_tokens, _loss, rows in results:

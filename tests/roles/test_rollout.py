@@ -56,3 +56,56 @@ def test_stale_weights_are_detected_and_sampling_is_seeded(tmp_path):
     assert max_abs_diff(masked, list(batch["rollout_log_probs"].unbind())) > 1e-3
     again = Rollout(actor.engine, HFSampler(model_dir), RolloutConfig(max_new_tokens=6, temperature=0.8, seed=3)).generate(PROMPTS)
     assert torch.equal(again["input_ids"].values(), batch["input_ids"].values())
+
+
+class _Recording:
+    """A sampler that keeps what it was loaded with."""
+
+    def __init__(self):
+        self.loaded = []
+
+    def load_weights(self, named):
+        self.loaded = [(n, t.clone()) for n, t in named]
+
+
+class _OldSource:
+    """A weight source written before ``bucket_mb`` existed (no such parameter)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def export_weights(self):
+        self.calls += 1
+        return self.engine.export_weights()
+
+
+def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkeypatch):
+    import pytest
+
+    actor = _trained_actor(make_model(tmp_path / "llama", "llama"))
+    seen = []
+    export = type(actor.engine).export_weights
+
+    def recording_export(self, bucket_mb=None):
+        seen.append(bucket_mb)
+        return export(self, bucket_mb=bucket_mb)
+
+    monkeypatch.setattr(type(actor.engine), "export_weights", recording_export)
+    loaded = {}
+    for mb in (None, 0.01, 512.0):
+        sampler = _Recording()
+        Rollout(actor, sampler, RolloutConfig(sync_bucket_mb=mb)).sync_weights()  # through the role, as the recipes do
+        loaded[mb] = sampler.loaded
+    assert seen == [None, 0.01, 512.0]
+    assert RolloutConfig().sync_bucket_mb == 512.0  # the recipes' default: bucketed
+    for mb in (0.01, 512.0):
+        assert [n for n, _ in loaded[mb]] == [n for n, _ in loaded[None]]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded[mb], loaded[None], strict=True))
+    # A source without bucket_mb still syncs (per tensor), with a warning that names the fix.
+    old = _OldSource(actor.engine)
+    with pytest.warns(UserWarning, match=r"rollout.sync_bucket_mb = 512.0: _OldSource.export_weights takes no bucket_mb.*fix:"):
+        rollout = Rollout(old, _Recording(), RolloutConfig())
+    rollout.sync_weights()
+    assert old.calls == 1 and len(rollout.sampler.loaded) == len(loaded[None])
+    problems = RolloutConfig(sync_bucket_mb=0)._problems()
+    assert any("sync_bucket_mb = 0: must be a number > 0 of MB or null; fix:" in p for p in problems), problems
