@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterator
@@ -40,6 +41,16 @@ def bucket_bytes(bucket_mb: float | None) -> int | None:
             f"export_weights(bucket_mb={bucket_mb!r}): must be a finite number > 0 of MB; fix: e.g. 512, or None for one tensor at a time"
         )
     return max(1, int(bucket_mb * 2**20))
+
+
+def takes_bucket_mb(method) -> bool:
+    """Whether ``method`` (an ``export_weights``) accepts a ``bucket_mb`` keyword, by name or
+    through ``**kwargs`` (engines written before the parameter existed do not)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
+        return False
+    return any(p.name == "bucket_mb" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class BaseEngine(abc.ABC):
@@ -372,7 +383,7 @@ class BaseEngine(abc.ABC):
 
         ``bucket_mb``: a transfer hint. ``None`` moves one tensor per collective; a size in MB
         asks the backend to gather consecutive tensors in flat buckets of about that size (one
-        collective per bucket: fewer, larger transfers, peak memory one bucket). The names,
+        collective per bucket: fewer, larger transfers, extra memory about a bucket or a few). The names,
         order and values must be the same either way (bit-identical); a backend that cannot
         bucket may ignore it. Validate it eagerly with :func:`bucket_bytes` (a bad size raises
         at the call, not at the first ``next``)."""

@@ -220,8 +220,10 @@ def take_rows(batch: TensorDict, rows: slice | torch.Tensor) -> TensorDict:
     else (a nested TensorDict, a jagged field whose row lengths differ from the first jagged
     field's) goes through ``batch[rows]``.
     """
-    if isinstance(rows, slice) and rows.step not in (None, 1) or isinstance(rows, torch.Tensor) and rows.numel() == 0:
+    if isinstance(rows, slice) and rows.step not in (None, 1):
         return batch[rows]
+    if isinstance(rows, torch.Tensor) and (rows.numel() == 0 or rows.dtype == torch.bool or bool((rows < 0).any())):
+        return batch[rows]  # empty, a mask, or negative indices: TensorDict's own semantics
     fields = {k: batch.get(k) for k in batch.keys()}
     tensors = {k: v for k, v in fields.items() if isinstance(v, torch.Tensor)}
     jagged = [k for k, v in tensors.items() if v.is_nested]
@@ -261,7 +263,7 @@ def take_rows(batch: TensorDict, rows: slice | torch.Tensor) -> TensorDict:
         for key, value in tensors.items():
             if not value.is_nested:
                 out[key] = value.index_select(0, rows.to(value.device))
-    result = TensorDict({k: out[k] for k in tensors}, batch_size=[size])
+    result = TensorDict({k: out[k] for k in tensors}, batch_size=[size], device=batch.device)
     for key in fields:
         if key not in tensors:
             result.set_non_tensor(key, batch.get_non_tensor(key))
@@ -277,8 +279,9 @@ def cat_rows(batches: list[TensorDict]) -> TensorDict:
     first = batches[0]
     tensors = [k for k in first.keys() if isinstance(first.get(k), torch.Tensor)]
     jagged = [k for k in tensors if first.get(k).is_nested]
-    if any(isinstance(first.get(k), TensorDict) for k in first.keys()):
-        return torch.cat(batches)
+    keys = set(first.keys())
+    if any(isinstance(first.get(k), TensorDict) for k in keys) or any(set(b.keys()) != keys for b in batches[1:]):
+        return torch.cat(batches)  # nested TensorDicts, or other key sets (torch.cat's own checks and errors)
     out: dict[str, torch.Tensor] = {}
     if jagged:
         lengths = [b.get(jagged[0]).offsets().diff() for b in batches]
@@ -292,7 +295,7 @@ def cat_rows(batches: list[TensorDict]) -> TensorDict:
     for key in tensors:
         if key not in out:
             out[key] = torch.cat([b.get(key) for b in batches])
-    result = TensorDict({k: out[k] for k in tensors}, batch_size=[sum(b.batch_size[0] for b in batches)])
+    result = TensorDict({k: out[k] for k in tensors}, batch_size=[sum(b.batch_size[0] for b in batches)], device=first.device)
     for key in first.keys():
         if key not in tensors:
             result.set_non_tensor(key, first.get_non_tensor(key))

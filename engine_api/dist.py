@@ -102,6 +102,10 @@ def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None, count
     return out
 
 
+# What encoding a sender's input can raise: a non-tensor value, an extra JSON cannot carry.
+_ENCODE_ERRORS = (TypeError, ValueError, AttributeError, RuntimeError)
+
+
 def broadcast_tensors(
     named: list[tuple[str, torch.Tensor]] | None,
     extra: object,
@@ -115,28 +119,42 @@ def broadcast_tensors(
     only, on the communication device (``comm_device``): a JSON header (names, shapes, dtypes,
     ``extra``) as bytes, its length before it, then one flat buffer per dtype, so a bucket of
     tensors costs a fixed number of broadcasts, and nothing is pickled (a header is data, never
-    code). Results come back on ``device``. A group of one returns its input."""
+    code). Results come back on ``device``; every rank, the sender included, gets ``extra`` as
+    JSON returns it (tuples become lists, dict keys strings) and tensors that are views of one
+    flat buffer per dtype (clone one to keep it alone). If the sender cannot encode its input
+    (``extra`` not JSON-able, a non-tensor value), it raises and the other ranks raise a
+    ``RuntimeError`` instead of waiting. A group of one returns its input."""
     if group_size(group) == 1:
         return list(named or []), extra
     comm = comm_device(group)
     mine = dist.get_rank() == src
+    failure = None
     if mine:
-        tensors = [t.detach() for _, t in named]
-        header = {
-            "names": [n for n, _ in named],
-            "shapes": [list(t.shape) for t in tensors],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-            "extra": extra,
-        }
-        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(comm)
-        length = torch.tensor([raw.numel()], dtype=torch.long, device=comm)
+        try:
+            tensors = [t.detach() for _, t in named]
+            header = {
+                "names": [n for n, _ in named],
+                "shapes": [list(t.shape) for t in tensors],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "extra": extra,
+            }
+            raw = torch.frombuffer(bytearray(json.dumps(header, allow_nan=True).encode()), dtype=torch.uint8).to(comm)
+            length = torch.tensor([raw.numel()], dtype=torch.long, device=comm)
+        except _ENCODE_ERRORS as exc:  # tell the receivers (length -1) instead of leaving them blocked
+            failure = exc
+            length = torch.tensor([-1], dtype=torch.long, device=comm)
     else:
         length = torch.empty(1, dtype=torch.long, device=comm)
     dist.broadcast(length, src=src, group=group)
+    if failure is not None:
+        raise failure
+    if int(length) < 0:
+        raise RuntimeError(f"broadcast_tensors: rank {src} could not send its tensors (see its own error); nothing was received")
     if not mine:
         raw = torch.empty(int(length), dtype=torch.uint8, device=comm)
     dist.broadcast(raw, src=src, group=group)
-    header = json.loads(bytes(raw.cpu().numpy()).decode()) if not mine else header
+    # Decoded on every rank, the sender too, so all ranks see the same JSON round trip of extra.
+    header = json.loads(bytes(raw.cpu().numpy()).decode())
     dtypes = [getattr(torch, d) for d in header["dtypes"]]
     numels = [math.prod(s) for s in header["shapes"]]
     out: list[torch.Tensor | None] = [None] * len(dtypes)

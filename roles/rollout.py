@@ -7,7 +7,6 @@ The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no 
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import make_batch
-from engine_api.base import bucket_bytes
+from engine_api.base import bucket_bytes, takes_bucket_mb
 
 
 class WeightSource(Protocol):
@@ -54,8 +53,8 @@ class RolloutConfig:
         seed: base seed; each ``generate`` call's generator is seeded with seed + call index.
         sync_bucket_mb: weight sync gathers the actor's weights in flat buckets of about this
             many MB, one collective per bucket (``export_weights(bucket_mb=...)``; 512, as in
-            verl and NeMo-RL, keeps a ~1B model to a few collectives and peak extra memory to
-            one bucket); ``None``: one tensor per collective. The synced weights are the same
+            verl and NeMo-RL, keeps a ~1B model to a few collectives and extra memory to a few
+            buckets); ``None``: one tensor per collective. The synced weights are the same
             either way. A source whose ``export_weights`` takes no ``bucket_mb`` (an engine
             written before it existed) is synced per tensor, with a warning.
     """
@@ -83,15 +82,6 @@ class RolloutConfig:
         return out
 
 
-def _takes_bucket_mb(method) -> bool:
-    """Whether ``method`` accepts a ``bucket_mb`` keyword (by name, or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
-        return False
-    return any(p.name == "bucket_mb" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 class Rollout:
     """Generates responses with the actor's current weights."""
 
@@ -102,7 +92,7 @@ class Rollout:
         self._calls = 0
         self._export_kwargs = {}
         if config.sync_bucket_mb is not None:
-            if _takes_bucket_mb(source.export_weights):
+            if takes_bucket_mb(source.export_weights):
                 self._export_kwargs = {"bucket_mb": config.sync_bucket_mb}
             else:
                 warnings.warn(

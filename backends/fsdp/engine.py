@@ -249,8 +249,9 @@ class FSDPEngine(BaseEngine):
         ``bucket_mb`` is then ignored: a layer is the unit).
 
         ``bucket_mb``: gather in flat buckets of about this many MB, one collective per bucket
-        (``backends.fsdp.export``; same tensors, same order, bit-exact); peak memory is then one
-        bucket."""
+        (``backends.fsdp.export``; same tensors, same order, bit-exact); extra memory is then a
+        few times a bucket (the local shards side by side, the gathered buffer, the tensors
+        reassembled from it)."""
         self._refuse_if_broken("export_weights")
         size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
         return self._export(size)

@@ -461,8 +461,8 @@ class MegatronEngine(BaseEngine):
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (on CPU): TP shards gathered, PP stages broadcast, with tensor
         collectives. ``bucket_mb``: move consecutive parameters in buckets of about this many MB
-        (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``), peak
-        memory then one bucket; ``None``: one parameter at a time. Collective."""
+        (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``; extra
+        memory a few times one bucket); ``None``: one parameter at a time. Collective."""
         self._refuse_if_broken("export_weights")
         size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
         return self._export(size)
@@ -474,33 +474,47 @@ class MegatronEngine(BaseEngine):
 
 def _broadcast_outputs(payload: tuple | None, src: int, group) -> tuple:
     """The last stage's ``(outputs, metrics, local_loss)`` on every stage: the outputs' fields
-    as tensors (a jagged field as its values and offsets), the metrics and the loss (floats,
-    exact through JSON) in the header of one ``broadcast_tensors``. No pickling."""
+    as tensors (a jagged field as its values and offsets), the metrics, the loss (floats, exact
+    through JSON) and any non-tensor field a ``postprocess_fn`` set (it must be JSON-able, else
+    every stage raises) in the header of one ``broadcast_tensors``. No pickling."""
     named, extra = None, None
     if payload is not None:
         outputs, metrics, local = payload
         named, fields = [], []
+        meta = {}
         for i, out in enumerate(outputs or []):
             for key in out.keys():
                 value = out.get(key)
+                if not isinstance(value, torch.Tensor):  # metadata a postprocess_fn set: in the header
+                    meta[f"{i}/{key}"] = out.get_non_tensor(key)
+                    fields.append([i, key, "meta"])
+                    continue
                 if value.is_nested:
                     named += [(f"{i}/{key}/values", value.values()), (f"{i}/{key}/offsets", value.offsets())]
                 else:
                     named.append((f"{i}/{key}", value))
-                fields.append([i, key, bool(value.is_nested)])
+                fields.append([i, key, "jagged" if value.is_nested else "dense"])
         rows = None if outputs is None else [out.batch_size[0] for out in outputs]
-        extra = {"rows": rows, "fields": fields, "metrics": metrics, "local": local}
+        extra = {"rows": rows, "fields": fields, "meta": meta, "metrics": metrics, "local": local}
     named, extra = broadcast_tensors(named, extra, src, group)
     tensors = dict(named)
     if extra["rows"] is None:
         return None, extra["metrics"], extra["local"]
     parts: list[dict] = [{} for _ in extra["rows"]]
-    for i, key, jagged in extra["fields"]:
-        if jagged:
+    metas: list[dict] = [{} for _ in extra["rows"]]
+    for i, key, kind in extra["fields"]:
+        if kind == "jagged":
             parts[i][key] = torch.nested.nested_tensor_from_jagged(tensors[f"{i}/{key}/values"], tensors[f"{i}/{key}/offsets"])
-        else:
+        elif kind == "dense":
             parts[i][key] = tensors[f"{i}/{key}"]
-    outputs = [relayout(TensorDict(fields, batch_size=[rows])) for fields, rows in zip(parts, extra["rows"], strict=True)]
+        else:
+            metas[i][key] = extra["meta"][f"{i}/{key}"]
+    outputs = []
+    for fields, meta, rows in zip(parts, metas, extra["rows"], strict=True):
+        out = TensorDict(fields, batch_size=[rows])
+        for key, value in meta.items():
+            out.set_non_tensor(key, value)
+        outputs.append(relayout(out))
     return outputs, extra["metrics"], extra["local"]
 
 

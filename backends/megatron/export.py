@@ -33,7 +33,9 @@ def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> 
     ``bucket_bytes``: gather and move consecutive parameters of one dtype in buckets of about
     this many bytes of full tensors (one TP all-gather and one PP broadcast per bucket; a larger
     parameter is a bucket of its own); ``None``: one parameter at a time. Same names, same
-    order, bit-identical tensors either way."""
+    order, bit-identical tensors either way. Extra memory on the stage that owns a bucket: a few
+    times the bucket (the local shards side by side, the gathered buffer, the reassembled full
+    tensors and their HF-layout copies), on the compute device until they move to CPU."""
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     seen: set[str] = set()
@@ -46,7 +48,7 @@ def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> 
             for hf_name, tensor in pairs:
                 tensor = tensor.cpu()
                 if hf_name == "model.embed_tokens.weight":
-                    embedding = tensor
+                    embedding = tensor.clone()  # (a view would keep its whole bucket alive)
                 if hf_name not in seen:  # tied embeddings: the last stage's copy repeats lm_head
                     seen.add(hf_name)
                     yield hf_name, tensor

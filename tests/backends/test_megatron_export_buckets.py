@@ -57,9 +57,14 @@ def _export_counted(engine, bucket_mb):
 def _worker(rank, world, models):
     from megatron.core import parallel_state
 
-    out = {}
+    out: dict = {}
     for layout, (family, overrides) in LAYOUTS.items():
         engine = engine_for(models[family], *overrides, strategy="megatron")
+        try:
+            engine.export_weights(bucket_mb=0)  # no next(): the size is checked at the call
+            out.setdefault("refused", []).append(False)
+        except ValueError as exc:
+            out.setdefault("refused", []).append("bucket_mb=0): must be a finite number > 0 of MB" in str(exc))
         per_param, per_param_calls = _export_counted(engine, None)
         bucketed, bucketed_calls = _export_counted(engine, BUCKET_MB)
         out[layout] = {"per_param": dict(per_param), "order_same": [n for n, _ in per_param] == [n for n, _ in bucketed]}
@@ -103,9 +108,10 @@ def test_buckets_make_far_fewer_collectives(exports, layout):
         assert bucketed_calls < per_param_calls / 2, (bucketed_calls, per_param_calls)
 
 
-def test_a_bad_bucket_size_is_refused_at_the_call():
+def test_a_bad_bucket_size_is_refused_at_the_call(exports):
     from engine_api.base import bucket_bytes
 
+    assert all(all(rank_out["refused"]) for rank_out in exports)  # MegatronEngine.export_weights(bucket_mb=0)
     for bad in (0, -1.0, float("nan"), float("inf"), "512", True):
         with pytest.raises(ValueError, match=r"export_weights\(bucket_mb=.*\): must be a finite number > 0 of MB; fix: e.g. 512"):
             bucket_bytes(bad)

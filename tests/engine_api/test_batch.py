@@ -166,6 +166,7 @@ def test_take_rows_equals_tensordict_indexing(rows):
     got = take_rows(b, index)
     _same_batch(got, b[index])
     assert got["input_ids"].values().data_ptr() != b["input_ids"].values().data_ptr()  # copies, as b[index]
+    _same_batch(take_rows(b, torch.tensor([-1, 0])), b[torch.tensor([-1, 0])])  # negative: TensorDict's meaning
     view = take_rows(b, slice(1, 4))
     _same_batch(view, b[1:4])
     # a slice is a view, as TensorDict's slicing: writing into it writes into the batch

@@ -42,6 +42,11 @@ def no_object_collectives():
             setattr(dist, name, fn)
 
 
+def _tag(mb, out, ctx):
+    out.set_non_tensor("tag", "seen")
+    return out
+
+
 def _steps_worker(rank, world, strategy, model_dir, layout):
     worker_setup()
     engine = new_engine(strategy, model_dir, "max_token_len_per_micro_batch=24", *layout)
@@ -54,6 +59,9 @@ def _steps_worker(rank, world, strategy, model_dir, layout):
             local = engine.infer_batch(engine.shard_data(batch))
         gathered = engine.unshard_data(local) if local is not None else None
         exported = sum(1 for _ in engine.export_weights()) + sum(1 for _ in engine.export_weights(bucket_mb=0.05))
+        with engine.eval_mode():  # a postprocess_fn's non-tensor field reaches the caller (megatron PP: in the header)
+            tagged = engine.forward_backward_step(engine.shard_data(batch), forward_only=True, postprocess_fn=_tag)[0]
+    assert tagged is None or tagged.get_non_tensor("tag") == "seen"
     assert exported > 0
     assert metrics["step_skipped"] == 0.0
     return outputs["log_probs"].values().shape[0], float(metrics["loss"]), None if gathered is None else gathered.batch_size[0]

@@ -62,6 +62,20 @@ def test_ppo_loss_hand_computed():
     assert clipped.tolist() == [1.0, 0.0, 0.0]
 
 
+def test_asymmetric_clip_uses_each_bound_on_its_side():
+    """clip_low = 0.1, clip_high = 0.3: the ratio is clipped to [0.9, 1.3] (DAPO's clip-higher).
+    Swapping the bounds ([0.7, 1.1]) changes every token below, so a swapped clamp fails."""
+    ratios = torch.tensor([1.25, 0.85, 1.4, 0.6])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, clipped = ppo_policy_loss(torch.log(ratios), torch.zeros(4), adv, clip_low=0.1, clip_high=0.3)
+    # token 0: r = 1.25 inside [0.9, 1.3]: max(-1.25, -1.25) = -1.25, not clipped (swapped: -1.1)
+    # token 1: A < 0, r = 0.85 below 0.9: max(0.85, 0.9) = 0.9, clipped (swapped: 0.85)
+    # token 2: A > 0, r = 1.4 above 1.3: max(-1.4, -1.3) = -1.3, clipped (swapped: -1.1)
+    # token 3: A < 0, r = 0.6: max(0.6, 0.9) = 0.9, clipped (swapped: 0.7)
+    assert torch.allclose(loss, torch.tensor([-1.25, 0.9, -1.3, 0.9]), atol=1e-6)
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_ppo_ratio_one_gives_minus_advantage_and_no_clipping():
     adv = torch.randn(20)
     lp = torch.randn(20)
@@ -86,3 +100,39 @@ def test_clipped_value_loss_hand_computed():
     loss, clipped = clipped_value_loss(torch.tensor([1.0, 0.0]), torch.zeros(2), torch.tensor([2.0, 1.0]), clip=0.5)
     assert torch.allclose(loss, torch.tensor([1.125, 0.5]))
     assert clipped.tolist() == [1.0, 0.0]
+
+
+def test_entropy_bonus_enters_the_actor_loss_with_minus_its_coefficient():
+    """policy_objective = pg - entropy_coef * entropy (each token-mean over the loss mask): worked
+    by hand on 2 sequences, 5 loss tokens. With log_probs == old_log_probs the ratio is 1, so
+    pg = mean(-A); a flipped sign (+ coef * entropy) or a lost coefficient changes the value and
+    the gradient the entropy receives."""
+    from tensordict import TensorDict
+
+    from engine_api.batch import make_batch
+    from engine_api.losses import build_norm_context
+    from roles.actor import ActorConfig, policy_objective
+
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7])]
+    mask = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0, 1.0])]
+    adv = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, -2.0, -2.0, -2.0])]
+    lp = [torch.tensor([0.0, -1.0, -0.5]), torch.tensor([0.0, -2.0, -0.1, -0.3])]
+    mb = make_batch(seqs, loss_mask=mask, advantages=adv, old_log_probs=lp)
+    entropy = torch.tensor([9.0, 1.0, 2.0, 9.0, 3.0, 4.0, 5.0], requires_grad=True)  # 9: outside the mask
+    offsets = mb["input_ids"].offsets()
+    out = TensorDict(
+        {
+            "log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lp), offsets),
+            "entropy": torch.nested.nested_tensor_from_jagged(entropy, offsets),
+        },
+        batch_size=[2],
+    )
+    norm = build_norm_context(mb["loss_mask"], "token-mean", None)
+    loss, metrics = policy_objective(ActorConfig(entropy_coef=0.5), mb, out, norm)
+    # pg = mean(-A) over the 5 loss tokens = -(1 + 1 - 2 - 2 - 2) / 5 = 0.8
+    # entropy = (1 + 2 + 3 + 4 + 5) / 5 = 3.0; loss = 0.8 - 0.5 * 3.0 = -0.7
+    assert math.isclose(float(loss), -0.7, abs_tol=1e-6)
+    assert math.isclose(metrics["entropy"], 3.0, abs_tol=1e-6)
+    loss.backward()
+    # d loss / d entropy_t = -0.5 / 5 on the loss tokens, 0 elsewhere: the bonus raises entropy
+    assert torch.allclose(entropy.grad, torch.tensor([0.0, -0.1, -0.1, 0.0, -0.1, -0.1, -0.1]), atol=1e-7)

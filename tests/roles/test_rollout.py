@@ -107,5 +107,13 @@ def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkey
         rollout = Rollout(old, _Recording(), RolloutConfig())
     rollout.sync_weights()
     assert old.calls == 1 and len(rollout.sampler.loaded) == len(loaded[None])
+    # The same through a role (what the recipes pass): Actor over an engine without bucket_mb.
+    from roles.common import TrainableRole
+
+    role = TrainableRole()
+    role.engine = _OldSource(actor.engine)
+    with pytest.warns(UserWarning, match=r"_OldSource.export_weights takes no bucket_mb.*fix:"):
+        Rollout(role, sampler := _Recording(), RolloutConfig()).sync_weights()
+    assert role.engine.calls == 1 and [n for n, _ in sampler.loaded] == [n for n, _ in loaded[None]]
     problems = RolloutConfig(sync_bucket_mb=0)._problems()
     assert any("sync_bucket_mb = 0: must be a number > 0 of MB or null; fix:" in p for p in problems), problems
