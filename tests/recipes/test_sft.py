@@ -163,8 +163,10 @@ def test_two_rank_torchrun(tmp_path):
 def test_resume_replays_the_uninterrupted_run(tmp_path, own_process_group):
     from recipes.sft import main
 
-    # A constant LR: the schedule of a 3-step run then equals the first 3 steps of a 6-step one.
-    constant = ["engine.optim.lr_schedule=constant", "data.eval_batches=0"]
+    # Warmup + cosine over the engine's own 6 steps for every run (the 3-step run stops half-way
+    # through the same schedule): the LR changes at every step after warmup, so steps 4-6 equal the
+    # uninterrupted ones only if the scheduler state came back with the checkpoint.
+    constant = ["engine.optim.lr_schedule=cosine", "engine.optim.warmup_steps=2", "engine.optim.total_steps=6", "data.eval_batches=0"]
     main([*_run_args(tmp_path / "full", 6), *constant])
     main([*_run_args(tmp_path / "split", 3), *constant, "trainer.checkpoint_every=3"])
     resumed = main([*_run_args(tmp_path / "split", 6), *constant, "trainer.resume=true"])
@@ -176,6 +178,8 @@ def test_resume_replays_the_uninterrupted_run(tmp_path, own_process_group):
     full, split = losses("full"), losses("split")
     assert sorted(split) == list(range(1, 7))  # the resumed run appended steps 4-6
     assert split == pytest.approx(full, rel=1e-5, abs=1e-6)
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())]
+    assert len(set(lrs[2:])) == 4, lrs  # the premise: a different LR at the save and every resumed step
 
 
 @pytest.mark.slow
