@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint format install clean run sft bench gpu-check gpu-wheels
+.PHONY: test lint format install clean run sft bench gpu-check gpu-wheels mutate
 
 # The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
 $(VENV)/.installed: pyproject.toml ci/setup_venv.sh
@@ -49,3 +49,8 @@ gpu-check:
 
 gpu-wheels:
 	bash ci/gpu_wheels.sh
+
+# Mutation testing (mutmut) of the loss, micro-batching and PPO code against the fast tests;
+# slow, not part of `make test`. Results: docs/mutation-results.txt; survivors: docs/mutation.md.
+mutate: install
+	bash ci/mutate.sh $(VENV)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from engine_api.batch import (
     cat_rows,
@@ -200,6 +201,21 @@ def test_micro_batches_restore_original_order(mode):
         assert all(int(mb["input_ids"].offsets()[-1]) <= 7 for mb in plan.batches)
     restored = plan.restore([mb.select("input_ids") for mb in plan.batches])
     assert [r.tolist() for r in restored["input_ids"].unbind()] == [r.tolist() for r in b["input_ids"].unbind()]
+
+
+def test_restore_lays_outputs_on_the_callers_offsets():
+    """With ``like``, restored jagged outputs share the caller's offsets tensor, so they combine
+    with the caller's own jagged fields (torch refuses arithmetic across distinct offsets)."""
+    b = make_batch(_seqs((3, 5, 2, 4, 6, 1)))
+    plan = make_micro_batches(b, None, 7, None)
+    outputs = [
+        TensorDict({"v": unpack(mb["input_ids"].values().float(), mb["input_ids"])}, batch_size=mb.batch_size) for mb in plan.batches
+    ]
+    restored = plan.restore(outputs, like=b["input_ids"])
+    assert restored["v"].offsets() is b["input_ids"].offsets()
+    assert torch.equal((restored["v"] - b["input_ids"].float()).values(), torch.zeros(21))
+    with pytest.raises(ValueError, match="got 1 outputs for"):
+        plan.restore(outputs[:1])
 
 
 def test_micro_batching_modes_are_exclusive():

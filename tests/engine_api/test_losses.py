@@ -177,3 +177,79 @@ def test_counts_are_all_reduced_over_dp_group():
     (c0, n0), (c1, n1) = run_distributed(_counts_worker, 2)
     assert c0 == c1 == NormCounts(tokens=2 + 1 + 4, seqs=3)  # rank 0: 2 + 0 + 1 tokens, 2 non-empty rows
     assert n0 == n1 == 2
+
+
+# ----------------------------------------------------------------------------- boundaries
+# Found by `make mutate` (docs/mutation.md): off-by-one thresholds and flags that no other fast
+# test pinned down.
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_a_batch_with_one_loss_token_is_a_valid_batch(mode):
+    """Denominator 1 (one token, one sequence, C = 1) is legal: the loss is that token's value."""
+    mask = torch.nested.nested_tensor_from_jagged(torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0, 3]))
+    loss = torch.nested.nested_tensor_from_jagged(torch.tensor([9.0, -2.5, 9.0]), torch.tensor([0, 3]))
+    constant = 1.0 if mode == "seq-mean-token-sum-norm" else None
+    norm = build_norm_context(mask, mode, None, constant)
+    assert norm.denominator == 1.0 and norm.constant == constant
+    assert float(agg_loss(loss, mask, norm)) == -2.5
+    deferred = DeferredNormalizer(mode, constant)
+    deferred.add(norm.counts)
+    assert deferred.grad_scale() == 1.0
+
+
+def test_the_norm_constant_must_be_positive_and_any_positive_value_is_taken():
+    mask = _jagged([torch.ones(3)])
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=rf"loss_agg_constant = {bad!r}: seq-mean-token-sum-norm needs a positive constant C; fix"):
+            build_norm_context(mask, "seq-mean-token-sum-norm", None, bad)
+    for good in (0.5, 1.0, 7.0):
+        assert build_norm_context(mask, "seq-mean-token-sum-norm", None, good).denominator == good
+
+
+def test_flat_values_must_be_one_dimensional():
+    mask = _jagged([torch.ones(3), torch.ones(2)])
+    norm = build_norm_context(mask, "token-mean", None)
+    assert float(agg_loss(torch.full((5,), 2.0), mask, norm)) == 2.0  # flat values in the mask's layout
+    with pytest.raises(ValueError, match=r"expected a jagged or 1-D per-token tensor, got shape \(5, 1\)"):
+        agg_numerator(torch.ones(5, 1), torch.ones(5, 1), "token-mean")  # a 2-D mask: no layout to read
+    with pytest.raises(ValueError, match=r"layout \(5, 1\)"):
+        agg_loss(torch.ones(5, 1), mask, norm)
+
+
+def test_numerator_accepts_equal_offsets_held_in_another_tensor():
+    """Jagged fields built separately have equal but distinct offsets tensors: same layout."""
+    values = torch.nested.nested_tensor_from_jagged(torch.arange(5.0), torch.tensor([0, 3, 5]))
+    mask = torch.nested.nested_tensor_from_jagged(torch.ones(5), torch.tensor([0, 3, 5]))
+    assert float(agg_numerator(values, mask, "token-mean")) == 10.0
+
+
+def test_deferred_normalizer_flags_a_non_finite_loss_until_reset():
+    d = DeferredNormalizer("token-mean")
+    assert d.nonfinite_loss is False  # a fresh window skips nothing
+    d.note_loss(1.0)
+    assert d.nonfinite_loss is False
+    d.note_loss(float("nan"))
+    assert d.nonfinite_loss is True
+    d.note_loss(2.0)  # a later finite loss does not clear it
+    assert d.nonfinite_loss is True
+    d.reset()
+    assert d.nonfinite_loss is False
+
+
+def test_numerator_rejects_the_same_token_count_in_other_rows():
+    """5 tokens either way, but rows of 2 + 3 against a mask of 3 + 2: not the same layout."""
+    values = torch.nested.nested_tensor_from_jagged(torch.ones(5), torch.tensor([0, 2, 5]))
+    mask = torch.nested.nested_tensor_from_jagged(torch.ones(5), torch.tensor([0, 3, 5]))
+    with pytest.raises(ValueError, match="loss_mask"):
+        agg_numerator(values, mask, "seq-mean-token-mean")
+
+
+def test_a_flat_mask_is_one_sequence():
+    """A 1-D (not jagged) loss mask is read as one sequence: its counts and the loss follow."""
+    mask = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0])
+    counts = NormCounts.from_mask(mask)
+    assert (counts.tokens, counts.seqs) == (3.0, 1.0)
+    values = torch.tensor([5.0, 1.0, 2.0, 7.0, 3.0])
+    assert float(agg_numerator(values, mask, "seq-mean-token-mean")) == 2.0  # (1 + 2 + 3) / 3, one sequence
+    assert float(agg_numerator(values, mask, "seq-mean-token-sum")) == 6.0

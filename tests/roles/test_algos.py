@@ -136,3 +136,97 @@ def test_entropy_bonus_enters_the_actor_loss_with_minus_its_coefficient():
     loss.backward()
     # d loss / d entropy_t = -0.5 / 5 on the loss tokens, 0 elsewhere: the bonus raises entropy
     assert torch.allclose(entropy.grad, torch.tensor([0.0, -0.1, -0.1, 0.0, -0.1, -0.1, -0.1]), atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- found by make mutate
+# (docs/mutation.md): cases the tests above left open, each worked by hand.
+
+
+def test_ppo_defaults_are_the_symmetric_0_2_clip():
+    # r = 1.25 with A = +1: the default clip [0.8, 1.2] caps it at 1.2; r = 0.7 with A = -1: 0.8.
+    loss, _ = ppo_policy_loss(torch.log(torch.tensor([1.25, 0.7])), torch.zeros(2), torch.tensor([1.0, -1.0]))
+    assert torch.allclose(loss, torch.tensor([-1.2, 0.8]), atol=1e-6)
+
+
+def test_dual_clip_boundaries_and_zero_or_positive_advantages():
+    lp, old = torch.log(torch.tensor([10.0, 10.0, 10.0])), torch.zeros(3)
+    adv = torch.tensor([-1.0, 0.0, 0.5])
+    loss, clipped = ppo_policy_loss(lp, old, adv, dual_clip=1.5)  # 1.5 is a legal c (> 1)
+    # A = -1: max(10, 1.2) = 10, capped at 1.5 (active); A = 0: 0, the cap does not apply (0 * anything);
+    # A = 0.5 > 0: max(-5, -0.6) = -0.6 (clipped by the ordinary bound), untouched by the dual clip
+    assert torch.allclose(loss, torch.tensor([1.5, 0.0, -0.6]), atol=1e-6)
+    assert clipped.tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="dual_clip = 1.0: must be > 1"):
+        ppo_policy_loss(lp, old, adv, dual_clip=1.0)
+    # A = -1 with ratio 2: max(2, 1.2) = 2 < cap 3: the dual clip is not active there; A = 0.5
+    # with ratio 1: -0.5, no bound active (the dual clip is for A < 0 only)
+    loss, clipped = ppo_policy_loss(torch.log(torch.tensor([2.0, 1.0])), torch.zeros(2), torch.tensor([-1.0, 0.5]), dual_clip=3.0)
+    assert torch.allclose(loss, torch.tensor([2.0, -0.5])) and clipped.tolist() == [0.0, 0.0]
+
+
+def test_value_clip_bounds_both_sides():
+    # old 0, clip 0.5: v = -2 clips to -0.5, v = 2 to 0.5. Returns 3 / -3: unclipped (5)^2 = 25 >
+    # clipped (3.5)^2, max keeps 25, clip not active; returns -3 / 3: clipped (2.5)^2 = 6.25 >
+    # unclipped (1)^2: the clip is active (with either bound missing, that token's clip is lost)
+    values, old = torch.tensor([-2.0, 2.0]), torch.zeros(2)
+    loss, clipped = clipped_value_loss(values, old, torch.tensor([3.0, -3.0]), clip=0.5)
+    assert torch.allclose(loss, 0.5 * torch.tensor([25.0, 25.0])) and clipped.tolist() == [0.0, 0.0]
+    loss, clipped = clipped_value_loss(values, old, torch.tensor([-3.0, 3.0]), clip=0.5)
+    assert torch.allclose(loss, 0.5 * torch.tensor([2.5**2, 2.5**2])) and clipped.tolist() == [1.0, 1.0]
+
+
+def test_grpo_singleton_groups_anywhere_and_the_default_eps():
+    # groups in sorted order: 1 (one sample), 3 = {1, 3}, 8 (one sample); the first singleton must
+    # not stop the loop
+    scores = torch.tensor([5.0, 1.0, 9.0, 3.0])
+    ids = torch.tensor([1, 3, 8, 3])
+    adv = grpo_advantages(scores, ids)
+    # group 3: mean 2, std (unbiased) sqrt(2): (1 - 2) / (sqrt(2) + 1e-6), (3 - 2) / (sqrt(2) + 1e-6)
+    want = torch.tensor([0.0, -1 / (math.sqrt(2) + 1e-6), 0.0, 1 / (math.sqrt(2) + 1e-6)])
+    assert torch.allclose(adv, want, rtol=0, atol=2e-7) and adv.dtype == torch.float32  # eps added, not subtracted
+    assert grpo_advantages(scores.double(), ids).dtype == torch.float32  # float32 advantages whatever the scores
+    # equal scores: std 0, so eps alone keeps it finite (0 / eps = 0)
+    assert torch.equal(grpo_advantages(torch.tensor([2.0, 2.0]), torch.tensor([0, 0])), torch.zeros(2))
+
+
+def test_actor_config_problems_name_each_field():
+    from roles.actor import ActorConfig
+
+    assert ActorConfig()._problems() == []
+    assert ActorConfig(dual_clip=1.5, mini_batch_size=1, ppo_epochs=1)._problems() == []
+    problems = ActorConfig(kl_estimator="k9", dual_clip=1.0, ppo_epochs=0, mini_batch_size=0)._problems()
+    assert problems == [
+        "kl_estimator = 'k9': unknown; fix: use one of k1, k2, k3",
+        "dual_clip = 1.0: must be > 1; fix: e.g. 3.0, or null",
+        "ppo_epochs = 0: must be >= 1; fix: use 1 or more",
+        "mini_batch_size = 0: must be positive; fix: use a positive size or null",
+    ]
+
+
+def test_kl_penalty_and_metrics_enter_the_actor_loss_as_worked_by_hand():
+    """policy_objective with kl_coef = 0.25 (k1: log p - log p_ref) and dual clip 3: the loss is
+    pg + 0.25 * kl; clipfrac is the share of loss tokens with a clip active."""
+    from tensordict import TensorDict
+
+    from engine_api.batch import make_batch
+    from engine_api.losses import build_norm_context
+    from roles.actor import ActorConfig, policy_objective
+
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    mask = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0])]
+    adv = [torch.tensor([0.0, -1.0, 1.0]), torch.tensor([0.0, -1.0])]
+    old = [torch.zeros(3), torch.zeros(2)]
+    ref = [torch.zeros(3), torch.tensor([0.0, -1.0])]
+    # ratios on the loss tokens: 10 (A = -1), 1 (A = 1), 1 (A = -1)
+    lp = torch.tensor([0.0, math.log(10.0), 0.0, 0.0, 0.0], requires_grad=True)
+    mb = make_batch(seqs, loss_mask=mask, advantages=adv, old_log_probs=old, ref_log_probs=ref)
+    out = TensorDict({"log_probs": torch.nested.nested_tensor_from_jagged(lp, mb["input_ids"].offsets())}, batch_size=[2])
+    norm = build_norm_context(mb["loss_mask"], "token-mean", None)
+    loss, metrics = policy_objective(ActorConfig(kl_coef=0.25, kl_estimator="k1", dual_clip=3.0), mb, out, norm)
+    # pg: token 1: max(10, 1.2) = 10, dual-capped at 3; token 2: -1; token 4: +1 -> mean (3 - 1 + 1) / 3 = 1
+    # kl (k1): log(10) - 0, 0 - 0, 0 - (-1) -> mean (log 10 + 1) / 3
+    kl = (math.log(10.0) + 1.0) / 3
+    assert math.isclose(float(loss), 1.0 + 0.25 * kl, abs_tol=1e-6)
+    assert math.isclose(metrics["pg_loss"], 1.0, abs_tol=1e-6) and math.isclose(metrics["kl"], kl, abs_tol=1e-6)
+    assert math.isclose(metrics["clipfrac"], 1 / 3, abs_tol=1e-6)  # only token 1 (dual clip) of 3
+    assert math.isclose(metrics["ratio_mean"], 4.0, abs_tol=1e-5)  # (10 + 1 + 1) / 3

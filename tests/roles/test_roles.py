@@ -50,6 +50,16 @@ def test_first_epoch_ratio_is_one_and_loss_is_minus_mean_advantage(model_dir):
     assert math.isclose(metrics["loss"], want, rel_tol=1e-5, abs_tol=1e-6)
 
 
+def test_mini_batches_and_epochs_set_the_number_of_steps_and_entropy_is_on_request(model_dir):
+    """Found by `make mutate`: 2 epochs x mini-batches of 2 of the 6-row batch = 6 optimizer
+    steps (one metrics dict each); entropy only when asked for."""
+    actor = Actor(_engine(model_dir), ActorConfig(ppo_epochs=2, mini_batch_size=2))
+    batch = _with_old_log_probs(actor, make_test_batch())
+    assert len(actor.update(batch)) == 6
+    assert "entropy" not in actor.compute_log_probs(batch).keys()
+    assert "entropy" in actor.compute_log_probs(batch, calculate_entropy=True).keys()
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_is_zero_when_actor_equals_reference(model_dir, estimator):
     """Actor and a frozen Reference load the same HF weights: before any update their
