@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -51,6 +52,25 @@ def takes_bucket_mb(method) -> bool:
     except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
         return False
     return any(p.name == "bucket_mb" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def export_in_buckets(export: Callable[..., Iterator], bucket_mb: float | None, setting: str = "bucket_mb") -> Iterator:
+    """``export(bucket_mb=bucket_mb)``, or ``export()`` when ``bucket_mb`` is None or ``export``
+    takes no ``bucket_mb`` (an engine written before the parameter existed): then the weights
+    move one tensor per collective, with a warning naming ``setting`` (the key that asked for
+    buckets). The one place the roles and the rollout decide how to call an export."""
+    if bucket_mb is None:
+        return export()
+    if not takes_bucket_mb(export):
+        owner = type(getattr(export, "__self__", export)).__name__
+        warnings.warn(
+            f"{setting} = {bucket_mb}: {owner}.export_weights takes no bucket_mb, so the weights move one tensor per "
+            "collective; fix: give export_weights a bucket_mb=None parameter (engine_api.BaseEngine.export_weights), "
+            "or set rollout.sync_bucket_mb=null",
+            stacklevel=3,
+        )
+        return export()
+    return export(bucket_mb=bucket_mb)
 
 
 class BaseEngine(abc.ABC):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine
-from engine_api.base import takes_bucket_mb
+from engine_api.base import export_in_buckets
 
 
 def infer_global(engine: BaseEngine, batch: TensorDict, **meta) -> TensorDict:
@@ -64,17 +63,7 @@ class TrainableRole:
         """``(hf_name, full_tensor)`` pairs, gathered one tensor or one ``bucket_mb`` bucket per
         collective (``BaseEngine.export_weights``). An engine whose ``export_weights`` takes no
         ``bucket_mb`` (written before it existed) exports per tensor, with a warning. Collective."""
-        if bucket_mb is None:
-            return self.engine.export_weights()
-        if not takes_bucket_mb(self.engine.export_weights):
-            warnings.warn(
-                f"export_weights(bucket_mb={bucket_mb}): {type(self.engine).__name__}.export_weights takes no bucket_mb, "
-                "so the weights move one tensor per collective; fix: give it a bucket_mb=None parameter "
-                "(engine_api.BaseEngine.export_weights), or set rollout.sync_bucket_mb=null",
-                stacklevel=2,
-            )
-            return self.engine.export_weights()
-        return self.engine.export_weights(bucket_mb=bucket_mb)
+        return export_in_buckets(self.engine.export_weights, bucket_mb)
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters by peft's names (``BaseEngine.export_adapter_weights``). Collective."""

@@ -7,7 +7,6 @@ The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import make_batch
-from engine_api.base import bucket_bytes, takes_bucket_mb
+from engine_api.base import bucket_bytes, export_in_buckets
 
 
 class WeightSource(Protocol):
@@ -90,22 +89,11 @@ class Rollout:
         self.sampler = sampler
         self.config = config
         self._calls = 0
-        self._export_kwargs = {}
-        if config.sync_bucket_mb is not None:
-            if takes_bucket_mb(source.export_weights):
-                self._export_kwargs = {"bucket_mb": config.sync_bucket_mb}
-            else:
-                warnings.warn(
-                    f"rollout.sync_bucket_mb = {config.sync_bucket_mb}: {type(source).__name__}.export_weights takes no bucket_mb, "
-                    "so weights sync one tensor per collective; fix: give export_weights a bucket_mb=None parameter "
-                    "(engine_api.BaseEngine.export_weights), or set rollout.sync_bucket_mb=null",
-                    stacklevel=2,
-                )
 
     def sync_weights(self) -> None:
         """Copy the actor's weights into the sampler, gathered in ``sync_bucket_mb`` buckets.
         Collective: every rank drains the export."""
-        self.sampler.load_weights(self.source.export_weights(**self._export_kwargs))
+        self.sampler.load_weights(export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb"))
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with

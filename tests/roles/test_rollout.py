@@ -105,7 +105,7 @@ def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkey
     old = _OldSource(actor.engine)
     with pytest.warns(UserWarning, match=r"rollout.sync_bucket_mb = 512.0: _OldSource.export_weights takes no bucket_mb.*fix:"):
         rollout = Rollout(old, _Recording(), RolloutConfig())
-    rollout.sync_weights()
+        rollout.sync_weights()
     assert old.calls == 1 and len(rollout.sampler.loaded) == len(loaded[None])
     # The same through a role (what the recipes pass): Actor over an engine without bucket_mb.
     from roles.common import TrainableRole
