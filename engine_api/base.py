@@ -120,7 +120,10 @@ class BaseEngine(abc.ABC):
       training calls and ``save_checkpoint`` raise (:meth:`_refuse_if_frozen`), inference works.
     * **Offload.** ``train_mode`` / ``eval_mode`` load what they need onto the compute device
       and, on exit, move what ``config.offload`` names to the CPU; training with offload is
-      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`).
+      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`). The engine
+      records what is offloaded (:attr:`offloaded`, the same on CPU and GPU machines) and
+      refuses to compute on an offloaded part (:meth:`_require_loaded`); saving, loading and
+      exporting load what they need for the call (:meth:`_loaded`).
     * **Checkpoints.** The directory protocol of ``engine_api.ckpt_layout``: write into the
       temporary directory of ``begin``, then ``commit`` (manifest, completion marker,
       ``latest``, retention, remote copy). Loading verifies the manifest before anything is
@@ -155,6 +158,8 @@ class BaseEngine(abc.ABC):
         self._loss_fn: LossFn | None = None
         # Why the weights are invalid (an optimizer step wrote NaN/inf into them), else None.
         self._broken: str | None = None
+        # Which parts are offloaded now (see :attr:`offloaded`); kept by _load / _offload.
+        self._offloaded: dict[str, bool] = {"model": False, "optimizer": False}
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -225,7 +230,7 @@ class BaseEngine(abc.ABC):
         if training:
             self._refuse_if_frozen("train_mode")
             self._refuse_if_broken("train_mode")
-        self.to(self.device, model=True, optimizer=training)
+        self._load(model=True, optimizer=training)
         for module in modules:
             module.train(training)
         try:
@@ -233,11 +238,91 @@ class BaseEngine(abc.ABC):
         finally:
             self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
+    # ------------------------------------------------------------------ offload bookkeeping
+    @property
+    def _offload_record(self) -> dict[str, bool]:
+        # (created on first use too: a backend whose __init__ skips BaseEngine's still works)
+        return self.__dict__.setdefault("_offloaded", {"model": False, "optimizer": False})
+
+    @property
+    def offloaded(self) -> dict[str, bool]:
+        """Which parts are offloaded now: ``{"model": bool, "optimizer": bool}`` ("model" is
+        params and grads). True from an offload (a mode's exit under ``config.offload``, or
+        :meth:`to` another device) until the part is loaded again (entering a mode, or
+        :meth:`to` the compute device).
+
+        This is the engine's record, not a guess from tensor devices: on a CPU-only machine
+        the compute device *is* the CPU, so an offload moves no bytes (megatron frees and
+        refills storage all the same), yet the record changes exactly as on a GPU. Compute on
+        an offloaded part raises (:meth:`_require_loaded`), so a mode that forgot to load
+        something fails on every machine, not only where the bytes would be missing."""
+        return dict(self._offload_record)
+
+    @property
+    def placement(self) -> dict[str, torch.device]:
+        """Where each part lives: the CPU while :attr:`offloaded`, else the compute device."""
+        device = torch.device(getattr(self, "device", "cpu"))
+        return {kind: torch.device("cpu") if off else device for kind, off in self._offload_record.items()}
+
+    def _load(self, model: bool, optimizer: bool) -> None:
+        """Bring each named part that is offloaded back onto ``self.device`` (:meth:`_move`)
+        and record it loaded. A part already loaded is not touched."""
+        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and self._offload_record[kind]:
+                self._move(kind, torch.device(self.device))
+                self._offload_record[kind] = False
+
     def _offload(self, model: bool, optimizer: bool) -> None:
-        """Move what is named to the CPU (default: :meth:`to`); a backend that frees storage
-        in place (megatron) overrides it."""
-        if model or optimizer:
-            self.to("cpu", model=model, optimizer=optimizer)
+        """Move each named part that is loaded to the CPU (:meth:`_move`) and record it
+        offloaded. On a CPU-only machine the move changes nothing but the record (see
+        :attr:`offloaded`). A backend that frees storage in place (megatron) overrides it."""
+        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and not self._offload_record[kind]:
+                self._move(kind, torch.device("cpu"))
+                self._offload_record[kind] = True
+
+    def _move(self, kind: str, device: torch.device) -> None:
+        """Move one part (``"model"`` or ``"optimizer"``) to ``device``. Default: :meth:`to`
+        with that part alone, for a backend whose ``to`` is a plain move; a backend whose
+        ``to`` goes through :meth:`_load` / :meth:`_offload` must override this."""
+        self.to(device, model=kind == "model", optimizer=kind == "optimizer")
+
+    def _load_or_offload(self, device: str | torch.device, model: bool, optimizer: bool) -> None:
+        """:meth:`to` for a backend that keeps :attr:`offloaded` through :meth:`_load` /
+        :meth:`_offload`: the compute device (``"cuda"`` matches ``cuda:<this rank's index>``)
+        loads, the CPU offloads; on a CPU-only machine ``"cpu"`` is the compute device, so it
+        loads. Any other device is refused (``ValueError``, nothing moved)."""
+        device, compute = torch.device(device), torch.device(self.device)
+        if device.type == compute.type and device.index in (None, compute.index):
+            self._load(model=model, optimizer=optimizer)
+        elif device.type == "cpu":
+            self._offload(model=model, optimizer=optimizer)
+        else:
+            raise ValueError(
+                f"engine.to({str(device)!r}): this rank computes on {compute} and offloads to the CPU; "
+                f"fix: pass {str(compute)!r} to load or 'cpu' to offload"
+            )
+
+    def _require_loaded(self, model: bool, optimizer: bool) -> None:
+        """Raise a ``RuntimeError`` (nothing changed) when a part this call computes with is
+        offloaded: on a GPU it would compute on the wrong device or on freed storage."""
+        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+            if wanted and self._offload_record[kind]:
+                raise RuntimeError(
+                    f"the {kind} is offloaded (engine.offloaded[{kind!r}] is True); fix: call this inside "
+                    "engine.train_mode() / eval_mode(), or engine.to(<compute device>) first"
+                )
+
+    @contextlib.contextmanager
+    def _loaded(self):
+        """Everything on the compute device for the duration (saving, loading, exporting);
+        what was offloaded before is offloaded again after."""
+        saved = dict(self._offload_record)
+        self._load(model=True, optimizer=True)
+        try:
+            yield
+        finally:
+            self._offload(model=saved["model"], optimizer=saved["optimizer"])
 
     def _step_scheduler(self) -> float:
         """The one implementation of :meth:`lr_scheduler_step` over ``self.scheduler``."""
@@ -357,7 +442,9 @@ class BaseEngine(abc.ABC):
     @abc.abstractmethod
     def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
         """Move the model (params and grads) and/or optimizer state to ``device`` (manual
-        load/offload; ``train_mode``/``eval_mode`` do it by policy)."""
+        load/offload; ``train_mode``/``eval_mode`` do it by policy). The built-in backends
+        read the compute device as "load" and any other device as "offload to the CPU", and
+        keep :attr:`offloaded` current."""
 
     @abc.abstractmethod
     def save_checkpoint(

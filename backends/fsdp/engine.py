@@ -79,8 +79,6 @@ class FSDPEngine(BaseEngine):
         self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
         self.global_step = 0
         self._forward_ran = False  # see _reset_fsdp_iteration
-        # Where params(+grads) and optimizer state live now; train/eval modes move them.
-        self.placement = {"model": self.device, "optimizer": self.device}
         self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
     # ------------------------------------------------------------------ modes and placement
@@ -93,17 +91,19 @@ class FSDPEngine(BaseEngine):
         return self._switch_mode([self.model], training=False)
 
     def to(self, device, model: bool = True, optimizer: bool = True) -> None:
-        """Move params + grads (``model``) and/or optimizer state to ``device``."""
-        device = torch.device(device)
-        if model and self.placement["model"] != device:
-            self.model.to(device)  # nn.Module._apply moves .grad with each param
-            self.placement["model"] = device
-        if optimizer and self.optimizer is not None and self.placement["optimizer"] != device:
+        """Load (the compute device) or offload (the CPU) params + grads (``model``) and/or
+        optimizer state; :attr:`offloaded` records it (``BaseEngine._load_or_offload``: on a
+        CPU-only machine ``"cpu"`` is the compute device and loads)."""
+        self._load_or_offload(device, model=model, optimizer=optimizer)
+
+    def _move(self, kind: str, device: torch.device) -> None:
+        if kind == "model":
+            self.model.to(device)  # nn.Module._apply moves .grad with each param (FSDP2 shards)
+        elif self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
+                    if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps its step on the CPU
                         state[key] = value.to(device, non_blocking=True)
-            self.placement["optimizer"] = device
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -136,6 +136,7 @@ class FSDPEngine(BaseEngine):
         return self._forward_backward(batch, ctx, False, preprocess_fn, postprocess_fn)
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
+        self._require_loaded(model=True, optimizer=False)
         spec = StepSpec(
             config=self.config,
             dp_group=self.dp_group,
@@ -177,6 +178,7 @@ class FSDPEngine(BaseEngine):
         """Deferred normalization, global pre-clip norm (collective), skip decision agreed by
         every rank (non-finite norm or loss), clip, AdamW step."""
         self._refuse_if_frozen("optimizer_step")
+        self._require_loaded(model=True, optimizer=True)
         deferred = self.deferred if self.config.deferred_normalization else None
         params = self._trainable()
         grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
@@ -199,13 +201,13 @@ class FSDPEngine(BaseEngine):
         self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
         self._refuse_if_broken("save_checkpoint")
         extra = ckpt_layout.make_extra(self.scheduler, global_step)
-        with self._on_compute_device():
+        with self._loaded():
             ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, self._lora)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
         self._refuse_if_frozen("load_checkpoint")
-        with self._on_compute_device():
+        with self._loaded():
             extra = ckpt.load(
                 self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora
             )
@@ -213,16 +215,6 @@ class FSDPEngine(BaseEngine):
         self.deferred.reset()
         self._broken = None
         return self.global_step
-
-    @contextlib.contextmanager
-    def _on_compute_device(self):
-        saved = dict(self.placement)
-        self.to(self.device)
-        try:
-            yield
-        finally:
-            self.to(saved["model"], model=True, optimizer=False)
-            self.to(saved["optimizer"], model=False, optimizer=True)
 
     @property
     def _lora(self) -> dict:
@@ -238,7 +230,7 @@ class FSDPEngine(BaseEngine):
             yield from super().export_adapter_weights()
             return
         self._refuse_if_broken("export_adapter_weights")
-        with self._on_compute_device():
+        with self._loaded():
             yield from adapter_weights(self.model)
 
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -257,7 +249,7 @@ class FSDPEngine(BaseEngine):
         return self._export(size)
 
     def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._on_compute_device():
+        with self._loaded():
             if self.config.model.lora.enabled:
                 yield from merged_weights(self.model)
                 return

@@ -20,7 +20,6 @@ PackedSeqParams awaits a GPU run to be validated), and PP > 1 needs equal-size m
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from functools import partial
 
@@ -131,9 +130,7 @@ class MegatronEngine(BaseEngine):
         self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
         self.fixed_shape = pipelined
         self._call_len = 0
-        self.placement = {"model": self.device, "optimizer": self.device}
         self._offloaders = {"model": StorageOffloader(), "optimizer": StorageOffloader()}
-        self._offloaded = {"model": False, "optimizer": False}
         self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
     # ------------------------------------------------------------------ topology
@@ -159,46 +156,29 @@ class MegatronEngine(BaseEngine):
         return self._switch_mode(self.model, training=False)
 
     def to(self, device, model: bool = True, optimizer: bool = True) -> None:
-        """Load (``device`` = the compute device) or offload (``"cpu"`` on a GPU machine) params +
-        grad buffers (``model``) and/or optimizer state, by freeing storage in place
-        (``backends.megatron.offload``). On a CPU-only machine the compute device is the CPU,
-        so ``to`` loads; the offload policy of train/eval modes still frees storage there."""
-        if torch.device(device) != self.device:
-            self._offload(model=model, optimizer=optimizer)
-            return
+        """Load (the compute device) or offload (the CPU) params + grad buffers (``model``)
+        and/or optimizer state, by freeing and refilling storage in place
+        (``backends.megatron.offload``); :attr:`offloaded` records it. On a CPU-only machine
+        ``"cpu"`` is the compute device, so ``to("cpu")`` loads; the offload policy of
+        train/eval modes still frees storage there."""
+        self._load_or_offload(device, model=model, optimizer=optimizer)
+
+    def _load(self, model: bool, optimizer: bool) -> None:
         for kind, wanted in (("model", model), ("optimizer", optimizer)):
             if wanted and self._offloaded[kind]:
                 self._offloaders[kind].restore()
                 self._offloaded[kind] = False
-                self.placement[kind] = self.device
 
     def _offload(self, model: bool, optimizer: bool) -> None:
-        # Tracked by flag, not by device: on a CPU machine "offloaded" and "loaded" are both "cpu".
+        # The model's storages are read before anything is freed: the optimizer's offload must
+        # keep those it shares with the model (parameters without a distributed-optimizer copy).
         model_storages = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
         if optimizer and not self._offloaded["optimizer"]:
             self._offloaders["optimizer"].offload(self._optimizer_tensors(), keep=model_storages)
-            self._offloaded["optimizer"], self.placement["optimizer"] = True, torch.device("cpu")
+            self._offloaded["optimizer"] = True
         if model and not self._offloaded["model"]:
             self._offloaders["model"].offload(self._model_tensors())
-            self._offloaded["model"], self.placement["model"] = True, torch.device("cpu")
-
-    def _require_loaded(self, model: bool, optimizer: bool) -> None:
-        # Offloaded storage is freed: touching it would read freed memory, so refuse clearly.
-        for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and self._offloaded[kind]:
-                raise RuntimeError(
-                    f"the {kind} is offloaded; fix: call this inside engine.train_mode() / eval_mode(), or engine.to(compute device) first"
-                )
-
-    @contextlib.contextmanager
-    def _loaded(self):
-        """Everything on the compute device for the duration; the previous placement after."""
-        saved = dict(self._offloaded)
-        self.to(self.device)
-        try:
-            yield
-        finally:
-            self._offload(model=saved["model"], optimizer=saved["optimizer"])
+            self._offloaded["model"] = True
 
     def _model_tensors(self):
         for chunk in self.model:
@@ -380,6 +360,9 @@ class MegatronEngine(BaseEngine):
     def optimizer_zero_grad(self) -> None:
         """Zero megatron's grad buffers and the deferred window (aborts an accumulation window)."""
         self._refuse_if_frozen("optimizer_zero_grad")
+        # The grad buffers are the model's storage and the optimizer's shards its own: both
+        # freed while offloaded (zeroing freed storage would write through a dangling pointer).
+        self._require_loaded(model=True, optimizer=True)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

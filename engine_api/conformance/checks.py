@@ -420,12 +420,31 @@ def lora(env: Env) -> str:
     return f"{len(adapters)} adapter tensors; merged export rel {err:.1e}"
 
 
+def _offload_record(engine, stage: str, want: dict[str, bool], seen: list[str]) -> None:
+    """Compare ``engine.offloaded`` at ``stage`` with ``want``; a backend that keeps no
+    record (all False throughout, e.g. its own mode managers) is only noted in ``seen``."""
+    got = engine.offloaded
+    seen.append(f"{stage}: {got}")
+    if any(got.values()) or any("True" in s for s in seen):
+        if got != want:
+            raise CheckFailed(f"engine.offloaded {stage} is {got}, want {want}")
+
+
 @check("offload")
 def offload(env: Env) -> str:
-    """offload.param/optimizer round trips through train/eval modes train bit-identically to no offload."""
-    results = []
+    """offload.param/optimizer round trips through train/eval modes train bit-identically to
+    no offload, and ``engine.offloaded`` records each stage (see ``BaseEngine.offloaded``)."""
+    results, seen = [], []
+    off = {"model": True, "optimizer": True}
     for extra in (["offload.param=true", "offload.optimizer=true"], []):
         engine = new_engine(env, *extra)
+        if extra:
+            _offload_record(engine, "after init", off, seen)
+            with engine.train_mode():
+                _offload_record(engine, "in train_mode", {"model": False, "optimizer": False}, seen)
+            with engine.eval_mode():
+                _offload_record(engine, "in eval_mode", {"model": False, "optimizer": True}, seen)
+            _offload_record(engine, "after eval_mode", off, seen)
         steps = [window(engine, _local(engine, seed=s)) for s in (0, 1)]
         with engine.eval_mode():
             out = engine.infer_batch(_local(engine))
@@ -440,7 +459,8 @@ def offload(env: Env) -> str:
     )
     if results[1]["lp"] is not None and not torch.equal(results[0]["lp"], results[1]["lp"]):
         raise CheckFailed("inference after offload differs from inference without it")
-    return "2 steps + inference bit-exact"
+    kept = any("True" in s for s in seen)
+    return "2 steps + inference bit-exact; " + ("offload record right at every stage" if kept else "no offload record kept")
 
 
 # ----------------------------------------------------------------------------- checkpoints

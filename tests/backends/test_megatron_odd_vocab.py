@@ -7,6 +7,11 @@ References: HF itself (log-probs and entropy per sequence, 1e-5), the FSDP engin
 (loss, grad norm, updated weights; relative 1e-5, as tests/backends/test_megatron.py), and the
 HF checkpoint for the export (bit-exact, with HF's shapes). Untied (llama) and tied (qwen2)
 heads: a tied head reads the padded embedding.
+
+A real-shaped case on 4 processes: 32001 rows (Llama-2's 32000 plus one added pad token, as
+many fine-tunes ship) at TP=4, padded to 32004, so each rank holds 8001 rows and the last
+rank's slice ends in padding. (The issue's other example, Phi-3's 32064, divides 4: the engine
+pads only to a multiple of the TP size, so at TP=4 it runs no padding at all.)
 """
 
 from __future__ import annotations
@@ -96,3 +101,52 @@ def test_one_step_matches_fsdp_at_tp2(tp2, models, family):
     assert math.isclose(got["loss"], want["loss"], rel_tol=TOL), (got["loss"], want["loss"])
     assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=TOL), (got["grad_norm"], want["grad_norm"])
     assert set(got["params"]) == set(want["params"]) and rel(got["params"], want["params"]) <= TOL
+
+
+# ----------------------------------------------------------------------------- 32001 at TP=4
+REAL_VOCAB = 32001
+TP4 = ["megatron.tensor_model_parallel_size=4"]
+
+
+def real_batch(**meta):
+    return fixtures.make_test_batch(0, LENGTHS, RESPONSE, REAL_VOCAB, **meta)
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory):
+    # 4 KV heads: TP=4 splits the query groups too
+    path = tmp_path_factory.mktemp("real_vocab") / "llama"
+    return build_tiny_model(path, family="llama", seed=0, vocab_size=REAL_VOCAB, hidden_size=32, num_heads=4, num_kv_heads=4)
+
+
+def _tp4_worker(rank, world, path):
+    from megatron.core import parallel_state
+
+    engine = engine_for(path, *TP4, strategy="megatron")
+    with engine.eval_mode():
+        got = engine.unshard_data(engine.infer_batch(engine.shard_data(real_batch(calculate_entropy=True))))
+    out = {"infer": (got["log_probs"], got["entropy"]), "rows": engine.model[0].module.embedding.word_embeddings.weight.shape[0]}
+    out["export"] = {k: v.clone() for k, v in engine.export_weights()}
+    del engine
+    parallel_state.destroy_model_parallel()
+    out["step"] = one_step(path, "token-mean", TP4, strategy="megatron", batch_fn=real_batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp4(real_model):
+    return run_distributed(_tp4_worker, 4, real_model, timeout=600)[0]
+
+
+def test_real_shaped_vocab_at_tp4_matches_hf_and_fsdp(tp4, real_model):
+    assert tp4["rows"] == 8001  # 32004 / 4: the padding path runs
+    log_probs, entropy = tp4["infer"]
+    assert max_abs_diff(log_probs, hf_log_probs(real_model, real_batch())) <= TOL
+    assert max_abs_diff(entropy, _hf_entropy(real_model, real_batch())) <= TOL
+    original = load_file(f"{real_model}/model.safetensors")
+    for name, tensor in original.items():
+        assert tp4["export"][name].shape == tensor.shape and torch.equal(tp4["export"][name], tensor), name
+    got, want = tp4["step"], one_step(real_model, "token-mean", batch_fn=real_batch)
+    assert math.isclose(got["loss"], want["loss"], rel_tol=TOL), (got["loss"], want["loss"])
+    assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=TOL), (got["grad_norm"], want["grad_norm"])
+    assert rel(got["params"], want["params"]) <= TOL
