@@ -260,31 +260,54 @@ class BaseEngine(abc.ABC):
 
     @property
     def placement(self) -> dict[str, torch.device]:
-        """Where each part lives: the CPU while :attr:`offloaded`, else the compute device."""
+        """Where each part lives: the CPU while :attr:`offloaded`, else the compute device.
+
+        Derived from the record. Assigning it (as backends written before the record did, in
+        ``init_model``) is accepted and ignored: the record decides."""
         device = torch.device(getattr(self, "device", "cpu"))
         return {kind: torch.device("cpu") if off else device for kind, off in self._offload_record.items()}
 
+    @placement.setter
+    def placement(self, value) -> None:
+        del value  # ignored: see the getter
+
+    def _moves_through_to(self) -> bool:
+        # A backend that did not override _move moves through its own ``to`` (a plain move).
+        return type(self)._move is BaseEngine._move
+
     def _load(self, model: bool, optimizer: bool) -> None:
-        """Bring each named part that is offloaded back onto ``self.device`` (:meth:`_move`)
-        and record it loaded. A part already loaded is not touched."""
+        """Bring each named part back onto ``self.device`` (:meth:`_move`) and record it loaded.
+
+        A backend with its own :meth:`_move` keeps the record exact, so a part already loaded
+        is not touched. A backend whose ``to`` is a plain move (no ``_move``) is moved every
+        time, as before the record existed: its manual ``to`` calls do not update the record,
+        so only the move itself can be trusted to put the part where the mode needs it."""
+        plain = self._moves_through_to()
         for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and self._offload_record[kind]:
+            if wanted and (plain or self._offload_record[kind]):
                 self._move(kind, torch.device(self.device))
                 self._offload_record[kind] = False
 
     def _offload(self, model: bool, optimizer: bool) -> None:
-        """Move each named part that is loaded to the CPU (:meth:`_move`) and record it
-        offloaded. On a CPU-only machine the move changes nothing but the record (see
-        :attr:`offloaded`). A backend that frees storage in place (megatron) overrides it."""
+        """Move each named part to the CPU (:meth:`_move`) and record it offloaded (a part
+        already offloaded is not touched, except for a plain-``to`` backend: see :meth:`_load`).
+        On a CPU-only machine the move changes nothing but the record (see :attr:`offloaded`).
+        A backend that frees storage in place (megatron) overrides it."""
+        plain = self._moves_through_to()
         for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and not self._offload_record[kind]:
+            if wanted and (plain or not self._offload_record[kind]):
                 self._move(kind, torch.device("cpu"))
                 self._offload_record[kind] = True
 
     def _move(self, kind: str, device: torch.device) -> None:
         """Move one part (``"model"`` or ``"optimizer"``) to ``device``. Default: :meth:`to`
         with that part alone, for a backend whose ``to`` is a plain move; a backend whose
-        ``to`` goes through :meth:`_load` / :meth:`_offload` must override this."""
+        ``to`` goes through :meth:`_load_or_offload` must override this (else ``to`` and
+        ``_move`` would call each other: refused with ``NotImplementedError``)."""
+        if self.__dict__.get("_routing_to"):
+            raise NotImplementedError(
+                f"{type(self).__name__}.to goes through _load_or_offload, so it must override _move(kind, device) to move the tensors"
+            )
         self.to(device, model=kind == "model", optimizer=kind == "optimizer")
 
     def _load_or_offload(self, device: str | torch.device, model: bool, optimizer: bool) -> None:
@@ -294,14 +317,19 @@ class BaseEngine(abc.ABC):
         loads. Any other device is refused (``ValueError``, nothing moved)."""
         device, compute = torch.device(device), torch.device(self.device)
         if device.type == compute.type and device.index in (None, compute.index):
-            self._load(model=model, optimizer=optimizer)
+            move = self._load
         elif device.type == "cpu":
-            self._offload(model=model, optimizer=optimizer)
+            move = self._offload
         else:
             raise ValueError(
                 f"engine.to({str(device)!r}): this rank computes on {compute} and offloads to the CPU; "
                 f"fix: pass {str(compute)!r} to load or 'cpu' to offload"
             )
+        self.__dict__["_routing_to"] = True
+        try:
+            move(model=model, optimizer=optimizer)
+        finally:
+            self.__dict__["_routing_to"] = False
 
     def _require_loaded(self, model: bool, optimizer: bool) -> None:
         """Raise a ``RuntimeError`` (nothing changed) when a part this call computes with is
@@ -314,11 +342,13 @@ class BaseEngine(abc.ABC):
                 )
 
     @contextlib.contextmanager
-    def _loaded(self):
-        """Everything on the compute device for the duration (saving, loading, exporting);
-        what was offloaded before is offloaded again after."""
+    def _loaded(self, optimizer: bool = True):
+        """The model (and, when ``optimizer``, the optimizer state) on the compute device for
+        the duration: saving and loading need both, exporting only the model (the rollout sync
+        should not bring the Adam moments onto the GPU). What was offloaded before is
+        offloaded again after."""
         saved = dict(self._offload_record)
-        self._load(model=True, optimizer=True)
+        self._load(model=True, optimizer=optimizer)
         try:
             yield
         finally:
@@ -377,7 +407,8 @@ class BaseEngine(abc.ABC):
         that window without a trace: params, optimizer state, step counter and LR are as
         before the window, and the next window equals one on an engine that never saw the
         aborted data. Also the way to recover after a ``forward_backward_step`` that raised
-        part-way (e.g. in the loss function)."""
+        part-way (e.g. in the loss function). Call it inside ``train_mode``: the built-in
+        backends refuse it while the model or the optimizer is :attr:`offloaded`."""
 
     @abc.abstractmethod
     def optimizer_step(self) -> float:
@@ -443,8 +474,8 @@ class BaseEngine(abc.ABC):
     def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
         """Move the model (params and grads) and/or optimizer state to ``device`` (manual
         load/offload; ``train_mode``/``eval_mode`` do it by policy). The built-in backends
-        read the compute device as "load" and any other device as "offload to the CPU", and
-        keep :attr:`offloaded` current."""
+        read the compute device as "load" and the CPU as "offload" (any other device raises
+        ``ValueError``), and keep :attr:`offloaded` current (``_load_or_offload``)."""
 
     @abc.abstractmethod
     def save_checkpoint(

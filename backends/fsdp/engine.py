@@ -161,6 +161,9 @@ class FSDPEngine(BaseEngine):
         call that raised part-way (e.g. in the loss function) leaves behind (torch's documented
         recovery: ``reset_iter_state`` on the root module)."""
         self._refuse_if_frozen("optimizer_zero_grad")
+        # As on megatron (whose grad buffers are freed while offloaded): refused before any
+        # change, so a train_batch outside the modes leaves the window as it was.
+        self._require_loaded(model=True, optimizer=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.deferred.reset()
         self._reset_fsdp_iteration()
@@ -230,7 +233,7 @@ class FSDPEngine(BaseEngine):
             yield from super().export_adapter_weights()
             return
         self._refuse_if_broken("export_adapter_weights")
-        with self._loaded():
+        with self._loaded(optimizer=False):
             yield from adapter_weights(self.model)
 
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,7 +252,7 @@ class FSDPEngine(BaseEngine):
         return self._export(size)
 
     def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._loaded():
+        with self._loaded(optimizer=False):
             if self.config.model.lora.enabled:
                 yield from merged_weights(self.model)
                 return

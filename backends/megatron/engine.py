@@ -451,7 +451,7 @@ class MegatronEngine(BaseEngine):
         return self._export(size)
 
     def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._loaded():
+        with self._loaded(optimizer=False):
             yield from export_hf(self.model, self.arch, size)
 
 

@@ -62,3 +62,11 @@ class ChangesStateOnBadBatch(ReferenceEngine):
                 next(self.module.parameters()).add_(1e-3)
             raise
         return super().forward_backward_step(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+
+
+class TrainsWithTheOptimizerOffloaded(ReferenceEngine):
+    """``train_mode`` loads the params but leaves the optimizer state where the offload put it
+    (the issue-19 audit's survivor: on a CPU machine no tensor device shows it)."""
+
+    def _load(self, model, optimizer):
+        super()._load(model=model, optimizer=False)

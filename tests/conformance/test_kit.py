@@ -51,6 +51,7 @@ TEETH = {
     "a micro-batch's gradient twice": ("AppliesAMicroBatchTwice", 1, "update_invariance"),
     "no DP normalisation": ("SkipsDPNormalisation", 2, "update_invariance"),
     "state changed by a bad batch": ("ChangesStateOnBadBatch", 1, "bad_batch"),
+    "optimizer not loaded by train_mode": ("TrainsWithTheOptimizerOffloaded", 1, "offload"),
 }
 
 

@@ -58,11 +58,20 @@ def _part_tensors(engine, strategy: str) -> dict[str, list[torch.Tensor]]:
 
 def _stage(engine, strategy: str) -> dict:
     return {
+        "device": str(engine.device),
         "offloaded": engine.offloaded,
         "placement": {k: str(v) for k, v in engine.placement.items()},
         "tensors": {part: sorted({_where(t) for t in ts}) for part, ts in _part_tensors(engine, strategy).items()},
         "cuda_bytes": cuda_bytes(),
     }
+
+
+def _window(engine) -> tuple:
+    """What a snapshot does not hold: the accumulation window and which params hold a grad
+    (read without touching the grads' storage, which megatron frees while offloaded)."""
+    chunks = engine.model if isinstance(engine.model, list) else [engine.model]
+    grads = tuple(p.grad is not None for chunk in chunks for p in chunk.parameters())
+    return engine.deferred.counts, engine.deferred.nonfinite_loss, grads
 
 
 def _refusals(engine, batch) -> dict:
@@ -98,9 +107,10 @@ def _follow(strategy: str, model_dir: str, ckpt_dir: str, offload: bool) -> dict
     if not offload:
         rec["param_bytes"] = sum(t.numel() * t.element_size() for _, t in engine.export_weights())
         return rec
+    window_before = _window(engine)
     before = snapshot(engine)
     rec["refused"] = _refusals(engine, batch)
-    rec["refused trace"] = snapshot_diff(before, snapshot(engine))
+    rec["refused trace"] = snapshot_diff(before, snapshot(engine)) + (["window"] if _window(engine) != window_before else [])
     rec["after refusals"] = _stage(engine, strategy)
     # Only the model loaded: a step must still refuse, naming the optimizer.
     engine.to(engine.device, model=True, optimizer=False)
@@ -152,7 +162,7 @@ def _offloaded_where(backend: str) -> str:
 
 def _check(stage: dict, want: dict, backend: str, label: str, tensors: bool = True) -> None:
     assert stage["offloaded"] == want, f"{label}: offloaded {stage['offloaded']}, want {want}"
-    placement = {k: "cpu" if off else (f"cuda:{torch.cuda.current_device()}" if CUDA else "cpu") for k, off in want.items()}
+    placement = {k: "cpu" if off else stage["device"] for k, off in want.items()}
     assert stage["placement"] == placement, f"{label}: placement {stage['placement']}"
     if not tensors:
         return
@@ -222,3 +232,19 @@ def test_offload_releases_cuda_memory_at_every_offloaded_stage(followed):
         freed = off[stage]["cuda_bytes"] - on[stage]["cuda_bytes"]
         assert freed >= 2 * off["param_bytes"], f"{stage}: offload freed {freed} bytes of a {off['param_bytes']}-byte model"
     assert on["in eval_mode"]["cuda_bytes"] < on["in train_mode, after a step"]["cuda_bytes"]
+
+
+def test_a_to_through_the_record_without_a_move_is_refused_not_recursed(tmp_path):
+    """A backend whose ``to`` goes through ``_load_or_offload`` must override ``_move``; the
+    base refuses the loop ``to`` -> ``_load`` -> ``_move`` -> ``to`` with a clear error."""
+    from tests.reference_engine import ReferenceEngine
+
+    class RoutesToWithoutMove(ReferenceEngine):
+        def to(self, device, model=True, optimizer=True):
+            self._load_or_offload(device, model=model, optimizer=optimizer)
+
+    engine = RoutesToWithoutMove.__new__(RoutesToWithoutMove)
+    engine.device = torch.device("cpu")
+    with pytest.raises(NotImplementedError, match="must override _move"):
+        engine.to("cpu")
+    assert engine.offloaded == {"model": False, "optimizer": False}
