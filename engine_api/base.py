@@ -158,8 +158,6 @@ class BaseEngine(abc.ABC):
         self._loss_fn: LossFn | None = None
         # Why the weights are invalid (an optimizer step wrote NaN/inf into them), else None.
         self._broken: str | None = None
-        # Which parts are offloaded now (see :attr:`offloaded`); kept by _load / _offload.
-        self._offloaded: dict[str, bool] = {"model": False, "optimizer": False}
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -241,7 +239,8 @@ class BaseEngine(abc.ABC):
     # ------------------------------------------------------------------ offload bookkeeping
     @property
     def _offload_record(self) -> dict[str, bool]:
-        # (created on first use too: a backend whose __init__ skips BaseEngine's still works)
+        # Which parts are offloaded now (see :attr:`offloaded`), kept by _load / _offload;
+        # created on first use, so a backend whose __init__ skips BaseEngine's works too.
         return self.__dict__.setdefault("_offloaded", {"model": False, "optimizer": False})
 
     @property
@@ -276,7 +275,7 @@ class BaseEngine(abc.ABC):
         return type(self)._move is BaseEngine._move
 
     def _load(self, model: bool, optimizer: bool) -> None:
-        """Bring each named part back onto ``self.device`` (:meth:`_move`) and record it loaded.
+        """Bring each named part back onto the compute device (:meth:`_move`) and record it loaded.
 
         A backend with its own :meth:`_move` keeps the record exact, so a part already loaded
         is not touched. A backend whose ``to`` is a plain move (no ``_move``) is moved every
@@ -285,30 +284,34 @@ class BaseEngine(abc.ABC):
         plain = self._moves_through_to()
         for kind, wanted in (("model", model), ("optimizer", optimizer)):
             if wanted and (plain or self._offload_record[kind]):
-                self._move(kind, torch.device(self.device))
+                self._move(kind, load=True)
                 self._offload_record[kind] = False
 
     def _offload(self, model: bool, optimizer: bool) -> None:
         """Move each named part to the CPU (:meth:`_move`) and record it offloaded (a part
         already offloaded is not touched, except for a plain-``to`` backend: see :meth:`_load`).
-        On a CPU-only machine the move changes nothing but the record (see :attr:`offloaded`).
-        A backend that frees storage in place (megatron) overrides it."""
+        On a CPU-only machine an FSDP move changes nothing but the record (see
+        :attr:`offloaded`). The optimizer goes first, while the model is still loaded (megatron
+        reads the model's storages to keep the ones its optimizer shares)."""
         plain = self._moves_through_to()
-        for kind, wanted in (("model", model), ("optimizer", optimizer)):
+        for kind, wanted in (("optimizer", optimizer), ("model", model)):
             if wanted and (plain or not self._offload_record[kind]):
-                self._move(kind, torch.device("cpu"))
+                self._move(kind, load=False)
                 self._offload_record[kind] = True
 
-    def _move(self, kind: str, device: torch.device) -> None:
-        """Move one part (``"model"`` or ``"optimizer"``) to ``device``. Default: :meth:`to`
-        with that part alone, for a backend whose ``to`` is a plain move; a backend whose
-        ``to`` goes through :meth:`_load_or_offload` must override this (else ``to`` and
-        ``_move`` would call each other: refused with ``NotImplementedError``)."""
+    def _move(self, kind: str, load: bool) -> None:
+        """Load (``load``: onto the compute device) or offload (to the CPU) one part,
+        ``"model"`` or ``"optimizer"``. A flag, not a device: on a CPU-only machine both
+        directions are "cpu", and a backend that frees storage (megatron) must still know
+        which one it is. Default: :meth:`to` with that part alone, for a backend whose ``to``
+        is a plain move; a backend whose ``to`` goes through :meth:`_load_or_offload` must
+        override this (else ``to`` and ``_move`` would call each other: refused with
+        ``NotImplementedError``)."""
         if self.__dict__.get("_routing_to"):
             raise NotImplementedError(
-                f"{type(self).__name__}.to goes through _load_or_offload, so it must override _move(kind, device) to move the tensors"
+                f"{type(self).__name__}.to goes through _load_or_offload, so it must override _move(kind, load) to move the tensors"
             )
-        self.to(device, model=kind == "model", optimizer=kind == "optimizer")
+        self.to(self.device if load else "cpu", model=kind == "model", optimizer=kind == "optimizer")
 
     def _load_or_offload(self, device: str | torch.device, model: bool, optimizer: bool) -> None:
         """:meth:`to` for a backend that keeps :attr:`offloaded` through :meth:`_load` /

@@ -96,7 +96,8 @@ class FSDPEngine(BaseEngine):
         CPU-only machine ``"cpu"`` is the compute device and loads)."""
         self._load_or_offload(device, model=model, optimizer=optimizer)
 
-    def _move(self, kind: str, device: torch.device) -> None:
+    def _move(self, kind: str, load: bool) -> None:
+        device = self.device if load else torch.device("cpu")
         if kind == "model":
             self.model.to(device)  # nn.Module._apply moves .grad with each param (FSDP2 shards)
         elif self.optimizer is not None:
@@ -104,7 +105,7 @@ class FSDPEngine(BaseEngine):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps its step on the CPU
                         state[key] = value.to(device, non_blocking=True)
-        if device.type == "cpu" and torch.cuda.is_available():
+        if not load and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ topology

@@ -163,22 +163,17 @@ class MegatronEngine(BaseEngine):
         train/eval modes still frees storage there."""
         self._load_or_offload(device, model=model, optimizer=optimizer)
 
-    def _load(self, model: bool, optimizer: bool) -> None:
-        for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and self._offloaded[kind]:
-                self._offloaders[kind].restore()
-                self._offloaded[kind] = False
-
-    def _offload(self, model: bool, optimizer: bool) -> None:
-        # The model's storages are read before anything is freed: the optimizer's offload must
-        # keep those it shares with the model (parameters without a distributed-optimizer copy).
-        model_storages = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
-        if optimizer and not self._offloaded["optimizer"]:
-            self._offloaders["optimizer"].offload(self._optimizer_tensors(), keep=model_storages)
-            self._offloaded["optimizer"] = True
-        if model and not self._offloaded["model"]:
+    def _move(self, kind: str, load: bool) -> None:
+        if load:
+            self._offloaders[kind].restore()
+        elif kind == "optimizer":
+            # Keep the storages the optimizer shares with the model (parameters without a
+            # distributed-optimizer copy): they are the model's to free (BaseEngine._offload
+            # offloads the optimizer first, so they are still allocated here).
+            keep = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
+            self._offloaders["optimizer"].offload(self._optimizer_tensors(), keep=keep)
+        else:
             self._offloaders["model"].offload(self._model_tensors())
-            self._offloaded["model"] = True
 
     def _model_tensors(self):
         for chunk in self.model:
