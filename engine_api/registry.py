@@ -92,7 +92,7 @@ def available_engines() -> list[str]:
 def builtin_engines() -> list[str]:
     """The built-in backends that are installed (they train HF model directories); test
     suites parametrized over it cover a backend added to ``_BUILTINS`` automatically."""
-    return sorted(n for n, spec in _BUILTINS.items() if _module_exists(spec.partition(":")[0]))
+    return sorted(n for n, spec in _BUILTINS.items() if module_exists(spec.partition(":")[0]))
 
 
 def is_import_path(strategy: str) -> bool:
@@ -224,13 +224,13 @@ def build_engine(config: EngineConfig) -> BaseEngine:
 
 def _known_specs() -> dict[str, str]:
     """name -> "module:Class" for installed built-ins and entry points (nothing imported)."""
-    specs = {n: spec for n, spec in _BUILTINS.items() if _module_exists(spec.partition(":")[0])}
+    specs = {n: spec for n, spec in _BUILTINS.items() if module_exists(spec.partition(":")[0])}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         specs.setdefault(ep.name, ep.value)
     return specs
 
 
-def _module_exists(module: str) -> bool:
+def module_exists(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
     except (ModuleNotFoundError, ValueError):

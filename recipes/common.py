@@ -29,6 +29,8 @@ class TinyModelConfig:
     Attributes:
         family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: dimensions.
+        head_dim: per-head width; null: hidden_size / num_heads (the RL recipe raises it to
+            32 for rollout.backend=vllm, whose CPU attention kernel needs >= 32).
         seed: weight-init seed.
     """
 
@@ -38,6 +40,7 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
+    head_dim: int | None = None
     seed: int = 0
 
     def _problems(self) -> list[str]:
@@ -174,6 +177,7 @@ def with_model_path(cfg):
             num_heads=tm.num_heads,
             num_kv_heads=tm.num_kv_heads,
             intermediate_size=tm.intermediate_size,
+            head_dim=tm.head_dim,
             max_position_embeddings=max(64, task.max_seq_len(cfg.data)),
             bos_token_id=task.BOS,
             eos_token_id=task.EOS,

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from engine_api import EngineConfig, ckpt_layout
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
+from engine_api.rollout import RolloutEngineConfig
+from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, init_distributed, save_hf, with_model_path
-from recipes.hf_sampler import HFSampler
 from recipes.rewards import RewardConfig, sort_task_score
 from recipes.rl_tasks import build_task, sort_prompts_at
 from recipes.text_data import DataConfig
@@ -144,6 +145,8 @@ class PPOConfig:
             )
         if self.rollout.stop_strings and not self.data.from_files:
             out.append("rollout.stop_strings: the sorting task has no tokenizer to decode them; fix: give data.train_files, or drop them")
+        if self.rollout.lora_sync == "adapter" and not self.engine.model.lora.enabled:
+            out.append("rollout.lora_sync = 'adapter': the actor trains no adapters (engine.model.lora.rank = 0); fix: lora_sync=auto")
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
         if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
             out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
@@ -163,11 +166,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = load_typed(PPOConfig, args.config, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s)
     try:
-        return run(with_model_path(cfg))
+        return run(with_model_path(_fit_tiny_model(cfg)))
     finally:
         if started and is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _fit_tiny_model(cfg: PPOConfig) -> PPOConfig:
+    """With ``rollout.backend=vllm`` on a CPU, the built tiny model (no ``engine.model.path``,
+    no ``tiny_model.head_dim``) gets ``head_dim`` 32: vLLM's CPU attention kernel refuses
+    narrower heads. Any other setup is unchanged."""
+    tm = cfg.tiny_model
+    if cfg.rollout.backend != "vllm" or cfg.engine.model.path is not None or tm.head_dim is not None or torch.cuda.is_available():
+        return cfg
+    if tm.hidden_size // tm.num_heads >= 32:
+        return cfg
+    return replace(cfg, tiny_model=replace(tm, head_dim=32))
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
@@ -178,10 +193,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
     roles = build_roles(cfg)
     actor, critic, reference = roles.actor, roles.critic, roles.reference
-    sampler = HFSampler(
-        cfg.engine.model.path, eos_token_id=source.stop_ids, stop_strings=cfg.rollout.stop_strings, tokenizer=source.tokenizer
-    )
-    rollout = Rollout(actor, sampler, cfg.rollout)
+    rollout = build_rollout_role(cfg, actor, source)
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
@@ -212,6 +224,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             if critic is not None:
                 critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step + 1)
     bar.close()
+    rollout.engine.shutdown()
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
     summary = {
         "steps": t.total_steps,
@@ -228,6 +241,34 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             f"{cfg.algo.advantage} done: mean reward {summary['first_reward']:.3f} (first 5 steps) -> {summary['last_reward']:.3f} (last 5)"
         )
     return summary
+
+
+def build_rollout_role(cfg: PPOConfig, actor, source) -> Rollout:
+    """This rank's rollout engine (``rollout.backend``) wrapped in the ``Rollout`` role, synced
+    from ``actor``; refuses a prompt + response budget the engine cannot hold before any step."""
+    r, lora = cfg.rollout, cfg.engine.model.lora
+    engine = build_rollout(
+        r.backend,
+        RolloutEngineConfig(
+            model_path=cfg.engine.model.path,
+            tokenizer_path=cfg.engine.model.path if source.tokenizer is not None else None,
+            seed=r.seed,
+            max_model_len=r.max_model_len,
+            dtype=r.dtype,
+            lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
+            options=dict(r.options),
+        ),
+    )
+    limit = engine.max_model_len
+    if cfg.data.from_files and limit is not None and cfg.data.max_prompt_length + r.max_new_tokens > limit:
+        engine.shutdown()
+        raise ValueError(
+            f"data.max_prompt_length = {cfg.data.max_prompt_length} + a response of {r.max_new_tokens} tokens > the rollout engine's "
+            f"max_model_len {limit}; fix: lower data.max_prompt_length (data.overlong decides what happens to longer prompts) or "
+            "data.max_response_length, or raise rollout.max_model_len"
+        )
+    lora_settings = {"r": lora.rank, "lora_alpha": lora.alpha} if lora.enabled else None
+    return Rollout(actor, engine, r, stop_token_ids=source.stop_ids or (), stop=r.stop_strings, lora=lora_settings)
 
 
 def validate(source, rollout: Rollout, chunk: int) -> float | None:
@@ -260,7 +301,8 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     n = cfg.algo.n_samples
     prompts = [p for p in prompts for _ in range(n)]
     metas = [meta for meta in metas for _ in range(n)]
-    rollout.sync_weights()
+    # Version = 1 + the actor updates so far: what the samples of this step must carry.
+    rollout.sync_weights(version=step + 1)
     batch = rollout.generate(prompts, seed_offset=step)
     timings["rollout_s"] = time.perf_counter() - t0
     lengths = batch["input_ids"].offsets().diff()
@@ -270,6 +312,8 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     t0 = time.perf_counter()
     old = actor.compute_log_probs(batch, calculate_entropy=True)
     batch.set("old_log_probs", unpack(old["log_probs"].values(), batch["input_ids"]))
+    parity = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), batch["loss_mask"].values())
+    parity["rollout/weight_version_lag"] = float(step + 1 - int(batch["rollout_weight_version"].min()))
     if reference is not None:
         batch.set("ref_log_probs", unpack(reference.compute_log_probs(batch)["log_probs"].values(), batch["input_ids"]))
     mask = batch["loss_mask"].values()
@@ -299,6 +343,8 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
         "tokens_per_s": tokens / max(1e-9, sum(timings.values())),
         **timings,
     }
+    out.update(parity)
+    out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})
     if "kl" in actor_m[0]:
         out["kl"] = _mean([m["kl"] for m in actor_m])
     if critic_m:
@@ -306,6 +352,22 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
         out["critic_skipped"] = _mean([m.get("step_skipped", 0.0) for m in critic_m])
     return out
+
+
+def rollout_parity(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's sampling log-probs are from the trainer's recomputed ones
+    over the response tokens (flat per-token values): mean and max of ``|trainer - rollout|``,
+    and ``kl_k3`` = mean of ``exp(r) - 1 - r`` with ``r = trainer - rollout``, Schulman's k3
+    estimate of KL(rollout || trainer) from the rollout's own samples."""
+    keep = mask > 0
+    r = (trainer - rollout)[keep].double()
+    if r.numel() == 0:
+        return {"rollout/logprob_abs_diff_mean": 0.0, "rollout/logprob_abs_diff_max": 0.0, "rollout/kl_k3": 0.0}
+    return {
+        "rollout/logprob_abs_diff_mean": float(r.abs().mean()),
+        "rollout/logprob_abs_diff_max": float(r.abs().max()),
+        "rollout/kl_k3": float((torch.expm1(r) - r).mean()),
+    }
 
 
 def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):

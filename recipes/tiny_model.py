@@ -33,6 +33,7 @@ def build_tiny_model(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    head_dim: int | None = None,
 ) -> str:
     """Create a randomly initialised HF causal LM and save it to ``path``.
 
@@ -46,6 +47,8 @@ def build_tiny_model(
             max_position_embeddings: model dimensions (``num_heads`` must be a multiple of
             ``num_kv_heads`` and divide ``hidden_size``).
         bos_token_id, eos_token_id, pad_token_id: recorded in the config (generation only).
+        head_dim: per-head width; None: ``hidden_size / num_heads`` (qwen3: twice that). vLLM's
+            CPU attention needs >= 32.
 
     Returns:
         ``path`` as a string: a directory with ``config.json`` and ``model.safetensors``.
@@ -65,6 +68,7 @@ def build_tiny_model(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
+        head_dim=head_dim,
     )
     from transformers import AutoModelForCausalLM
 
@@ -89,6 +93,7 @@ def tiny_config(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    head_dim: int | None = None,
 ):
     """The HF ``PretrainedConfig`` that :func:`build_tiny_model` instantiates (see its args)."""
     _check_dims(family, hidden_size, num_heads, num_kv_heads)
@@ -109,6 +114,8 @@ def tiny_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
+    if head_dim is not None and family != "qwen3":
+        common["head_dim"] = head_dim
     if family == "llama":
         # attention_bias=False, mlp_bias=False are Llama's defaults; spelled out because the
         # megatron conversion relies on "no linear bias" for this family.
@@ -116,7 +123,11 @@ def tiny_config(
     if family == "qwen3":
         # q/k RMSNorm per head, and a head_dim twice hidden/heads, as real Qwen3 models decouple them.
         return Qwen3Config(
-            **common, head_dim=2 * hidden_size // num_heads, attention_bias=False, tie_word_embeddings=False, use_sliding_window=False
+            **common,
+            head_dim=head_dim or 2 * hidden_size // num_heads,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
         )
     # Qwen2 always has q/k/v biases (no flag); the tied head exercises weight sharing.
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)

@@ -8,13 +8,14 @@ recipe); the role shards them with ``engine.shard_data`` and gathers outputs wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
-from roles.algos import KL_ESTIMATORS, kl_estimate, ppo_policy_loss
+from engine_api.batch import unpack
+from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, ppo_policy_loss, rollout_correction
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
 
@@ -31,6 +32,9 @@ class ActorConfig:
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         ppo_epochs: passes over the batch per update.
         mini_batch_size: global sequences per optimizer step (None: the whole batch).
+        rollout_correction: truncated / masked importance sampling for the mismatch between
+            the rollout's sampling log-probs and ``old_log_probs``
+            (:class:`roles.algos.RolloutCorrectionConfig`; off by default).
     """
 
     clip_low: float = 0.2
@@ -41,6 +45,7 @@ class ActorConfig:
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def _problems(self) -> list[str]:
         out = []
@@ -70,18 +75,25 @@ class Actor(TrainableRole):
     def update(self, batch: TensorDict) -> list[dict]:
         """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step.
 
-        Needs ``old_log_probs`` and ``advantages`` (and ``ref_log_probs`` when ``kl_coef > 0``)
-        as jagged per-token fields of ``batch``.
+        Needs ``old_log_probs`` and ``advantages`` (and ``ref_log_probs`` when ``kl_coef > 0``,
+        ``rollout_log_probs`` when ``rollout_correction.mode`` is not ``off``) as jagged
+        per-token fields of ``batch``. With a rollout correction on, it is computed once on the
+        global batch (:func:`apply_rollout_correction`) and its metrics are added to every
+        returned dict; ``batch`` itself is not modified.
         """
         require_fields(batch, update_fields(self.config), "Actor.update")
+        batch, correction = apply_rollout_correction(self.config, batch)
         entropy = self.config.entropy_coef > 0
-        return train_epochs(
+        metrics = train_epochs(
             self.engine,
             batch,
             self.config.ppo_epochs,
             self.config.mini_batch_size,
             lambda local: local.set_non_tensor("calculate_entropy", entropy),
         )
+        for m in metrics:
+            m.update(correction)
+        return metrics
 
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
         """The engine's loss function: :func:`policy_objective`."""
@@ -90,15 +102,58 @@ class Actor(TrainableRole):
 
 def update_fields(config: ActorConfig) -> list[str]:
     """The per-token fields a policy update needs."""
-    return ["old_log_probs", "advantages"] + (["ref_log_probs"] if config.kl_coef else [])
+    fields = ["old_log_probs", "advantages"] + (["ref_log_probs"] if config.kl_coef else [])
+    return fields + (["rollout_log_probs"] if config.rollout_correction.mode != "off" else [])
+
+
+def apply_rollout_correction(config: ActorConfig, batch: TensorDict) -> tuple[TensorDict, dict[str, float]]:
+    """The global ``batch`` prepared for the policy update under ``config.rollout_correction``,
+    and the correction's metrics (``roles.algos.rollout_correction``).
+
+    Off: ``batch`` itself and no metrics. TIS: a shallow copy with the per-token field
+    ``rollout_is_weights`` (``min(w, threshold)``, read by :func:`policy_objective`). MIS: a
+    shallow copy whose ``loss_mask`` no longer holds the removed tokens (so they leave the
+    loss normalization's counts too). Deterministic, so every rank computes the same result
+    from the same global batch.
+
+    Raises:
+        ValueError: MIS removed every response token of the batch (the loss would be 0/0).
+    """
+    rc = config.rollout_correction
+    if rc.mode == "off":
+        return batch, {}
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    weights, new_mask, metrics = rollout_correction(
+        batch["old_log_probs"].values(), batch["rollout_log_probs"].values(), mask.values(), ids.offsets(), rc
+    )
+    out = batch.copy()
+    if rc.mode == "tis":
+        out.set("rollout_is_weights", unpack(weights, ids))
+    else:
+        if not bool((new_mask > 0).any()):
+            raise ValueError(
+                f"rollout_correction (mode = mis, level = {rc.level}) removed every response token of the batch: no weight "
+                f"lies in [{rc.lower_bound():g}, {rc.threshold:g}] (raw_weight_max = {metrics['rollout_correction/raw_weight_max']:g}); "
+                f"fix: widen threshold / threshold_lower{', or use level token' if rc.level == 'sequence' else ''}, or check that "
+                "rollout_log_probs match the sampled tokens"
+            )
+        out.set("loss_mask", unpack(new_mask, ids))
+    return out, metrics
 
 
 def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate + KL penalty - entropy bonus of one micro-batch, each aggregated
-    with ``norm`` (an ``engine_api.NormContext``); returns the loss and its metrics."""
+    with ``norm`` (an ``engine_api.NormContext``); returns the loss and its metrics.
+
+    When ``mb`` holds the per-token field ``rollout_is_weights`` (TIS, set by
+    :func:`apply_rollout_correction`), the per-token PPO loss is multiplied by it (a constant:
+    no gradient flows through it) before aggregation, so ``pg_loss`` is the weighted loss; the
+    KL penalty and the entropy bonus are not reweighted."""
     mask = mb["loss_mask"]
     log_probs = out["log_probs"].values()
     pg, clipped = ppo_policy_loss(log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
+    if "rollout_is_weights" in mb.keys():
+        pg = pg * mb["rollout_is_weights"].values().detach()
     total = agg_loss(pg, mask, norm)
     with torch.no_grad():
         tokens = mask.values().sum().clamp(min=1)

@@ -1,6 +1,7 @@
 """Pure RL algorithm math used by the roles: advantages, KL estimators, PPO policy and value
-losses. Plain tensor functions (no engine, no distributed state), unit-tested against
-hand-computed cases in ``tests/roles/test_algos.py``.
+losses, rollout (off-policy) correction. Plain tensor functions (no engine, no distributed
+state), unit-tested against hand-computed cases in ``tests/roles/test_algos.py`` and
+``tests/roles/test_rollout_correction.py``.
 
 Conventions: per-token tensors are 1-D flat values of jagged fields (``x.values()``) or any
 same-shape tensors; losses are returned *per token* and reduced by the caller with
@@ -8,6 +9,8 @@ same-shape tensors; losses are returned *per token* and reduced by the caller wi
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -113,3 +116,147 @@ def clipped_value_loss(
     unclipped = (values - returns).pow(2)
     clipped = (clipped_values - returns).pow(2)
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+# ----------------------------------------------------------------------------- rollout correction
+# Off-policy correction for the mismatch between the rollout engine's sampling log-probs and the
+# trainer's recomputed old log-probs (docs/rollout-correction.md).
+
+ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+# Log weights are clamped to +-this before exp so a weight is always finite (exp(20) ~ 4.9e8; verl's
+# SAFETY_BOUND). Truncation and masking are decided on the unclamped log weights.
+_LOG_WEIGHT_BOUND = 20.0
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance-sampling correction of the rollout/trainer mismatch (``actor.rollout_correction``).
+
+    With ``d_t = old_log_probs_t - rollout_log_probs_t`` on the response tokens, the weight is
+    ``w_t = exp(d_t)`` (``level = token``) or, for every token of sequence ``s``,
+    ``w_s = exp(sum_{t in s} d_t)`` (``level = sequence``).
+
+    Attributes:
+        mode: ``off`` (also YAML's bare ``off``, read as false); ``tis`` (truncated IS: the per-token policy-gradient loss is multiplied by
+            the constant ``min(w, threshold)``; nothing is masked); ``mis`` (masked IS: tokens, or
+            whole sequences at ``level = sequence``, whose weight lies outside
+            ``[threshold_lower, threshold]`` leave the loss mask, also leaving the loss
+            normalization's counts; kept tokens have weight 1).
+        level: ``token`` or ``sequence``.
+        threshold: the upper bound (TIS cap, MIS upper bound); > 0. Default 2.0 (verl's).
+        threshold_lower: MIS only (ignored otherwise): the lower bound, >= 0 and below
+            ``threshold``; None means ``1 / threshold`` (verl's rejection-sampling default).
+            TRL's masked mode removes only weights above the cap: ``threshold_lower = 0``.
+    """
+
+    mode: str = "off"
+    level: str = "token"
+    threshold: float = 2.0
+    threshold_lower: float | None = None
+
+    def __post_init__(self) -> None:
+        # YAML reads a bare ``off`` (in a file or a ``key=off`` override) as false, which a str
+        # field receives as "False": that is ``off`` too.
+        if self.mode is False or self.mode == "False":
+            object.__setattr__(self, "mode", "off")
+
+    def _problems(self) -> list[str]:
+        out = []
+        if self.mode not in ROLLOUT_CORRECTION_MODES:
+            out.append(f"mode = {self.mode!r}: unknown; fix: use one of {', '.join(ROLLOUT_CORRECTION_MODES)}")
+        if self.level not in ROLLOUT_CORRECTION_LEVELS:
+            out.append(f"level = {self.level!r}: unknown; fix: use one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}")
+        if not self.threshold > 0:
+            out.append(f"threshold = {self.threshold}: must be > 0; fix: e.g. 2.0")
+            return out
+        lower = self.threshold_lower
+        if lower is not None:
+            if not lower >= 0:
+                out.append(f"threshold_lower = {lower}: must be >= 0; fix: e.g. 0 (mask only above threshold), or null for 1/threshold")
+            elif lower >= self.threshold:
+                out.append(
+                    f"threshold_lower = {lower}: must be below threshold = {self.threshold}; fix: a smaller value, or null for 1/threshold"
+                )
+        elif self.mode == "mis" and self.threshold <= 1:
+            out.append(
+                f"threshold = {self.threshold}: with threshold_lower = null the MIS lower bound 1/threshold = {1 / self.threshold:g} "
+                "is not below it; fix: use a threshold > 1, or set threshold_lower below threshold"
+            )
+        return out
+
+    def lower_bound(self) -> float:
+        """The MIS lower bound: ``threshold_lower``, or ``1 / threshold`` when it is None."""
+        return 1.0 / self.threshold if self.threshold_lower is None else self.threshold_lower
+
+
+def rollout_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    offsets: torch.Tensor,
+    config: RolloutCorrectionConfig,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Rollout-correction weights and loss mask of a batch (see :class:`RolloutCorrectionConfig`).
+
+    Args:
+        old_log_probs, rollout_log_probs, mask: flat per-token values (``x.values()`` of the
+            batch's jagged fields); ``mask > 0`` marks the response tokens.
+        offsets: ``[B + 1]`` sequence offsets into the flat values (``input_ids.offsets()``).
+        config: mode, level and bounds.
+
+    Returns:
+        ``(weights, new_mask, metrics)``, all detached (the weights are constants of the loss):
+
+        - ``weights``: the applied per-token multiplier, 0 off the response tokens. TIS:
+          ``min(w, threshold)``; MIS: 1 on kept tokens, 0 on removed ones; off: 1 on the
+          response tokens.
+        - ``new_mask``: ``mask`` with the MIS-removed tokens set to 0 (``mask`` itself otherwise).
+        - ``metrics`` (floats over the response tokens of ``mask``; empty when off):
+          ``rollout_correction/weight_mean`` and ``weight_max`` of the applied weights,
+          ``raw_weight_mean`` and ``raw_weight_max`` of ``w`` before truncation or masking (its
+          log clamped at +-20), ``truncated_frac`` (TIS: share with ``w > threshold``; else 0),
+          ``masked_frac`` (MIS: share removed; else 0).
+
+    Raises:
+        ValueError: an invalid ``config`` (its ``_problems``).
+    """
+    problems = config._problems()
+    if problems:
+        raise ValueError("rollout correction: " + "; ".join(problems))
+    response = mask.detach() > 0
+    if config.mode == "off":
+        return response.to(torch.float32), mask, {}
+    dtype = torch.promote_types(old_log_probs.dtype, torch.float32)
+    log_w = torch.where(response, old_log_probs.detach().to(dtype) - rollout_log_probs.detach().to(dtype), 0.0)
+    if config.level == "sequence":
+        lengths = (offsets[1:] - offsets[:-1]).to(log_w.device)
+        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=log_w.device), lengths)
+        log_w = torch.zeros(lengths.numel(), dtype=dtype, device=log_w.device).index_add(0, seq, log_w)[seq]
+    raw = torch.where(response, torch.exp(log_w.clamp(-_LOG_WEIGHT_BOUND, _LOG_WEIGHT_BOUND)), 0.0)
+    above = response & (log_w > torch.tensor(config.threshold, dtype=dtype).log())
+    zero = torch.zeros((), dtype=dtype, device=log_w.device)
+    if config.mode == "tis":
+        weights = raw.clamp(max=config.threshold)
+        new_mask, truncated, removed = mask, above, zero
+    else:
+        below = response & (log_w < torch.tensor(config.lower_bound(), dtype=dtype).log())
+        outside = above | below
+        new_mask = mask * (~outside).to(mask.dtype)
+        weights = (response & ~outside).to(dtype)
+        truncated, removed = zero, outside
+    count = response.sum().clamp(min=1).to(dtype)
+    none = zero.new_full((), -1.0)  # max over no token: reported as 0 below
+    stats = torch.stack(
+        [
+            weights.sum() / count,
+            torch.where(response, weights, none).max() if weights.numel() else none,
+            raw.sum() / count,
+            torch.where(response, raw, none).max() if raw.numel() else none,
+            truncated.sum() / count,
+            removed.sum() / count,
+        ]
+    ).tolist()
+    names = ("weight_mean", "weight_max", "raw_weight_mean", "raw_weight_max", "truncated_frac", "masked_frac")
+    metrics = {f"rollout_correction/{n}": max(v, 0.0) for n, v in zip(names, stats, strict=True)}
+    return weights, new_mask, metrics

@@ -1,21 +1,37 @@
-"""``Rollout``: sample responses from a model whose weights are synced from the actor through
-``export_weights`` (``BaseEngine.export_weights``, or a role delegating to it), on engine calls only.
+"""``Rollout``: sample a step's responses with a rollout engine (``engine_api.rollout.BaseRollout``,
+picked by ``rollout.backend``) whose weights are synced from the actor, on engine calls only.
 
-The sampler itself is injected (``Sampler`` protocol), so ``roles/`` imports no model library;
-``recipes/hf_sampler.py`` is the plain-HF CPU implementation.
+* **Sharded.** Each rank of the rollout group (the whole world by default: one colocated
+  engine per rank) generates a contiguous block of the step's prompts; the samples are
+  assembled on every rank with tensor collectives (``engine_api.dist.all_gather_rows``), so
+  the roles get the same global batch everywhere. The seed of prompt ``i`` at step ``s`` is a
+  function of ``(rollout.seed, s, i)`` only, so 1 and N ranks give the same batch.
+* **Versioned sync.** ``sync_weights(version)`` streams the actor's ``export_weights`` (in
+  ``sync_bucket_mb`` buckets) through the engine's begin / chunks / finish phases; with a LoRA
+  actor and a backend that serves adapters (``lora_sync=adapter``) only the adapters move.
+  Every sample carries the version that produced it (``rollout_weight_version``).
+* **Failures.** A rank whose engine fails (generation or sync) makes every rank raise a clear
+  error instead of leaving the others blocked in the gather.
+
+``roles/`` imports no inference library: the engine is built by the recipe.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api import make_batch
 from engine_api.base import bucket_bytes, export_in_buckets
+from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
+from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
+
+LORA_SYNC = ("auto", "adapter", "merged")
 
 
 class WeightSource(Protocol):
@@ -23,101 +39,218 @@ class WeightSource(Protocol):
     actor) exposing the same method."""
 
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full_tensor)`` pairs, gathered one tensor or one ``bucket_mb`` bucket per
-        collective (``BaseEngine.export_weights``). Collective."""
-
-
-class Sampler(Protocol):
-    """What ``Rollout`` needs from an inference model."""
-
-    def load_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Replace the model's weights with ``(hf_name, tensor)`` pairs."""
-
-    def sample(
-        self, prompts: Sequence[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float, generator: torch.Generator
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One response per 1-D prompt, in order: ``(response_ids, log_probs)``, where
-        ``log_probs[i]`` is ``log softmax(logits / temperature)`` of ``response_ids[i]`` (before
-        top-p filtering). Deterministic given ``generator``'s state and the prompts."""
+        """``(hf_name, full_tensor)`` pairs (``BaseEngine.export_weights``). Collective."""
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Sampling.
+    """Sampling and the rollout engine.
 
     Attributes:
+        backend: the rollout engine: ``hf`` (plain HF, always installed), ``vllm`` (the
+            ``vllm`` extra), an import path ``pkg.mod:Class`` or an ``enginekit.rollouts``
+            entry point (``engine_api.rollout_registry``).
         max_new_tokens: response length cap.
         temperature: softmax temperature (> 0).
         top_p: nucleus sampling mass in (0, 1].
-        seed: base seed; each ``generate`` call's generator is seeded with seed + call index.
-        sync_bucket_mb: weight sync gathers the actor's weights in flat buckets of about this
-            many MB, one collective per bucket (``export_weights(bucket_mb=...)``; 512, as in
-            verl and NeMo-RL, keeps a ~1B model to a few collectives and extra memory to a few
-            buckets); ``None``: one tensor per collective. The synced weights are the same
-            either way. A source whose ``export_weights`` takes no ``bucket_mb`` (an engine
-            written before it existed) is synced per tensor, with a warning.
+        top_k: keep the k most likely tokens (-1: off).
+        seed: base seed; the seed of prompt ``i`` of call ``s`` is derived from (seed, s, i).
+        sync_bucket_mb: the actor's weights are gathered in flat buckets of about this many MB,
+            one collective per bucket, and handed to the engine one bucket per
+            ``update_weights`` chunk (512, as in verl and NeMo-RL); ``None``: one tensor each.
+            A source whose ``export_weights`` takes no ``bucket_mb`` is synced per tensor, with
+            a warning.
+        lora_sync: with a LoRA actor: ``adapter`` sends only the adapters (the backend must
+            serve them: vllm), ``merged`` sends merged full weights, ``auto`` picks adapter
+            when the backend can.
+        dtype: the engine's compute dtype (``float32`` for exact parity on CPU).
+        max_model_len: longest prompt + response the engine accepts; None: the model's
+            ``max_position_embeddings``.
+        options: backend settings (vllm: ``backends.rollout.vllm.VLLMOptions``).
     """
 
+    backend: str = "hf"
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1
     seed: int = 0
     sync_bucket_mb: float | None = 512.0
+    lora_sync: str = "auto"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def sampling(self, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> SamplingParams:
+        """The engine's sampling settings for one sample per prompt."""
+        return SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_new_tokens,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            stop=tuple(stop),
+        )
 
     def _problems(self) -> list[str]:
-        out = []
+        out = [p for p in self.sampling().problems() if not p.startswith("max_tokens")]
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens = {self.max_new_tokens}: must be >= 1; fix: e.g. 8")
-        if self.temperature <= 0:
-            out.append(f"temperature = {self.temperature}: must be > 0; fix: e.g. 1.0")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p = {self.top_p}: must be in (0, 1]; fix: e.g. 1.0")
         try:
             bucket_bytes(self.sync_bucket_mb)
         except ValueError:
             out.append(
                 f"sync_bucket_mb = {self.sync_bucket_mb!r}: must be a number > 0 of MB or null; fix: e.g. 512, or null for one tensor at a time"
             )
+        if self.lora_sync not in LORA_SYNC:
+            out.append(f"lora_sync = {self.lora_sync!r}: unknown; fix: use one of {', '.join(LORA_SYNC)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            out.append(f"max_model_len = {self.max_model_len}: must be >= 2 or null; fix: e.g. null (the model's own)")
+        if not self.backend:
+            out.append("backend = '': empty; fix: hf, vllm, or pkg.mod:Class")
         return out
 
 
 class Rollout:
-    """Generates responses with the actor's current weights."""
+    """Generates a step's responses with the actor's current weights (see the module docstring).
 
-    def __init__(self, source: WeightSource, sampler: Sampler, config: RolloutConfig) -> None:
-        self.source = source
-        self.sampler = sampler
-        self.config = config
+    Args:
+        source: the actor (or its engine): ``export_weights`` (and ``export_adapter_weights``).
+        engine: this rank's rollout engine.
+        config: sampling and sync settings.
+        stop_token_ids, stop: what ends a response (EOS ids, stop strings).
+        lora: the actor's LoRA settings (``r``, ``lora_alpha``, ``target_modules``) when it
+            trains adapters; None otherwise.
+        group: the ranks that split the prompts (None: the world).
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        engine: BaseRollout,
+        config: RolloutConfig,
+        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        lora: Mapping[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.source, self.engine, self.config, self.group = source, engine, config, group
+        self.params = config.sampling(stop_token_ids, stop)
+        problems = self.params.problems()
+        if problems:
+            raise ValueError("rollout: " + "; ".join(problems))
+        self.lora = dict(lora) if lora else None
+        self.adapter_sync = bool(self.lora) and config.lora_sync != "merged" and engine.supports_lora
+        if self.lora and config.lora_sync == "adapter" and not engine.supports_lora:
+            raise ValueError(
+                f"rollout.lora_sync = 'adapter': the {type(engine).__name__} backend serves no LoRA adapters; "
+                "fix: rollout.lora_sync=merged (or auto), or rollout.backend=vllm"
+            )
         self._calls = 0
 
-    def sync_weights(self) -> None:
-        """Copy the actor's weights into the sampler, gathered in ``sync_bucket_mb`` buckets.
-        Collective: every rank drains the export."""
-        self.sampler.load_weights(export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb"))
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine samples from now."""
+        return self.engine.weight_version
+
+    def sync_weights(self, version: int | None = None) -> None:
+        """Copy the actor's weights (or only its adapters) into the engine as ``version``
+        (default: the current one + 1). Collective: every rank drains the export; a rank whose
+        engine refuses the update makes every rank raise."""
+        version = self.engine.weight_version + 1 if version is None else version
+        error = None
+        if self.adapter_sync:
+            adapter = dict(self.source.export_adapter_weights())  # collective: drained on every rank
+            error = _attempt(lambda: self.engine.load_adapter(adapter, self.lora, version))
+        else:
+            named = export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb")
+            try:
+                self.engine.begin_weight_update(version)
+            except (RuntimeError, ValueError) as exc:
+                error = exc
+            for chunk in chunk_pairs(named, self.config.sync_bucket_mb):  # drained even after a failure: it is collective
+                if error is None:
+                    error = _attempt(lambda chunk=chunk: self.engine.update_weights(chunk))
+            if error is None:
+                error = _attempt(self.engine.finish_weight_update)
+            else:
+                self.engine.abort_weight_update()
+        self._agree(error, f"weight sync to version {version}")
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with
         ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs``
-        (0 on the prompt), the ``temperature`` metadata, and per-sample ``prompt_len``.
+        (0 on the prompt), the ``temperature`` metadata, and per sample ``prompt_len``,
+        ``rollout_weight_version`` and ``rollout_truncated`` (1: ended at the length cap).
 
-        Every rank samples the same responses (same seed), so the batch is the same global batch
-        everywhere, as the roles expect. The generator is seeded with ``seed + seed_offset``
-        (default: the number of earlier calls); recipes pass the step so a resumed run samples
-        what the uninterrupted one would have.
+        Prompt ``i`` is sampled with a seed derived from ``(seed, seed_offset, i)`` (default
+        offset: the number of earlier calls; recipes pass the step so a resumed run samples what
+        the uninterrupted one would have), on the rank whose block holds it. Collective over
+        the rollout group.
         """
-        c = self.config
-        generator = torch.Generator().manual_seed(c.seed + (self._calls if seed_offset is None else seed_offset))
+        offset = self._calls if seed_offset is None else seed_offset
         self._calls += 1
-        sequences, masks, log_probs = [], [], []
-        responses = self.sampler.sample(list(prompts), c.max_new_tokens, c.temperature, c.top_p, generator)
-        for prompt, (response, lp) in zip(prompts, responses, strict=True):
+        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        call_seed = sample_seed(self.config.seed, offset)
+        size, rank = group_size(self.group), group_rank(self.group)
+        begin, end = _block(len(prompts), size, rank)
+        local: list = []
+        error = _attempt(
+            lambda: local.extend(
+                self.engine.generate(prompts[begin:end], self.params, [sample_seed(call_seed, i) for i in range(begin, end)])
+            )
+        )
+        self._agree(error, "generation")
+        samples = [group[0] for group in local]
+        responses, log_probs, meta = self._gather(samples, len(prompts))
+        sequences, masks, lps = [], [], []
+        for prompt, response, lp in zip(prompts, responses, log_probs, strict=True):
             sequences.append(torch.cat([prompt, response]))
             masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
-            log_probs.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))
+            lps.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))
         return make_batch(
             sequences,
             loss_mask=masks,
-            rollout_log_probs=log_probs,
+            rollout_log_probs=lps,
             prompt_len=torch.tensor([len(p) for p in prompts]),
-            temperature=c.temperature,
+            rollout_weight_version=meta[:, 0].clone(),
+            rollout_truncated=meta[:, 1].clone(),
+            temperature=self.config.temperature,
         )
+
+    def _gather(self, samples, total: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Every rank's samples, in prompt order, on every rank (tensor collectives only):
+        response ids, their log-probs, and ``[total, 2]`` (weight version, truncated)."""
+        lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long)
+        meta = torch.tensor([[s.weight_version, int(s.finish_reason == "length")] for s in samples], dtype=torch.long).reshape(-1, 2)
+        ids = torch.cat([s.token_ids for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+        lps = torch.cat([s.log_probs.float() for s in samples]) if samples else torch.zeros(0)
+        lengths, meta, ids, lps = (torch.cat(all_gather_rows(t, self.group)) for t in (lengths, meta, ids, lps))
+        assert len(lengths) == total, (len(lengths), total)
+        split = lengths.tolist()
+        return list(ids.split(split)), list(lps.split(split)), meta
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank when any rank's engine failed (none is left in a collective)."""
+        flag = torch.tensor([0.0 if error is None else 1.0], device=comm_device(self.group))
+        failed = int(all_reduce(flag, "sum", self.group).item())
+        if error is not None:
+            raise RuntimeError(f"rollout {what} failed on this rank ({type(error).__name__}: {error})") from error
+        if failed:
+            raise RuntimeError(f"rollout {what} failed on {failed} other rank(s) (their error says why); this rank stops too")
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 (reported on every rank by _agree)
+        return exc
+    return None
+
+
+def _block(total: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous share of ``total`` items split ``size`` ways (sizes differ by <= 1)."""
+    base, extra = divmod(total, size)
+    begin = rank * base + min(rank, extra)
+    return begin, begin + base + (1 if rank < extra else 0)

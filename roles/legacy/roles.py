@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_api.config import EngineConfig
-from roles.actor import ActorConfig, policy_objective, update_fields
+from roles.actor import ActorConfig, apply_rollout_correction, policy_objective, update_fields
 from roles.common import require_fields
 from roles.critic import VALUE_UPDATE_FIELDS, CriticConfig, value_objective
 from roles.legacy.worker import FSDPWorker
@@ -45,11 +45,16 @@ class LegacyActor(_LegacyRole):
         return self.worker.infer(batch, calculate_entropy=calculate_entropy)
 
     def update(self, batch: TensorDict) -> list[dict]:
-        """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step."""
+        """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step
+        (with the rollout correction's metrics, as ``roles.Actor.update``)."""
         require_fields(batch, update_fields(self.config), "LegacyActor.update")
         c = self.config
+        batch, correction = apply_rollout_correction(c, batch)
         loss_fn = functools.partial(policy_objective, c)
-        return self.worker.train_epochs(batch, c.ppo_epochs, c.mini_batch_size, loss_fn, calculate_entropy=c.entropy_coef > 0)
+        metrics = self.worker.train_epochs(batch, c.ppo_epochs, c.mini_batch_size, loss_fn, calculate_entropy=c.entropy_coef > 0)
+        for m in metrics:
+            m.update(correction)
+        return metrics
 
 
 class LegacyCritic(_LegacyRole):

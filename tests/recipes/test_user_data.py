@@ -288,28 +288,37 @@ def test_failing_or_non_finite_rewards_name_the_row():
 
 
 # ---------------------------------------------------------------------------------- sampler
-def test_sampler_stops_at_any_eos_id_and_at_stop_strings_for_unequal_prompts(files):
-    """Properties of every sampled response, checked on the decoded text: it contains a stop
-    string only at its end, an EOS id only as its last token, and otherwise has the full length."""
-    from recipes.hf_sampler import HFSampler
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_sampler_stops_at_any_eos_id_and_at_stop_strings_for_unequal_prompts(files, backend, tmp_path):
+    """Properties of every sampled response, checked on the decoded text, on every rollout
+    backend: it contains a stop string only at its end, an EOS id only as its last token (both
+    with finish_reason 'stop'), and otherwise has the full length ('length')."""
+    from engine_api.rollout import RolloutEngineConfig, SamplingParams
+    from engine_api.rollout_registry import build_rollout, rollout_installed
 
+    if not rollout_installed(backend):
+        pytest.skip(f"{backend} not installed (make test installs it)")
     tok = _tok(files)
     enc = ChatEncoder(tok, DataConfig())
     prompts = [torch.tensor(enc.prompt(q, "t")[0]) for q, _ in ud.additions(12, 9, max_operand=99)]
     assert len({len(p) for p in prompts}) > 1  # unequal lengths
     eos = [tok.eos_token_id, tok.convert_tokens_to_ids("x")]
-    sampler = HFSampler(files["model"], eos_token_id=eos, stop_strings=["+", "=="], tokenizer=tok)
-    out = sampler.sample(prompts, 12, 1.0, 1.0, torch.Generator().manual_seed(0))
+    model = files["model"] if backend == "hf" else ud.build_model_dir(tmp_path / "wide", head_dim=32)  # vLLM-cpu: head_dim >= 32
+    engine = build_rollout(backend, RolloutEngineConfig(model_path=model, tokenizer_path=model))
+    params = SamplingParams(max_tokens=12, stop_token_ids=tuple(eos), stop=("+", "=="))
+    out = [group[0] for group in engine.generate(prompts, params, list(range(len(prompts))))]
+    engine.shutdown()
     stopped = 0
-    for response, log_probs in out:
-        ids, text = response.tolist(), tok.decode(response.tolist())
-        assert len(log_probs) == len(ids) and all(i not in eos for i in ids[:-1])
+    for sample in out:
+        ids, text = sample.token_ids.tolist(), tok.decode(sample.token_ids.tolist())
+        assert len(sample.log_probs) == len(ids) and all(i not in eos for i in ids[:-1])
         body = tok.decode(ids[:-1])
         assert "+" not in body and "==" not in body
         if ids[-1] in eos or text.endswith(("+", "==")):
             stopped += 1
+            assert sample.finish_reason == "stop"
         else:
-            assert len(ids) == 12
+            assert len(ids) == 12 and sample.finish_reason == "length"
     assert stopped >= 3  # the rules were exercised
 
 

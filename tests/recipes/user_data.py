@@ -57,11 +57,21 @@ def build_tokenizer(path: str | Path, chat_template: bool = True):
     return hf
 
 
-def build_model_dir(path: str | Path, family: str = "llama", chat_template: bool = True, tokenizer: bool = True, seed: int = 0) -> str:
-    """A tiny HF model directory with (optionally) its tokenizer."""
+def build_model_dir(
+    path: str | Path, family: str = "llama", chat_template: bool = True, tokenizer: bool = True, seed: int = 0, head_dim: int | None = None
+) -> str:
+    """A tiny HF model directory with (optionally) its tokenizer; ``head_dim=32`` for vLLM on CPU."""
     vocab = len(SPECIALS) + len(CHARS)
     build_tiny_model(
-        path, family=family, seed=seed, vocab_size=vocab, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0
+        path,
+        family=family,
+        seed=seed,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        head_dim=head_dim,
     )
     if tokenizer:
         build_tokenizer(path, chat_template)

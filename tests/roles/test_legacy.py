@@ -16,10 +16,9 @@ import torch
 from engine_api.typed_config import load_typed
 from recipes import ppo
 from recipes.common import with_model_path
-from recipes.hf_sampler import HFSampler
+from recipes.rl_tasks import build_task
 from roles import legacy
 from roles.factory import build_roles, use_legacy
-from roles.rollout import Rollout
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"
@@ -94,7 +93,7 @@ def test_only_the_factory_imports_the_legacy_package():
 
 def _run(cfg: ppo.PPOConfig, steps: int):
     roles = build_roles(cfg)
-    rollout = Rollout(roles.actor, HFSampler(cfg.engine.model.path, eos_token_id=3), cfg.rollout)
+    rollout = ppo.build_rollout_role(cfg, roles.actor, build_task(cfg))
     metrics = [ppo.rl_step(cfg, step, roles.actor, roles.critic, roles.reference, rollout) for step in range(steps)]
     return roles, metrics
 

@@ -1,0 +1,144 @@
+"""``hf``: the plain-HF rollout backend (CPU or one GPU; KV cache, prompts batched by length).
+
+Exactness over speed: the log-prob of each sampled token comes from the same forward that
+sampled it, and prompts are batched only with prompts of the same length, so no row is padded
+and no attention mask is needed: each row's logits are those of a forward of that sequence
+alone (up to batched-matmul rounding). Every sample draws from its own ``torch.Generator``
+seeded with ``sample_seed(seed, j)``, so what a prompt gets does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from backends.rollout.layout import state_shapes
+from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
+from engine_api.rollout_registry import register_rollout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register_rollout("hf")
+class HFRollout(BaseRollout):
+    """An HF causal LM loaded from ``config.model_path`` on the compute device.
+
+    A stop string is looked for in the decoded text of the last ``len(stop) + 8`` tokens, which
+    holds it whenever those tokens decode to at least one character each on average (every
+    tokenizer in use; byte-fallback pieces decode to less). No backend options.
+    """
+
+    def __init__(self, config: RolloutEngineConfig) -> None:
+        super().__init__(config)
+        if config.options:
+            raise ValueError(f"rollout options {sorted(config.options)}: the hf backend has none; fix: remove them")
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"rollout dtype = {config.dtype!r}: unknown; fix: use one of {', '.join(_DTYPES)}")
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, config=hf_config, dtype=_DTYPES[config.dtype])
+        self.model.to(self.device).eval()
+        self._limit = config.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+        self.tokenizer = None
+        if config.tokenizer_path is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._limit
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF model's in-memory state dict (the layout ``export_weights`` yields)."""
+        return state_shapes(self.config.model_path)[0]
+
+    def optional_weights(self) -> set[str]:
+        return state_shapes(self.config.model_path)[1]
+
+    def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                state[name].copy_(tensor.to(state[name].device, state[name].dtype))
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int]) -> list[list[Sample]]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling params: stop strings need a tokenizer; fix: build the rollout with tokenizer_path")
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                groups.setdefault(len(prompt), []).append((i, j))
+        out: list[list[Sample | None]] = [[None] * params.n for _ in prompts]
+        for members in groups.values():
+            block = torch.stack([prompts[i] for i, _ in members]).to(self.device)
+            gens = [torch.Generator().manual_seed(sample_seed(seeds[i], j)) for i, j in members]
+            for (i, j), (ids, lps, reason) in zip(members, self._sample_block(block, params, gens), strict=True):
+                out[i][j] = Sample(ids, lps, reason, self.weight_version)
+        return out  # type: ignore[return-value]
+
+    def _sample_block(self, prompts: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]):
+        """Decode a [B, P] block of equal-length prompts; rows that stopped keep being fed
+        their last token (their later draws are discarded), so the block keeps one KV cache."""
+        stop_ids = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=self.device)
+        window = max((len(s) for s in params.stop), default=0) + 8
+        out = self.model(prompts, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+        tokens, log_probs = [], []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        lengths = torch.full((len(prompts),), params.max_tokens)
+        stopped = torch.zeros(len(prompts), dtype=torch.bool)
+        for step in range(params.max_tokens):
+            logp = filtered_log_probs(logits.float() / params.temperature, params.top_k, params.top_p)
+            probs = logp.exp().cpu()
+            token = torch.stack([torch.multinomial(probs[r], 1, generator=g)[0] for r, g in enumerate(gens)]).to(self.device)
+            if tokens:
+                token = torch.where(done, tokens[-1], token)
+            tokens.append(token)
+            log_probs.append(logp.gather(1, token[:, None])[:, 0])
+            ended = ~done & torch.isin(token, stop_ids)
+            if params.stop:
+                ended |= ~done & self._hits_stop_string(torch.stack(tokens, 1), params.stop, window)
+            lengths[ended.cpu()] = step + 1
+            stopped |= ended.cpu()
+            done |= ended
+            if bool(done.all()) or step + 1 == params.max_tokens:
+                break
+            out = self.model(token[:, None], past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+        ids, lps = torch.stack(tokens, 1).cpu(), torch.stack(log_probs, 1).float().cpu()
+        return [
+            (ids[r, : int(n)].clone(), lps[r, : int(n)].clone(), "stop" if stopped[r] else "length") for r, n in enumerate(lengths.tolist())
+        ]
+
+    def _hits_stop_string(self, ids: torch.Tensor, stops: tuple[str, ...], window: int) -> torch.Tensor:
+        """Rows whose newest token [B, T][:, -1] completes a stop string: one is in the decoded
+        tail window and was not before that token."""
+        hits = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        for r, row in enumerate(ids[:, -window:].tolist()):
+            now = self.tokenizer.decode(row, skip_special_tokens=False)
+            before = self.tokenizer.decode(row[:-1], skip_special_tokens=False) if len(row) > 1 else ""
+            hits[r] = any(s in now and now.count(s) > before.count(s) for s in stops)
+        return hits
+
+    def _shutdown(self) -> None:
+        self.model = None
+
+
+def filtered_log_probs(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``log_softmax`` of ``scaled_logits`` [B, V] restricted to the top-``k`` tokens (-1: all)
+    and then to the smallest prefix of mass >= ``top_p`` (always the top token), renormalised:
+    the distribution a token is sampled from (tokens outside it get -inf)."""
+    logits = scaled_logits
+    if top_k != -1 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        sorted_p = sorted_logp.exp()
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        drop = torch.zeros_like(keep).scatter(-1, order, ~keep)
+        logp = torch.log_softmax(logits.masked_fill(drop, float("-inf")), dim=-1)
+    return logp

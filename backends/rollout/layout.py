@@ -1,0 +1,40 @@
+"""The weight layout a rollout update carries: the names and shapes of the HF model's
+in-memory state dict (what ``BaseEngine.export_weights`` yields), which for some families is
+not the checkpoint's (transformers 5 fuses the experts of Qwen3-MoE / Mixtral into
+``mlp.experts.gate_up_proj`` / ``down_proj`` when loading; the files keep one tensor per expert)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+@functools.lru_cache(maxsize=8)
+def meta_model(model_path: str) -> torch.nn.Module:
+    """The HF causal LM of ``model_path`` built on the meta device (no memory, no weights read)."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def state_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """``(shapes, optional)``: name -> shape of every tensor of the model's state dict, and the
+    names that alias another one (a tied ``lm_head.weight``): an update may carry them or not."""
+    model = meta_model(model_path)
+    shapes, optional, seen = {}, set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        shapes[name] = tuple(tensor.shape)
+        if id(tensor) in seen:
+            optional.add(name)
+        seen.setdefault(id(tensor), name)
+    return shapes, optional
+
+
+def to_checkpoint_layout(model_path: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` (in-memory names) in the checkpoint's layout, through transformers' own
+    reverse conversion (what ``save_pretrained`` writes): e.g. fused experts split per expert."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(meta_model(model_path), dict(weights))
