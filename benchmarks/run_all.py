@@ -25,7 +25,17 @@ import time
 from benchmarks.common import machine_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("dynamic_batching", "overhead", "packing", "memory", "checkpoint_verify", "gather", "export_buckets", "gpu_throughput")
+SCRIPTS = (
+    "dynamic_batching",
+    "overhead",
+    "packing",
+    "memory",
+    "checkpoint_verify",
+    "gather",
+    "export_buckets",
+    "rollout",
+    "gpu_throughput",
+)
 # The one column of each benchmark that the summary shows.
 KEY = {
     "overhead": "ratio",
@@ -35,6 +45,7 @@ KEY = {
     "checkpoint_verify": "s_per_GB",
     "gather": "pickled/tensor",
     "export_buckets": "bucketed/raw",
+    "rollout": "vllm/hf",
     "gpu_throughput": "mfu",
 }
 PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}

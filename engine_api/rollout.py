@@ -297,8 +297,8 @@ class BaseRollout(abc.ABC):
 
     # ------------------------------------------------------------------ adapters, memory, life
     def load_adapter(self, adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any], version: int) -> None:
-        """Serve the LoRA ``adapter`` (peft's saved names -> tensors; ``lora``: its ``r``,
-        ``lora_alpha``, ``target_modules``) on top of the base weights from now on, replacing
+        """Serve the LoRA ``adapter`` (peft's saved names -> tensors; ``lora``: its ``r`` and
+        ``lora_alpha``; the adapted modules are read off the names) on top of the base weights from now on, replacing
         the previous adapter; samples carry ``version``.
 
         Raises:

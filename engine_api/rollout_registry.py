@@ -69,6 +69,12 @@ def rollout_installed(name: str) -> bool:
     return need is None or module_exists(need[0])
 
 
+def missing_extra(name: str) -> str:
+    """The one line that says which package a built-in needs and how to install it."""
+    package, how = _EXTRAS[name]
+    return f"the {package!r} package is not installed; fix: {how}"
+
+
 def get_rollout_class(backend: str) -> type[BaseRollout]:
     """The class ``backend`` names, imported and registered on first use.
 
@@ -79,7 +85,7 @@ def get_rollout_class(backend: str) -> type[BaseRollout]:
     if backend in _REGISTRY:
         return _REGISTRY[backend]
     if not rollout_installed(backend):
-        raise ValueError(f"rollout.backend = {backend!r}: the {_EXTRAS[backend][0]!r} package is not installed; fix: {_EXTRAS[backend][1]}")
+        raise ValueError(f"rollout.backend = {backend!r}: {missing_extra(backend)}")
     specs = dict(_BUILTINS)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         specs.setdefault(ep.name, ep.value)

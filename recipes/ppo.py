@@ -314,6 +314,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     batch.set("old_log_probs", unpack(old["log_probs"].values(), batch["input_ids"]))
     parity = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), batch["loss_mask"].values())
     parity["rollout/weight_version_lag"] = float(step + 1 - int(batch["rollout_weight_version"].min()))
+    parity.update(rollout.last_sync)
     if reference is not None:
         batch.set("ref_log_probs", unpack(reference.compute_log_probs(batch)["log_probs"].values(), batch["input_ids"]))
     mask = batch["loss_mask"].values()

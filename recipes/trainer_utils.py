@@ -87,9 +87,14 @@ class SkipGuard:
 def quiet_console() -> None:
     """Silence what libraries print on every run although nothing is wrong: HF's per-file
     load/save progress bars (they interleave with the training bar) and torch's one-time
-    ``is_fx_tracing`` deprecation notice (raised inside transformers). Warnings that may
-    matter are kept."""
+    ``is_fx_tracing`` deprecation notice (raised inside transformers), and vLLM's start-up
+    INFO / WARNING lines (its own "tokenizer not available" traceback for a model directory
+    without a tokenizer, thread-binding notes), unless ``VLLM_LOGGING_LEVEL`` is set. Warnings
+    that may matter are kept."""
+    import os
+
     from transformers.utils import logging as hf_logging
 
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     hf_logging.disable_progress_bar()
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)

@@ -18,6 +18,7 @@ picked by ``rollout.backend``) whose weights are synced from the actor, on engin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,9 +30,12 @@ from tensordict import TensorDict
 from engine_api import make_batch
 from engine_api.base import bucket_bytes, export_in_buckets
 from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
+from engine_api.registry import is_import_path
 from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
+from engine_api.rollout_registry import available_rollouts, missing_extra, rollout_installed
 
 LORA_SYNC = ("auto", "adapter", "merged")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class WeightSource(Protocol):
@@ -107,8 +111,15 @@ class RolloutConfig:
             out.append(f"lora_sync = {self.lora_sync!r}: unknown; fix: use one of {', '.join(LORA_SYNC)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             out.append(f"max_model_len = {self.max_model_len}: must be >= 2 or null; fix: e.g. null (the model's own)")
-        if not self.backend:
-            out.append("backend = '': empty; fix: hf, vllm, or pkg.mod:Class")
+        if self.backend not in available_rollouts() and not is_import_path(self.backend):
+            out.append(
+                f"backend = {self.backend!r}: not a rollout backend; fix: use one of {', '.join(available_rollouts())}, "
+                "or an import path package.module:ClassName of a BaseRollout subclass"
+            )
+        elif not rollout_installed(self.backend):
+            out.append(f"backend = {self.backend!r}: {missing_extra(self.backend)}")
+        if self.dtype not in DTYPES:
+            out.append(f"dtype = {self.dtype!r}: unknown; fix: use one of {', '.join(DTYPES)}")
         return out
 
 
@@ -148,6 +159,8 @@ class Rollout:
                 "fix: rollout.lora_sync=merged (or auto), or rollout.backend=vllm"
             )
         self._calls = 0
+        #: the last sync's seconds and MB handed to the engine (``rollout/sync_s``, ``rollout/sync_mb``)
+        self.last_sync: dict[str, float] = {}
 
     @property
     def weight_version(self) -> int:
@@ -159,9 +172,10 @@ class Rollout:
         (default: the current one + 1). Collective: every rank drains the export; a rank whose
         engine refuses the update makes every rank raise."""
         version = self.engine.weight_version + 1 if version is None else version
-        error = None
+        error, moved, start = None, 0, time.perf_counter()
         if self.adapter_sync:
             adapter = dict(self.source.export_adapter_weights())  # collective: drained on every rank
+            moved = sum(t.numel() * t.element_size() for t in adapter.values())
             error = _attempt(lambda: self.engine.load_adapter(adapter, self.lora, version))
         else:
             named = export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb")
@@ -170,6 +184,7 @@ class Rollout:
             except (RuntimeError, ValueError) as exc:
                 error = exc
             for chunk in chunk_pairs(named, self.config.sync_bucket_mb):  # drained even after a failure: it is collective
+                moved += sum(t.numel() * t.element_size() for _, t in chunk)
                 if error is None:
                     error = _attempt(lambda chunk=chunk: self.engine.update_weights(chunk))
             if error is None:
@@ -177,6 +192,7 @@ class Rollout:
             else:
                 self.engine.abort_weight_update()
         self._agree(error, f"weight sync to version {version}")
+        self.last_sync = {"rollout/sync_s": time.perf_counter() - start, "rollout/sync_mb": moved / 2**20}
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
         """Sample one response per prompt; returns a protocol batch of prompt + response with

@@ -32,6 +32,16 @@ def state_shapes(model_path: str) -> tuple[dict[str, tuple[int, ...]], set[str]]
     return shapes, optional
 
 
+def aliases(model_path: str) -> dict[str, str]:
+    """name -> the name it aliases (a tied ``lm_head.weight`` -> ``model.embed_tokens.weight``)."""
+    model, first, out = meta_model(model_path), {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            out[name] = first[id(tensor)]
+        first.setdefault(id(tensor), name)
+    return out
+
+
 def to_checkpoint_layout(model_path: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` (in-memory names) in the checkpoint's layout, through transformers' own
     reverse conversion (what ``save_pretrained`` writes): e.g. fused experts split per expert."""

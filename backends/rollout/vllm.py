@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from backends.rollout.layout import state_shapes, to_checkpoint_layout
+from backends.rollout.layout import aliases, state_shapes, to_checkpoint_layout
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
 
@@ -182,6 +182,9 @@ class VLLMRollout(BaseRollout):
             kwargs["max_num_batched_tokens"] = max(config.max_model_len, 8192)
         if config.lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(config.lora_rank), max_loras=1)
+        # vLLM's in-process shutdown destroys the default process group; one the trainer made
+        # before (torchrun, or an engine's own 1-rank group) must outlive this engine.
+        self._borrowed_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         with _preserve_process_state():
             self.llm = LLM(**kwargs)
         self._limit = self.llm.llm_engine.model_config.max_model_len
@@ -248,6 +251,11 @@ class VLLMRollout(BaseRollout):
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        # An update may leave out a tied alias (lm_head.weight): vLLM's reload gives the tied head
+        # its own copy and would keep the old one (log-probs off by 0.3), so it gets the source's.
+        for alias, source in aliases(self.config.model_path).items():
+            if alias not in weights and source in weights:
+                weights = {**weights, alias: weights[source]}
         # vLLM's loaders read the checkpoint's layout (e.g. one tensor per expert), not the
         # in-memory one the trainer exports: converted back the way save_pretrained does.
         pairs = list(to_checkpoint_layout(self.config.model_path, weights).items())
@@ -264,8 +272,11 @@ class VLLMRollout(BaseRollout):
                 f"adapter rank {lora['r']} > the engine's lora_rank {self.config.lora_rank}; fix: build the rollout with a larger rank"
             )
         path = os.path.join(self._lora_dir, f"v{version}")
+        # The adapted modules, from the tensors themselves (``...q_proj.lora_A.weight`` -> q_proj):
+        # vLLM reads explicit names, not peft's ``all-linear`` shorthand.
+        targets = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter if ".lora_" in k})
         peft.LoraConfig(
-            r=int(lora["r"]), lora_alpha=lora["lora_alpha"], target_modules=list(lora["target_modules"]), bias="none", task_type="CAUSAL_LM"
+            r=int(lora["r"]), lora_alpha=lora["lora_alpha"], target_modules=targets, bias="none", task_type="CAUSAL_LM"
         ).save_pretrained(path)
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, os.path.join(path, "adapter_model.safetensors"))
         old, self._lora = self._lora, LoRARequest(f"v{version}", version, path)
@@ -283,10 +294,15 @@ class VLLMRollout(BaseRollout):
             self.llm.wake_up()
 
     def _shutdown(self) -> None:
+        import gc
         import shutil
+        from unittest import mock
 
         llm, self.llm = self.llm, None
-        del llm
+        keep = mock.patch.object(torch.distributed, "destroy_process_group", lambda *a, **k: None)
+        with keep if self._borrowed_group else contextlib.nullcontext():
+            del llm
+            gc.collect()
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
 

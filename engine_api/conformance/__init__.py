@@ -14,9 +14,16 @@ aggregation modes (at ``--nproc 2`` also DP-size invariance), abort, non-finite 
 rejection before any state change, frozen engines, offload round trips, exact resume in a
 fresh process, and refusal of tampered checkpoints. The backend must load an HF causal-LM
 directory (the kit builds a tiny Llama-style one; nothing is downloaded).
+
+Rollout backends (``engine_api.rollout.BaseRollout``) have their own kit
+(``engine_api.conformance.rollout_kit``: the fixtures; ``rollout_checks``; ``rollout_runner``: :func:`run_rollout_conformance`)::
+
+    python -m engine_api.conformance --rollout vllm
 """
 
 from engine_api.conformance.checks import CHECKS
+from engine_api.conformance.rollout_kit import ROLLOUT_CHECKS
+from engine_api.conformance.rollout_runner import RolloutReport, run_rollout_conformance
 from engine_api.conformance.runner import Outcome, Report, run_conformance
 
-__all__ = ["CHECKS", "Outcome", "Report", "run_conformance"]
+__all__ = ["CHECKS", "ROLLOUT_CHECKS", "Outcome", "Report", "RolloutReport", "run_conformance", "run_rollout_conformance"]

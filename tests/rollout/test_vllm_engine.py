@@ -1,0 +1,67 @@
+"""What the in-process vLLM engine must leave alone in the trainer's process: the default
+process group (vLLM's shutdown destroys it otherwise), the global RNG streams and the thread
+count (vLLM's worker start reseeds them and swaps ``torch.set_num_threads``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_api.rollout import RolloutEngineConfig, SamplingParams
+from engine_api.rollout_registry import build_rollout, rollout_installed
+from tests.dist_harness import run_distributed
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not rollout_installed("vllm"), reason="vllm not installed (make test installs it)")]
+
+
+def _model(root) -> str:
+    from recipes.tiny_model import build_tiny_model
+
+    return build_tiny_model(root, family="qwen2", vocab_size=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=64)
+
+
+def _lifecycle(rank: int, world: int, model_dir: str):
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(6)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(6)
+    engine = build_rollout("vllm", RolloutEngineConfig(model_path=model_dir))
+    after_start = (torch.rand(3), random.random(), np.random.rand())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # still the real function: it takes effect
+    set_threads_works = torch.get_num_threads() == 2
+    out = engine.generate([torch.tensor([1, 4, 5])], SamplingParams(max_tokens=4), [0])
+    released = engine.release_memory()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate([torch.tensor([1, 4, 5])], SamplingParams(max_tokens=4), [0])
+    engine.resume_memory()
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the trainer's world survived the engine
+    return {
+        "rng": all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(expected, after_start, strict=True)),
+        "threads": threads,
+        "set_threads_works": set_threads_works,
+        "generated": len(out[0][0].token_ids),
+        "released": released,
+        "world_after_shutdown": int(total.item()),
+    }
+
+
+def test_the_engine_leaves_the_trainers_process_state_alone(tmp_path):
+    (result,) = run_distributed(_lifecycle, 1, _model(tmp_path / "m"), timeout=300)
+    assert result["rng"], "vLLM's start reseeded the trainer's RNG streams"
+    assert result["threads"] == 1 and result["set_threads_works"]
+    assert result["generated"] == 4
+    assert result["released"] is False  # CPU: nothing to free, recorded as a no-op
+    assert result["world_after_shutdown"] == 1
