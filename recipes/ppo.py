@@ -284,6 +284,7 @@ def validate(source, rollout: Rollout, chunk: int) -> float | None:
     for k, begin in enumerate(range(0, len(prompts), chunk)):
         batch = rollout.generate(prompts[begin : begin + chunk], seed_offset=_VAL_SEED_OFFSET + k)
         total += float(source.score(_responses(batch), metas[begin : begin + chunk]).sum())
+    rollout.release()
     return total / len(prompts)
 
 
@@ -304,6 +305,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     # Version = 1 + the actor updates so far: what the samples of this step must carry.
     rollout.sync_weights(version=step + 1)
     batch = rollout.generate(prompts, seed_offset=step)
+    rollout.release()  # the engine's memory back to training (vLLM sleep on GPU; nothing on CPU)
     timings["rollout_s"] = time.perf_counter() - t0
     lengths = batch["input_ids"].offsets().diff()
     t0 = time.perf_counter()

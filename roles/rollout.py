@@ -68,9 +68,12 @@ class RolloutConfig:
             serve them: vllm), ``merged`` sends merged full weights, ``auto`` picks adapter
             when the backend can.
         dtype: the engine's compute dtype (``float32`` for exact parity on CPU).
-        max_model_len: longest prompt + response the engine accepts; None: the model's
-            ``max_position_embeddings``.
+        max_model_len: longest prompt + response the engine accepts; None: the engine's own
+            limit (vllm: the model's ``max_position_embeddings``; hf: none).
         options: backend settings (vllm: ``backends.rollout.vllm.VLLMOptions``).
+        release_memory: free the engine's memory between a step's sampling and the next sync
+            (vLLM sleep on GPU, so the colocated trainer gets the device memory back; a recorded
+            no-op on CPU, where vLLM cannot sleep).
     """
 
     backend: str = "hf"
@@ -84,6 +87,7 @@ class RolloutConfig:
     dtype: str = "float32"
     max_model_len: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    release_memory: bool = True
 
     def sampling(self, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = ()) -> SamplingParams:
         """The engine's sampling settings for one sample per prompt."""
@@ -173,6 +177,7 @@ class Rollout:
         engine refuses the update makes every rank raise."""
         version = self.engine.weight_version + 1 if version is None else version
         error, moved, start = None, 0, time.perf_counter()
+        self.engine.resume_memory()
         if self.adapter_sync:
             adapter = dict(self.source.export_adapter_weights())  # collective: drained on every rank
             moved = sum(t.numel() * t.element_size() for t in adapter.values())
@@ -207,6 +212,7 @@ class Rollout:
         """
         offset = self._calls if seed_offset is None else seed_offset
         self._calls += 1
+        self.engine.resume_memory()
         prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
         call_seed = sample_seed(self.config.seed, offset)
         size, rank = group_size(self.group), group_rank(self.group)
@@ -234,6 +240,12 @@ class Rollout:
             rollout_truncated=meta[:, 1].clone(),
             temperature=self.config.temperature,
         )
+
+    def release(self) -> None:
+        """After a step's sampling: free the engine's memory for training (``release_memory``);
+        the next ``sync_weights`` or ``generate`` resumes it."""
+        if self.config.release_memory:
+            self.engine.release_memory()
 
     def _gather(self, samples, total: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Every rank's samples, in prompt order, on every rank (tensor collectives only):

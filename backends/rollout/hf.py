@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from backends.rollout.layout import state_shapes
+from backends.rollout.layout import HFLayout
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
 
@@ -20,7 +20,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @register_rollout("hf")
-class HFRollout(BaseRollout):
+class HFRollout(HFLayout, BaseRollout):
     """An HF causal LM loaded from ``config.model_path`` on the compute device.
 
     A stop string is looked for in the decoded text of the last ``len(stop) + 8`` tokens, which
@@ -38,7 +38,9 @@ class HFRollout(BaseRollout):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.model = AutoModelForCausalLM.from_pretrained(config.model_path, config=hf_config, dtype=_DTYPES[config.dtype])
         self.model.to(self.device).eval()
-        self._limit = config.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+        # HF runs past max_position_embeddings without an error (RoPE extrapolates), so only a
+        # limit the caller set is enforced here.
+        self._limit = config.max_model_len
         self.tokenizer = None
         if config.tokenizer_path is not None:
             from transformers import AutoTokenizer
@@ -48,13 +50,6 @@ class HFRollout(BaseRollout):
     @property
     def max_model_len(self) -> int | None:
         return self._limit
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The HF model's in-memory state dict (the layout ``export_weights`` yields)."""
-        return state_shapes(self.config.model_path)[0]
-
-    def optional_weights(self) -> set[str]:
-        return state_shapes(self.config.model_path)[1]
 
     def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
         state = self.model.state_dict()

@@ -48,3 +48,18 @@ def to_checkpoint_layout(model_path: str, weights: dict[str, torch.Tensor]) -> d
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(meta_model(model_path), dict(weights))
+
+
+class HFLayout:
+    """``BaseRollout.weight_shapes`` / ``optional_weights`` from the HF model's in-memory state
+    dict (mixed into the backends that serve an HF model directory)."""
+
+    config: object
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The layout ``export_weights`` yields: the HF model's in-memory state dict."""
+        return state_shapes(self.config.model_path)[0]
+
+    def optional_weights(self) -> set[str]:
+        """Aliases (a tied ``lm_head.weight``): an update may carry them or not."""
+        return state_shapes(self.config.model_path)[1]

