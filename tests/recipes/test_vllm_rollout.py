@@ -3,7 +3,8 @@
 In fp32 on CPU the trainer's recomputed log-probs and vLLM's sampling log-probs of the same
 tokens must agree at float noise (``rollout/logprob_abs_diff_max <= 1e-4``, measured ~5e-7)
 after every sync: from FSDP and from megatron (also exported through TP=2 and PP=2 gathers),
-on a dense model and on Qwen3-MoE, on 1 and 2 ranks; every sample comes from the weights of its
+on a dense model and on Qwen3-MoE, on 1 and 2 ranks (1 vs 2 ranks sample the same batch:
+``tests/rollout/test_sharded.py``); every sample comes from the weights of its
 step (``rollout/weight_version_lag == 0``). The metrics are not vacuous: the same run with
 the sync switched off reports a lag and a log-prob gap (``test_a_missed_sync_shows_in_the_metrics``).
 LoRA: only the adapters travel, and vLLM's log-probs equal the trainer's merged model's.
@@ -12,6 +13,7 @@ LoRA: only the adapters travel, and vLLM's log-probs equal the trainer's merged 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -103,14 +105,6 @@ def test_grpo_with_vllm_on_qwen3_moe(strategy, tmp_path):
     _assert_parity(_rows(tmp_path / "run", proc))
 
 
-def test_one_rank_and_two_ranks_sample_the_same_first_step(tmp_path):
-    """The first step's samples depend on (seed, step, prompt index) only: the same rewards and
-    response lengths whether one rank samples everything or two share the prompts."""
-    one = _rows(tmp_path / "one", launcher.python(_args(tmp_path / "one"), timeout=600))
-    two = _rows(tmp_path / "two", launcher.torchrun(_args(tmp_path / "two"), nproc=2, timeout=600))
-    assert one[0]["reward"] == two[0]["reward"] and one[0]["response_len"] == two[0]["response_len"]
-
-
 def test_lora_actor_syncs_only_its_adapters(tmp_path):
     """``engine.model.lora.rank=8`` with vllm: ``lora_sync=auto`` serves the adapters through
     vLLM's LoRA (``enable_lora``); the trainer's log-probs (peft, adapters merged in the forward)
@@ -119,15 +113,12 @@ def test_lora_actor_syncs_only_its_adapters(tmp_path):
         tmp_path / "lora", launcher.python(_args(tmp_path / "lora", "engine.model.lora.rank=8", "engine.optim.lr=1e-2"), timeout=600)
     )
     _assert_parity(lora)
-    # Only the adapters moved: far less than the merged weights a full sync carries.
-    merged = _rows(
-        tmp_path / "merged",
-        launcher.python(
-            _args(tmp_path / "merged", "engine.model.lora.rank=8", "engine.optim.lr=1e-2", "rollout.lora_sync=merged"), timeout=600
-        ),
-    )
-    _assert_parity(merged)
-    assert all(a["rollout/sync_mb"] < b["rollout/sync_mb"] / 4 for a, b in zip(lora, merged, strict=True))
+    # Only the adapters moved: far less than the model's own weights (what a merged sync carries).
+    from engine_api.rollout import hf_weight_shapes
+
+    shapes, _ = hf_weight_shapes(str(tmp_path / "lora" / "tiny_model"))
+    model_mb = sum(math.prod(shape) for shape in shapes.values()) * 4 / 2**20
+    assert all(0 < row["rollout/sync_mb"] < model_mb / 4 for row in lora), (model_mb, [row["rollout/sync_mb"] for row in lora])
 
 
 def test_a_missed_sync_shows_in_the_metrics(tmp_path, monkeypatch, own_process_group):
