@@ -95,8 +95,10 @@ def test_the_lora_reference_is_the_actor_engine(tmp_path, own_process_group):
 @pytest.mark.slow
 def test_grpo_with_lora_and_kl_learns_the_sorting_task(tmp_path):
     """``make run`` with LoRA + a KL penalty on one model: the reward rises (measured with
-    these settings, 60 steps: 0.04 over the first 5 -> about 0.2 over the last 10; criterion
-    +0.08). Full fine-tuning learns faster (docs/recipes.md)."""
+    these settings, 60 steps, since every sample draws from its own seeded generator (issue
+    27): 0.035 over the first 5 -> 0.112 over the last 10 with the default rollout.seed 0;
+    rollout.seed 1 and 2 were at 0.19 and 0.18 after 24 steps; criterion +0.05, while an
+    untrained policy stays at ~0.04). Full fine-tuning learns faster (docs/recipes.md)."""
     import subprocess
     import sys
 
@@ -109,7 +111,7 @@ def test_grpo_with_lora_and_kl_learns_the_sorting_task(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-10:]) / 10
-    assert last > first + 0.08, (first, last)
+    assert last > first + 0.05, (first, last)
     assert all("kl" in r for r in rows)
 
 

@@ -37,7 +37,7 @@ PARITY = [
     "actor.entropy_coef=0.01",
     "trainer.progress_bar=false",
 ]
-TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s"}
+TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s", "rollout/sync_s"}
 
 
 def _config(tmp_path, *overrides) -> ppo.PPOConfig:
