@@ -176,9 +176,15 @@ class Rollout:
         (default: the current one + 1). Collective: every rank drains the export; a rank whose
         engine refuses the update makes every rank raise."""
         version = self.engine.weight_version + 1 if version is None else version
-        error, moved, start = None, 0, time.perf_counter()
-        self.engine.resume_memory()
-        if self.adapter_sync:
+        moved, start = 0, time.perf_counter()
+        error = _attempt(self.engine.resume_memory)
+        if error is not None:
+            if self.adapter_sync:
+                dict(self.source.export_adapter_weights())  # still drained: the export is collective
+            else:
+                for _ in export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb"):
+                    pass
+        elif self.adapter_sync:
             adapter = dict(self.source.export_adapter_weights())  # collective: drained on every rank
             moved = sum(t.numel() * t.element_size() for t in adapter.values())
             error = _attempt(lambda: self.engine.load_adapter(adapter, self.lora, version))
@@ -212,17 +218,17 @@ class Rollout:
         """
         offset = self._calls if seed_offset is None else seed_offset
         self._calls += 1
-        self.engine.resume_memory()
         prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
         call_seed = sample_seed(self.config.seed, offset)
         size, rank = group_size(self.group), group_rank(self.group)
         begin, end = _block(len(prompts), size, rank)
         local: list = []
-        error = _attempt(
-            lambda: local.extend(
-                self.engine.generate(prompts[begin:end], self.params, [sample_seed(call_seed, i) for i in range(begin, end)])
-            )
-        )
+
+        def work() -> None:
+            self.engine.resume_memory()
+            local.extend(self.engine.generate(prompts[begin:end], self.params, [sample_seed(call_seed, i) for i in range(begin, end)]))
+
+        error = _attempt(work)
         self._agree(error, "generation")
         samples = [group[0] for group in local]
         responses, log_probs, meta = self._gather(samples, len(prompts))

@@ -93,6 +93,9 @@ class _Recording:
     def abort_weight_update(self):
         pass
 
+    def resume_memory(self):
+        pass
+
 
 class _OldSource:
     """A weight source written before ``bucket_mb`` existed (no such parameter)."""
