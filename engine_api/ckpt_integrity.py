@@ -96,13 +96,20 @@ def write_manifest(directory: str, exclude: tuple[str, ...] = ()) -> str:
             raise OSError(f"hashing the files of {directory} failed: {part}")
         entries.update(part)
     text = json.dumps({"version": 1, "files": {k: entries[k] for k in sorted(entries)}}, indent=1)
+    failed = None
     if group_rank(None) == 0:
         tmp = os.path.join(directory, f"{MANIFEST}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, MANIFEST))
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(directory, MANIFEST))
+        except OSError as exc:  # shared below (a full disk), instead of leaving peers in the next collective
+            failed = (exc.errno, exc.strerror or str(exc), tmp)
+    failed = broadcast_object(failed, src=0, group=None)
+    if failed is not None:
+        raise OSError(*failed)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -221,6 +228,23 @@ def scan(path: str) -> None:
     elif name.endswith(".metadata"):
         metadata = _load_dcp_metadata(path)
         _scan_dcp_objects(os.path.dirname(path), metadata)
+
+
+def dcp_tensor_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor of the DCP checkpoint in ``directory`` (``.metadata``,
+    parsed by the restricted unpickler: no code runs), by DCP key (e.g. ``model.<fqn>``).
+
+    Raises:
+        ValueError: the metadata is missing or unreadable.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.join(directory, ".metadata")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing")
+    metadata = _load_dcp_metadata(path)
+    entries = getattr(metadata, "state_dict_metadata", {})
+    return {key: tuple(meta.size) for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata)}
 
 
 class _DCPMetadataUnpickler(pickle.Unpickler):

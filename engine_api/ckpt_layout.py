@@ -22,6 +22,13 @@ marker with ``k`` (write + fsync + rename), (4) renames the temporary directory 
 retention by moving old checkpoints aside (atomic) before deleting them, never the one just
 written, and (6) uploads the optional remote copy, ``enginekit.json`` last.
 
+A failure of a backend's writer (a full disk) raises :class:`CheckpointError` naming the cause
+and deletes the temporary directory (:func:`writing`). A ``global_step_<k>`` may be a symbolic
+link (a checkpoint moved to another disk): it loads like a directory, and retention removes the
+link, never its target. Whatever an interrupted delete leaves (a ``.del_*`` directory, file or
+link, broken or not) is removed by the next :func:`begin` without following links; a retention
+delete that fails after step (4) is reported on stderr, not as a failed save.
+
 Loading resolves a root to: the checkpoint ``latest`` names, if it is complete; else the newest
 complete checkpoint with a smaller step; without a readable marker, the newest complete one.
 A directory is complete iff it holds ``enginekit.json``. ``latest`` is written before the
@@ -45,10 +52,12 @@ raises the same :class:`CheckpointError` on all ranks instead of leaving peers i
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import uuid
@@ -57,8 +66,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from engine_api.ckpt_integrity import CorruptCheckpointError, verify, write_manifest
-from engine_api.dist import barrier, broadcast_object, group_rank, group_size
+from engine_api.ckpt_integrity import CorruptCheckpointError, dcp_tensor_shapes, verify, write_manifest
+from engine_api.dist import all_gather_objects, barrier, broadcast_object, group_rank, group_size
 
 LATEST = "latest_checkpointed_iteration.txt"
 PREFIX = "global_step_"
@@ -81,7 +90,19 @@ def begin(root: str, step: int) -> str:
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):
             if name.startswith((TMP, TRASH)):
-                _remove(os.path.join(root, name))
+                leftover = os.path.join(root, name)
+                try:
+                    _remove(leftover)
+                except OSError as exc:
+                    if leftover == tmp:  # in the way of this save
+                        raise CheckpointError(
+                            f"cannot delete {leftover}, left by an interrupted save ({type(exc).__name__}: {exc}); fix: delete it by hand"
+                        ) from exc
+                    # Never loaded: a leftover that will not go is no reason to refuse a save.
+                    _warn(
+                        f"cannot delete {leftover}, left by an interrupted save or delete ({type(exc).__name__}: {exc}); "
+                        "it is never loaded; fix: delete it by hand to free its space"
+                    )
         os.makedirs(tmp)
 
     _on_rank0(prepare, f"preparing {tmp}")
@@ -101,16 +122,22 @@ def commit(root: str, step: int, keep: int | None, remote: str | None, info: dic
     tmp = os.path.join(root, f"{TMP}{PREFIX}{step}")
     final = os.path.join(root, f"{PREFIX}{step}")
     barrier(None)  # every rank's files are written (and fsynced) before the manifest lists them
-    manifest_sha256 = write_manifest(tmp, exclude=(MARKER,))  # collective
+    with writing(tmp):
+        manifest_sha256 = write_manifest(tmp, exclude=(MARKER,))  # collective; raises on every rank alike
 
     def publish() -> None:
         _write_marker(tmp, {"global_step": step, "world_size": group_size(None), "manifest_sha256": manifest_sha256, **info})
-        if os.path.exists(final):
+        if os.path.lexists(final):  # lexists: a broken symbolic link is in the way of the rename too
             _discard(final)
         _set_latest(root, step)
         _publish(tmp, final)
         if keep:
-            _apply_retention(root, keep, final)
+            try:
+                _apply_retention(root, keep, final)
+            except CheckpointError as exc:
+                # The new checkpoint is published and loads: failing its save for an old one that
+                # would not go would stop the run (and every restart) over housekeeping.
+                _warn(f"checkpoint retention (keep {keep}): {exc}; {final} is saved")
         if remote:
             _upload(final, remote)
 
@@ -196,6 +223,90 @@ def reading(directory: str):
             f"loading checkpoint {directory} failed ({type(exc).__name__}: {detail}); the engine's state may be partly "
             "loaded; fix: load an intact checkpoint (an earlier global_step_*) into this engine before training"
         ) from exc
+
+
+@contextlib.contextmanager
+def writing(tmp: str):
+    """Turn any failure of a backend's writer inside the block (while it fills the temporary
+    directory ``tmp`` of :func:`begin`) into a :class:`CheckpointError` naming the checkpoint and
+    the cause, and delete the incomplete ``tmp``; the committed checkpoints are untouched (a save
+    changes nothing outside ``tmp`` before :func:`commit`). torch DCP raises its
+    ``CheckpointException`` (a ``BaseException`` that ``except Exception`` does not catch) with
+    the real error, such as a full disk, buried in its per-rank failures."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
+        # Every rank whose writer failed removes what it can; DCP fails all ranks together after
+        # their writes, and a rank failing alone leaves its peers waiting in commit's barrier.
+        shutil.rmtree(tmp, ignore_errors=True)
+        root = os.path.dirname(tmp)
+        raise CheckpointError(
+            f"saving checkpoint {os.path.join(root, os.path.basename(tmp)[len(TMP) :])} failed: {_explain(exc, root)}; the "
+            f"incomplete save ({tmp}) was removed, the checkpoints saved before are intact"
+        ) from exc
+
+
+def check_shapes(directory: str, model_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse, before anything is loaded, a checkpoint of another model: compare the global shape
+    of each of this model's tensors (``model_shapes``: checkpoint key -> shape, as this rank
+    sees them) with the shape the checkpoint's DCP metadata records. Collective: the ranks'
+    findings are pooled (pipeline stages hold different tensors), so all raise or none does.
+
+    Raises:
+        ValueError: naming each tensor with the checkpoint's and the model's shape (or missing
+            from the checkpoint), saying the checkpoint is intact but of another model; the
+            engine's state is untouched.
+    """
+    try:
+        saved = dcp_tensor_shapes(directory)
+    except ValueError:
+        saved = None  # verified already; an unreadable index is left to the loader's own error
+    problems = []
+    for key, shape in model_shapes.items() if saved is not None else ():
+        if key not in saved:
+            problems.append(f"{key}: shape {list(shape)} in this model, absent from the checkpoint")
+        elif tuple(saved[key]) != tuple(shape):
+            problems.append(f"{key}: shape {list(saved[key])} in the checkpoint, {list(shape)} in this model")
+    problems = sorted({p for part in all_gather_objects(problems, None) for p in part})
+    if problems:
+        shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+        raise ValueError(
+            f"checkpoint {directory} is of another model (it is intact, not corrupt): {len(problems)} tensor(s) of this "
+            "engine's model do not match it:\n" + "\n".join(f"  - {p}" for p in shown) + "\nfix: build the engine from the "
+            "model the checkpoint was trained from (model.path), or load a checkpoint of this model; nothing was loaded"
+        )
+
+
+def _explain(exc: BaseException, where: str) -> str:
+    """What went wrong, in words, with the fix for the causes a user can act on (a full disk)."""
+    cause = _os_error(exc)
+    if cause is not None and cause.errno == errno.ENOSPC:
+        return (
+            f"no space left on device at {where}; fix: free space there or point the checkpoint directory elsewhere "
+            "(save_checkpoint's local_path; the recipes: trainer.output_dir)"
+        )
+    if cause is not None and cause.errno is not None:
+        at = cause.filename or where
+        return f"{os.strerror(cause.errno).lower()} at {at} (OSError errno {cause.errno}: {cause})"
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {detail}"
+
+
+def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The ``OSError`` behind ``exc``: itself, one of a ``CheckpointException``'s per-rank
+    failures, or a cause / context of either (bounded search)."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    nested = [pair[0] for pair in getattr(exc, "failures", {}).values()] if isinstance(exc, CheckpointException) else []
+    for inner in [*nested, exc.__cause__, exc.__context__]:
+        found = _os_error(inner, depth + 1)
+        if found is not None:
+            return found
+    # megatron's writer processes report an OSError as text only ("Worker failure: [Errno 28] ...").
+    text = re.search(r"\[Errno (\d+)\] ([^\n]*)", str(exc)) if not isinstance(exc, CheckpointException) else None
+    return OSError(int(text.group(1)), text.group(2)) if text else None
 
 
 def candidates(root: str) -> list[str]:
@@ -378,7 +489,9 @@ def _publish(tmp: str, final: str) -> None:
 
 def _apply_retention(root: str, keep: int, final: str) -> None:
     """Delete the oldest complete checkpoints beyond ``keep``; ``final`` (just written) is never
-    one of them, whatever its step; incomplete directories are neither counted nor touched."""
+    one of them, whatever its step; incomplete directories are neither counted nor touched. A
+    ``global_step_<k>`` that is a symbolic link (a checkpoint moved to another disk and linked
+    back) counts like any other, and retention removes the link only, never what it points to."""
     others = [d for d in step_dirs(root) if d != final]
     for old in others[: max(0, len(others) - (keep - 1))]:
         _discard(old)
@@ -386,18 +499,43 @@ def _apply_retention(root: str, keep: int, final: str) -> None:
 
 def _discard(directory: str) -> None:
     """Remove a checkpoint so that it is never seen half-deleted: an atomic rename out of the
-    ``global_step_*`` namespace first, then the slow delete."""
+    ``global_step_*`` namespace first, then the slow delete (a symbolic link is renamed and
+    unlinked as a link: the data it points to is kept).
+
+    Raises:
+        CheckpointError: naming ``directory`` (and where it was moved), not only the ``.del_*``
+            name the user never created.
+    """
     trash = os.path.join(os.path.dirname(directory), f"{TRASH}{os.path.basename(directory)}")
-    _remove(trash)
-    os.replace(directory, trash)
-    _remove(trash)
+    try:
+        _remove(trash)
+        os.replace(directory, trash)  # renames a symbolic link itself, never its target
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot delete checkpoint {directory} ({type(exc).__name__}: {exc}); fix: check the permissions of "
+            f"{os.path.dirname(directory)}, or delete {directory} by hand"
+        ) from exc
+    try:
+        _remove(trash)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot delete checkpoint {directory}, moved aside to {trash} ({type(exc).__name__}: {exc}); it is no longer "
+            f"loaded, and the next save retries the delete; fix: check the permissions of {trash}"
+        ) from exc
 
 
 def _remove(path: str) -> None:
-    if os.path.isdir(path):
+    """Delete ``path`` whatever it is: a directory tree, a file, or a symbolic link (broken or
+    not), which is unlinked without following it: a leftover of an interrupted delete must
+    never block the next save, and data outside the checkpoint root is never touched."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    elif os.path.isdir(path):
         shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)
+
+
+def _warn(message: str) -> None:
+    print(f"!!! [enginekit] {message}", file=sys.stderr, flush=True)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -425,7 +563,10 @@ def _on_rank0(fn, what: str):
         try:
             outcome = (True, fn())
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            outcome = (False, f"{type(exc).__name__}: {exc}")
+            cause = _os_error(exc)
+            # A full disk gets its fix spelled out; ``what`` ends with the path being written.
+            hint = f"; {_explain(cause, what.split(' ', 1)[-1])}" if cause is not None and cause.errno == errno.ENOSPC else ""
+            outcome = (False, f"{type(exc).__name__}: {exc}{hint}")
     ok, value = broadcast_object(outcome, src=0, group=None)
     if not ok:
         raise CheckpointError(f"rank 0 failed {what}: {value}")
@@ -477,7 +618,7 @@ def _download_into(local_root: str, remote: str, keep: bool) -> str:
     with open(os.path.join(tmp, MARKER)) as f:
         step = int(json.load(f)["global_step"])
     final = os.path.join(local_root, f"{PREFIX}{step}")
-    if os.path.exists(final):
+    if os.path.lexists(final):
         _discard(final)
     _set_latest(local_root, step)
     _publish(tmp, final)

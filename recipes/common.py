@@ -272,11 +272,15 @@ def _peft_model_with(model, engine_config, adapters: dict, problems: list[str]):
 
 
 def _write_dir(out_dir: str, model, model_path: str) -> None:
-    """``model.save_pretrained`` + the tokenizer of ``model_path`` into ``out_dir``, atomically."""
-    import shutil
+    """``model.save_pretrained`` + the tokenizer of ``model_path`` into ``out_dir``, atomically.
 
+    An ``out_dir`` that is a symbolic link (an export directory placed on another disk) is
+    replaced where it points, so the link stays valid; a leftover ``.tmp`` / ``.old`` that is a
+    link is unlinked, never followed."""
+    if os.path.islink(out_dir):
+        out_dir = os.path.realpath(out_dir)
     tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _delete(tmp)
     model.save_pretrained(tmp)
     try:
         from recipes.text_data import load_tokenizer
@@ -284,8 +288,20 @@ def _write_dir(out_dir: str, model, model_path: str) -> None:
         load_tokenizer(model_path).save_pretrained(tmp)
     except ValueError:
         pass  # a model directory without a tokenizer (the built tiny model): weights + config only
-    if os.path.exists(out_dir):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
+    if os.path.lexists(out_dir):  # lexists: a broken link is in the way of the rename too
+        _delete(old)
+        os.replace(out_dir, old)  # renames a link itself, never its target
     os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _delete(old)
+
+
+def _delete(path: str) -> None:
+    """Remove ``path`` if present: a symbolic link (broken or not) or a file is unlinked, never
+    followed (``shutil.rmtree`` refuses a link, and with ``ignore_errors`` silently left it in the
+    way of the next export's rename); a directory tree is removed best-effort."""
+    import shutil
+
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)

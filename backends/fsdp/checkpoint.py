@@ -5,6 +5,7 @@ inside the shared directory protocol of ``engine_api.ckpt_layout`` (temp dir, at
 
 from __future__ import annotations
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -21,15 +22,45 @@ def _options(lora: dict) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=bool(lora), strict=not lora)
 
 
+def _state(model, optimizer, lora: dict) -> dict:
+    """``{"model", "optimizer"}`` state dicts as DCP saves and loads them. With LoRA only the
+    trainable parameters: torch's ``ignore_frozen_params`` drops a frozen parameter under its
+    first name only, so a tied LM head (Qwen2, Llama-3.2: ``lm_head.weight`` is the frozen
+    ``embed_tokens.weight``) would otherwise be saved in full under its second name."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
+    if lora:
+        frozen = _frozen(model)
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _frozen(model) -> set[str]:
+    """Every name of every frozen parameter (a tied weight has two)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _model_shapes(model, lora: dict) -> dict[str, tuple[int, ...]]:
+    """DCP key -> global shape of the model tensors :func:`_state` saves and loads, read from
+    ``model.state_dict()`` (``get_state_dict`` would first initialise an optimizer that never
+    stepped: a change to the engine before a load that may yet be refused)."""
+    frozen = _frozen(model) if lora else set()
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and k not in frozen}
+
+
 def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora: dict | None = None) -> str:
     """Save model + optimizer (sharded, DCP) and ``extra`` (per rank). With LoRA (``lora``: the
     settings a resume must match, recorded in ``enginekit.json``) only the trainable
-    parameters. Collective."""
+    parameters. Collective.
+
+    Raises:
+        CheckpointError: writing failed (a full disk: named, with the fix); the incomplete save
+            is removed and earlier checkpoints are intact.
+    """
     lora = lora or {}
     tmp = ckpt_layout.begin(root, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-    ckpt_layout.save_extra(tmp, extra)
+    with ckpt_layout.writing(tmp):
+        dcp.save(_state(model, optimizer, lora), checkpoint_id=tmp)
+        ckpt_layout.save_extra(tmp, extra)
     return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora": lora})
 
 
@@ -46,7 +77,8 @@ def load(
 
     Raises:
         CorruptCheckpointError: verification failed; nothing was loaded.
-        ValueError: the checkpoint was written by another backend.
+        ValueError: the checkpoint was written by another backend, with other LoRA settings, or
+            for another model (a tensor's shape differs: named with both shapes); nothing was loaded.
         CheckpointError: the load itself failed (naming the checkpoint).
     """
     path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
@@ -61,9 +93,13 @@ def load(
         got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
         raise ValueError(f"checkpoint {path} was written with {got}; fix: build the engine with the checkpoint's LoRA settings")
     options = _options(lora)
+    try:  # another model's checkpoint: refused by name before DCP's opaque size error, state untouched
+        ckpt_layout.check_shapes(path, _model_shapes(model, lora))
+    except ValueError:
+        ckpt_layout.finish_load(downloaded)
+        raise
     with ckpt_layout.reading(path):
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state = _state(model, optimizer, lora)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
     extra = ckpt_layout.load_extra(path, info)

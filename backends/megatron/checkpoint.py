@@ -57,11 +57,17 @@ def layout() -> dict:
 
 
 def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
-    """Save the sharded model + optimizer state and ``extra``. Collective."""
+    """Save the sharded model + optimizer state and ``extra``. Collective.
+
+    Raises:
+        CheckpointError: writing failed (a full disk: named, with the fix); the incomplete save
+            is removed and earlier checkpoints are intact.
+    """
     _results_in_process()
     tmp = ckpt_layout.begin(root, step)
-    dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
-    ckpt_layout.save_extra(tmp, extra)
+    with ckpt_layout.writing(tmp):  # a full disk: CheckpointError naming it; the incomplete save removed
+        dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
+        ckpt_layout.save_extra(tmp, extra)
     return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "layout": layout()})
 
 
@@ -76,7 +82,8 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
 
     Raises:
         CorruptCheckpointError: verification failed; nothing was loaded.
-        ValueError: another backend's checkpoint, or another model-parallel layout.
+        ValueError: another backend's checkpoint, another model-parallel layout, or another model
+            (a tensor's global shape differs: named with both shapes); nothing was loaded.
         CheckpointError: the load itself failed (naming the checkpoint).
     """
     path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
@@ -84,6 +91,11 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
     if problem:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path}: {problem}")
+    try:  # another model's checkpoint: refused by name before megatron's shape error, state untouched
+        ckpt_layout.check_shapes(path, _model_shapes(model_chunks))
+    except ValueError:
+        ckpt_layout.finish_load(downloaded)
+        raise
     with ckpt_layout.reading(path):
         _ensure_optimizer_state(optimizer)
         state = dist_checkpointing.load(_sharded(model_chunks, optimizer, is_loading=True), path)
@@ -96,6 +108,30 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
     extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra
+
+
+def _model_shapes(model_chunks) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> global shape of this rank's model tensors (dist_checkpointing saves each
+    ``ShardedTensor`` under its key with its global shape; factories are built to see theirs)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out: dict[str, tuple[int, ...]] = {}
+
+    def walk(item) -> None:
+        if isinstance(item, dict):
+            for value in item.values():
+                walk(value)
+        elif isinstance(item, list):
+            for value in item:
+                walk(value)
+        elif isinstance(item, ShardedTensorFactory):
+            walk(item.build())
+        elif isinstance(item, ShardedTensor) and item.flattened_range is None:
+            out[item.key] = tuple(item.global_shape)
+
+    for chunk in model_chunks:
+        walk(chunk.module.sharded_state_dict())
+    return out
 
 
 def has_optimizer_state(optimizer) -> bool:
