@@ -1,8 +1,8 @@
 """Megatron -> HF weights for ``export_weights``: gather TP shards, broadcast each PP stage's
-tensors to every rank, convert names and layouts (``backends.megatron.convert.to_hf``), one
-parameter or one bucket of parameters at a time (issue 18, item 2), with tensor collectives
-only (the PP broadcast is ``engine_api.dist.broadcast_tensors``: a JSON header, then flat
-buffers; nothing is pickled).
+tensors to every rank, convert names and layouts (``backends.megatron.convert.to_hf``: the same
+table import uses, inverted), one parameter or one bucket of parameters at a time (issue 18,
+item 2), with tensor collectives only (the PP broadcast is ``engine_api.dist.broadcast_tensors``:
+a JSON header, then flat buffers; nothing is pickled).
 
 MoE layers: each layer's experts become HF's two fused tensors (``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``; ``convert.hf_experts``), gathered over expert-TP and EP.
@@ -84,7 +84,7 @@ def _convert(bucket: list[tuple], arch: ArchInfo, tp: int) -> Iterator[list[tupl
     fulls = _gather_tp_bucket([param for _, _, param in bucket])
     pairs = []
     for (module, name, _), full in zip(bucket, fulls, strict=True):
-        pairs += to_hf(name.replace("output_layer.linear.", "output_layer."), full, arch, global_layer(module, name), tp)
+        pairs += to_hf(name, full, arch, global_layer(module, name), tp)
     yield pairs
 
 

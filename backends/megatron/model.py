@@ -2,12 +2,17 @@
 
 Order (plain functions): :func:`init_parallel` (process group, CPU compat layer when there is
 no CUDA, ``parallel_state``, RNG) -> :func:`build_transformer_config` -> :func:`build_chunks`
-(one GPTModel per virtual pipeline stage of this rank) -> :func:`load_hf_weights` (each rank
-converts the HF tensors it owns) -> megatron DDP (in the engine).
+(one GPTModel per virtual pipeline stage of this rank; the layer spec gives linear_proj /
+linear_fc1 / linear_fc2 a bias exactly where the HF model has one) -> :func:`load_hf_weights`
+(each rank converts the HF tensors it owns through ``backends.megatron.convert``'s table; the
+load fails unless every HF tensor and every megatron parameter was used) -> megatron DDP (in
+the engine).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -19,13 +24,25 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from backends.hf import note_once, value_head_state
 from backends.megatron import cpu_compat
-from backends.megatron.convert import ArchInfo, ExpertShard, arch_info, padded_vocab, to_megatron, transformer_config_kwargs
+from backends.megatron.convert import (
+    ArchInfo,
+    ExpertShard,
+    arch_info,
+    config_refusals,
+    padded_vocab,
+    to_megatron,
+    transformer_config_kwargs,
+    unconsumed_problems,
+)
 from backends.megatron.options import MegatronOptions
 from engine_api.config import EngineConfig, format_problem, options_of
 from engine_api.dist import compute_device, ensure_process_group, process_group_timeout
@@ -97,7 +114,9 @@ def config_problems(config: EngineConfig) -> list[str]:
     """What megatron-core or this engine would refuse in ``init_model``, found at
     ``build_engine`` from the config and the HF ``config.json`` alone (nothing is built).
 
-    Checked: the model directory is an HF model of a supported family; TP divides the heads,
+    Checked: the model directory is an HF model of a supported family whose every config field
+    is converted exactly (``convert.config_refusals``: each refused field is named with its
+    value and the fix); TP divides the heads,
     the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
     layers; context parallelism (the engine does not split sequences over CP ranks, and the
     local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE.
@@ -136,9 +155,12 @@ def config_problems(config: EngineConfig) -> list[str]:
         return [*out, format_problem("model.path", path, "has no config.json (not an HF model directory)", "save it with save_pretrained")]
     try:
         hf_config = AutoConfig.from_pretrained(path)
-        arch = arch_info(hf_config)
     except ValueError as exc:
         return [*out, f"model.path = {path!r}: {exc}"]
+    refusals = config_refusals(hf_config)
+    if refusals:
+        return [*out, *(f"model.path = {path!r} (megatron backend): {r}" for r in refusals)]
+    arch = arch_info(hf_config)
     out += _moe_problems(config, m, arch, hf_config)
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     if tp >= 1:
@@ -317,9 +339,9 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
     elif te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = with_hf_biases(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm), arch)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
+        spec = with_hf_biases(get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm), arch)
     vpp = options_of(config, MegatronOptions).virtual_pipeline_model_parallel_size
     value = config.model.head == "value"
     chunks = []
@@ -329,7 +351,8 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=spec or get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te, vp_stage=stage),
+            transformer_layer_spec=spec
+            or with_hf_biases(get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te, vp_stage=stage), arch),
             vocab_size=padded_vocab(arch.vocab, tconfig.tensor_model_parallel_size),
             max_sequence_length=arch.max_positions,
             pre_process=pre,
@@ -351,6 +374,56 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
             model.embedding.word_embeddings.register_forward_hook(_pad_lookup_without_grad(arch.pad_token_id))
         chunks.append(model)
     return chunks
+
+
+def with_hf_biases(spec, arch: ArchInfo):
+    """``spec`` (one layer's, or a block's) with a bias on linear_proj where HF has an o_proj
+    bias and on a dense MLP's linear_fc1 / linear_fc2 where HF has MLP biases.
+
+    megatron-core 0.16 has one switch for both (``add_bias_linear``, which also reaches the MoE
+    router and experts), while HF sets them independently (Llama: ``attention_bias`` and
+    ``mlp_bias``; Qwen3: ``attention_bias`` with a bias-free MLP). The converter keeps
+    ``add_bias_linear`` off and builds exactly these modules with ``bias=True``, so no module
+    carries a bias HF does not have (a zero bias would get gradients and drift from HF).
+    """
+    if not (arch.o_bias or arch.mlp_bias):
+        return spec
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[_layer_with_hf_biases(s, arch) for s in spec.layer_specs])
+    return _layer_with_hf_biases(spec, arch)
+
+
+def _layer_with_hf_biases(layer: ModuleSpec, arch: ArchInfo) -> ModuleSpec:
+    sub = layer.submodules
+    attention, mlp = sub.self_attention, sub.mlp
+    if arch.o_bias:
+        attention = dataclasses.replace(
+            attention, submodules=dataclasses.replace(attention.submodules, linear_proj=_biased(attention.submodules.linear_proj))
+        )
+    if arch.mlp_bias and isinstance(mlp, ModuleSpec) and mlp.module is MLP:  # dense MLPs only (no MoE family has mlp_bias)
+        mlp = dataclasses.replace(
+            mlp,
+            submodules=dataclasses.replace(
+                mlp.submodules, linear_fc1=_biased(mlp.submodules.linear_fc1), linear_fc2=_biased(mlp.submodules.linear_fc2)
+            ),
+        )
+    return dataclasses.replace(layer, submodules=dataclasses.replace(sub, self_attention=attention, mlp=mlp))
+
+
+def _biased(module):
+    """A linear module class (or a spec of one) that is always built with ``bias=True``."""
+    if isinstance(module, ModuleSpec):
+        return dataclasses.replace(module, module=_biased(module.module))
+    return _biased_class(module)
+
+
+@functools.cache
+def _biased_class(cls: type) -> type:
+    def __init__(self, *args, **kwargs):
+        kwargs["bias"] = True  # megatron passes config.add_bias_linear (False) here
+        cls.__init__(self, *args, **kwargs)
+
+    return type(f"{cls.__name__}WithBias", (cls,), {"__init__": __init__, "__module__": __name__})
 
 
 def _pad_lookup_without_grad(pad_id: int):
@@ -384,13 +457,48 @@ def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch
 
 
 def load_hf_weights(chunks: list[GPTModel], hf_state: dict[str, torch.Tensor], arch: ArchInfo) -> None:
-    """Copy every parameter this rank owns from the HF tensors (TP shard of its stage)."""
+    """Copy every parameter this rank owns from the HF tensors (TP shard of its stage), through
+    the conversion table (``backends.megatron.convert``). Collective over the world.
+
+    Raises:
+        ValueError: on every rank, when any rank has a parameter without an HF source (or of
+            the wrong shape), or when an HF tensor was consumed by no rank; each is named, with
+            the config field likely responsible.
+    """
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     experts = expert_shard()
+    used: set[str] = set()
+    problems = []
     for chunk in chunks:
         for name, param in chunk.named_parameters():
+            try:
+                value = to_megatron(name, hf_state, arch, global_layer(chunk, name), rank, tp, experts, used)
+            except (KeyError, ValueError) as exc:
+                problems.append(str(exc.args[0]))
+                continue
+            if value.shape != param.shape:  # copy_ would broadcast a wrong shape silently
+                problems.append(f"megatron parameter {name!r} is {list(param.shape)} but its HF tensors give {list(value.shape)}")
+                continue
             with torch.no_grad():
-                param.copy_(to_megatron(_hf_name_space(name), hf_state, arch, global_layer(chunk, name), rank, tp, experts))
+                param.copy_(value)
+    problems, others = _agree_on_load(hf_state, used, problems, arch)
+    if problems or others:
+        more = f" (and {others} problem(s) on other ranks)" if others else ""
+        raise ValueError(f"model.path: the HF checkpoint does not convert exactly{more}: " + "; ".join(problems))
+
+
+def _agree_on_load(hf_state: dict[str, torch.Tensor], used: set[str], problems: list[str], arch: ArchInfo) -> tuple[list[str], int]:
+    """This rank's problems plus the HF tensors no rank consumed, and how many problems the
+    other ranks had (one tensor all-reduce, so every rank raises or none does)."""
+    names = sorted(hf_state)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    counts = torch.tensor([int(n in used) for n in names] + [len(problems)], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    counts = counts.cpu()
+    consumed = {n for n, c in zip(names, counts[:-1].tolist(), strict=True) if c}
+    out = problems + unconsumed_problems(hf_state, consumed, arch, value_head="score.weight" in hf_state)
+    return out, int(counts[-1]) - len(problems)
 
 
 def expert_shard() -> ExpertShard:
@@ -408,8 +516,3 @@ def global_layer(chunk: GPTModel, name: str) -> int | None:
     if not name.startswith("decoder.layers."):
         return None
     return chunk.decoder.layers[int(name.split(".")[2])].layer_number - 1
-
-
-def _hf_name_space(name: str) -> str:
-    # The value head's parameters live under output_layer.linear.
-    return name.replace("output_layer.linear.", "output_layer.")
