@@ -3,8 +3,11 @@ megatron engine converts its weights, and needs the same seeded value-head init)
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import os
+import pickle
 import re
 import sys
 
@@ -21,13 +24,66 @@ _VALUE_HEAD_UNEXPECTED = ("lm_head.",)
 _VALUE_HEAD_MISSING = ("score.",)
 
 
-def load_hf_model(path: str, head: str, seed: int, attn_implementation: str = "sdpa") -> nn.Module:
+def softcapping(hf_config) -> float | None:
+    """The model's attention-logit soft-capping (Gemma-2: ``attn_logit_softcapping``), which
+    HF's eager and flash-attention kernels apply and its sdpa kernel silently does not."""
+    return getattr(hf_config, "attn_logit_softcapping", None)
+
+
+def attn_problems(hf_config, requested: str, device_type: str) -> list[str]:
+    """Why ``model.attn_implementation = requested`` cannot run this model exactly here (empty
+    when it can); ``auto`` always can (see :func:`resolve_attn_implementation`)."""
+    field = "model.attn_implementation"
+    if requested == "sdpa" and softcapping(hf_config) is not None:
+        return [
+            f"{field} = 'sdpa': the model's attn_logit_softcapping = {softcapping(hf_config)} is not applied by HF's sdpa "
+            "kernel (the attention scores, and so every log-prob, would differ from the model's); fix: use auto or eager"
+        ]
+    if requested == "flash_attention_2" and (device_type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        why = "needs a CUDA device" if device_type != "cuda" else "flash-attn is not installed"
+        return [f"{field} = 'flash_attention_2': {why}; fix: use auto, sdpa or eager (or pip install flash-attn on a GPU machine)"]
+    return []
+
+
+def resolve_attn_implementation(hf_config, requested: str, device_type: str) -> str | None:
+    """The ``attn_implementation`` to hand HF for ``requested`` (a ``model.attn_implementation``
+    value). ``auto``: flash_attention_2 on CUDA with flash-attn installed (varlen kernels for
+    packed rows), eager for a soft-capped model, else None, i.e. HF's own default for the
+    family (sdpa where the model supports it, eager otherwise)."""
+    if requested != "auto":
+        return requested
+    if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    if softcapping(hf_config) is not None:
+        return "eager"
+    return None
+
+
+@contextlib.contextmanager
+def refusing_pickled_objects(path: str):
+    """Turn torch's refusal of a pickled checkpoint that holds more than tensors (a
+    ``pytorch_model.bin`` that would run code when unpickled) into advice a user can act on
+    safely: torch's own message suggests ``weights_only=False``, the unsafe step."""
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        # torch's message: advice to drop weights_only (withheld), then which global it blocked.
+        detail = next((line.strip() for line in str(exc).splitlines() if "global" in line.lower()), type(exc).__name__)
+        raise ValueError(
+            f"model.path = {path!r}: its pickled weights (*.bin) hold objects other than tensors, which could run code when "
+            f"loaded, so they are refused (torch's safe loader: {detail}); fix: get the model as safetensors, or, only "
+            "if you trust its source, convert it once elsewhere (load it and save_pretrained(dir, safe_serialization=True))"
+        ) from None
+
+
+def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | None = None) -> nn.Module:
     """Load ``path`` through the normal HF path, on CPU, in fp32.
 
     ``head: lm`` gives ``AutoModelForCausalLM``; ``head: value`` gives
     ``AutoModelForTokenClassification`` with one label and no classifier dropout, its new
     ``score`` layer initialised by HF under ``torch.manual_seed(seed)`` (so every rank and
-    every backend gets the same head).
+    every backend gets the same head). ``attn_implementation`` goes to HF as is (None: HF's
+    default for the family); see :func:`resolve_attn_implementation`.
     """
     torch.manual_seed(seed)
     if head == "value":
@@ -38,14 +94,16 @@ def load_hf_model(path: str, head: str, seed: int, attn_implementation: str = "s
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            model, info = AutoModelForTokenClassification.from_pretrained(
-                path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
-            )
+            with refusing_pickled_objects(path):
+                model, info = AutoModelForTokenClassification.from_pretrained(
+                    path, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation, output_loading_info=True
+                )
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_value_head_load(path, info)
         return model
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    with refusing_pickled_objects(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
 def _report_value_head_load(path: str, info: dict) -> None:

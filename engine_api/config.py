@@ -17,6 +17,9 @@ from engine_api.typed_config import SectionSchema, check, load_typed
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("lm", "value")
+# HF attention implementations a backend that runs the HF module may use (``auto``: the backend
+# picks what is exact for the model; see ``backends.hf.resolve_attn_implementation``).
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -76,6 +79,13 @@ class ModelConfig:
         dtype: parameter dtype of the compute copy.
         gradient_checkpointing: recompute activations in backward to save memory.
         lora: low-rank adapters (:class:`LoraConfig`; ``rank`` 0: off).
+        attn_implementation: the HF attention kernel of backends that run the HF module
+            (fsdp): ``auto`` picks flash_attention_2 on CUDA when flash-attn is installed,
+            else sdpa, and eager for models whose math sdpa cannot express (Gemma-2's
+            attention logit soft-capping, which HF's sdpa path silently drops); an explicit
+            choice that would change the numbers or is not installed is refused at
+            ``build_engine``. Backends with their own attention (megatron) refuse a non-auto
+            value.
     """
 
     path: str | None = None
@@ -83,6 +93,7 @@ class ModelConfig:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    attn_implementation: str = "auto"
 
     def _problems(self) -> list[str]:
         out = []
@@ -92,6 +103,8 @@ class ModelConfig:
             out.append(_p("head", self.head, "unknown head", f"use one of {', '.join(HEADS)}"))
         if self.dtype not in DTYPES:
             out.append(_p("dtype", self.dtype, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            out.append(_p("attn_implementation", self.attn_implementation, "unknown", f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}"))
         return out
 
 
@@ -250,6 +263,14 @@ class EngineConfig:
         out = []
         if not self.strategy:
             out.append(_p("strategy", self.strategy, "empty", "name a registered engine, e.g. fsdp or megatron"))
+        else:
+            # Resolved by name here, at config load, without importing a backend: a misspelt
+            # strategy is reported before a recipe spends time on data, tokenizer or model.
+            from engine_api.registry import strategy_problem  # the registry imports this module
+
+            problem = strategy_problem(self.strategy)
+            if problem:
+                out.append(problem)
         if self.seed < 0:
             out.append(_p("seed", self.seed, "negative", "use a seed >= 0"))
         if self.frozen and self.model.lora.enabled:

@@ -101,6 +101,27 @@ def is_import_path(strategy: str) -> bool:
     return bool(sep) and all(p.isidentifier() for p in module.split(".")) and name.isidentifier()
 
 
+def strategy_problem(strategy: str) -> str | None:
+    """Why ``strategy`` cannot name an engine, found without importing any backend (None when
+    it can): not registered, not an installed built-in or entry point, and not an import path
+    of a module that exists. Config loading calls it, so a typo fails in milliseconds."""
+    if strategy in _REGISTRY or strategy in _known_specs():
+        return None
+    if is_import_path(strategy):
+        module = strategy.partition(":")[0]
+        if module_exists(module):
+            return None
+        return (
+            f"strategy = {strategy!r}: cannot import module {module!r} (no such module); "
+            "fix: install the package that provides it or put its directory on PYTHONPATH"
+        )
+    return _unknown_strategy(strategy)
+
+
+def _unknown_strategy(strategy: str) -> str:
+    return f"strategy = {strategy!r} is not a registered engine; available: {', '.join(available_engines()) or 'none'}; {_HOW}"
+
+
 def get_engine_class(strategy: str) -> type[BaseEngine]:
     """The engine class ``strategy`` names (see the module docstring), importing and
     registering it on first use.
@@ -114,9 +135,7 @@ def get_engine_class(strategy: str) -> type[BaseEngine]:
     specs = _known_specs()
     spec = specs.get(strategy) or (strategy if is_import_path(strategy) else None)
     if spec is None:
-        raise ValueError(
-            f"strategy = {strategy!r} is not a registered engine; available: {', '.join(available_engines()) or 'none'}; {_HOW}"
-        )
+        raise ValueError(_unknown_strategy(strategy))
     cls = _import_class(strategy, spec)
     if strategy not in _REGISTRY:  # importing the module may have registered it already
         register_engine(strategy)(cls)

@@ -7,29 +7,20 @@ head the config asks for) -> :func:`apply_activation_checkpointing` -> :func:`ap
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig
 
 from backends.fsdp.lora import apply_lora
 from backends.fsdp.options import FSDPOptions
-from backends.hf import load_hf_model
+from backends.hf import attn_problems, load_hf_model, resolve_attn_implementation
 from engine_api.config import EngineConfig, format_problem, options_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 (varlen kernels for packed rows) on CUDA when flash-attn is
-    installed; SDPA otherwise. Both honour packed rows (HF detects sequence starts from
-    ``position_ids`` when no attention mask and no KV cache are passed)."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
 
 
 def config_problems(config: EngineConfig) -> list[str]:
@@ -41,7 +32,14 @@ def config_problems(config: EngineConfig) -> list[str]:
         return [format_problem("model.path", None, "FSDPEngine loads an HF directory", "set engine.model.path")]
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         return [format_problem("model.path", path, "has no config.json (not an HF model directory)", "save the model with save_pretrained")]
+    if config.model.attn_implementation != "auto" and os.path.isdir(path):
+        return attn_problems(AutoConfig.from_pretrained(path), config.model.attn_implementation, _device_type())
     return []
+
+
+def _device_type() -> str:
+    # The device the engine will pick (``FSDPEngine`` trains on CUDA whenever it is available).
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
@@ -50,7 +48,10 @@ def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     the model comes wrapped by peft, the base frozen (``backends.fsdp.lora``)."""
     if config.model.path is None:
         raise ValueError("model.path = None: FSDPEngine loads an HF directory; fix: set engine.model.path")
-    model = load_hf_model(config.model.path, config.model.head, config.seed, attn_implementation(device))
+    # Every attention implementation used here honours packed rows: HF detects sequence starts
+    # from ``position_ids`` when no attention mask and no KV cache are passed.
+    attn = resolve_attn_implementation(AutoConfig.from_pretrained(config.model.path), config.model.attn_implementation, device.type)
+    model = load_hf_model(config.model.path, config.model.head, config.seed, attn)
     if config.model.lora.enabled:
         model = apply_lora(model, config.model.lora, config.model.head, config.seed)
     return model

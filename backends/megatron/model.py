@@ -119,10 +119,20 @@ def config_problems(config: EngineConfig) -> list[str]:
     value and the fix); TP divides the heads,
     the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
     layers; context parallelism (the engine does not split sequences over CP ranks, and the
-    local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE.
+    local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE;
+    ``model.attn_implementation`` is an HF setting (only ``auto`` here).
     """
     m = options_of(config, MegatronOptions)
     out = []
+    if config.model.attn_implementation != "auto":
+        out.append(
+            format_problem(
+                "model.attn_implementation",
+                config.model.attn_implementation,
+                "selects an HF attention kernel; the megatron backend runs megatron-core's own attention (local or TE spec)",
+                "leave it at auto with strategy=megatron",
+            )
+        )
     try:
         te = use_te_spec(config)
     except ValueError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from backends.hf import refusing_pickled_objects, resolve_attn_implementation
 from backends.rollout.layout import HFLayout
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
@@ -36,7 +37,13 @@ class HFRollout(HFLayout, BaseRollout):
             raise ValueError(f"rollout dtype = {config.dtype!r}: unknown; fix: use one of {', '.join(_DTYPES)}")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, config=hf_config, dtype=_DTYPES[config.dtype])
+        # The same attention choice as the FSDP engine (eager where sdpa would drop Gemma-2's
+        # soft-capping), so samples come from the policy that is trained.
+        attn = resolve_attn_implementation(hf_config, "auto", self.device.type)
+        with refusing_pickled_objects(config.model_path):
+            self.model = AutoModelForCausalLM.from_pretrained(
+                config.model_path, config=hf_config, dtype=_DTYPES[config.dtype], attn_implementation=attn
+            )
         self.model.to(self.device).eval()
         # HF runs past max_position_embeddings without an error (RoPE extrapolates), so only a
         # limit the caller set is enforced here.

@@ -191,3 +191,12 @@ def test_engine_api_has_no_strategy_name_branches():
                 consts = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
                 found += [f"{path.name}:{node.lineno}" for c in consts if c in names]
     assert found == [], found
+
+
+def test_an_unknown_strategy_fails_at_config_load_before_any_backend_is_imported():
+    """Issue 28: a misspelt strategy was reported only by build_engine, after a recipe had built
+    its data and model; the name is now resolved when the config loads, without imports."""
+    for strategy in ("fsdpp", "no_such_module_xyz:Engine"):
+        with pytest.raises(ValueError, match=rf"strategy = '{strategy}'.*fix:"):
+            load_config(None, [f"strategy={strategy}"])
+    assert load_config(None, ["strategy=megatron"]).strategy == "megatron"
