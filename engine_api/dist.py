@@ -25,6 +25,7 @@ surviving rank spends waiting for a failed peer (gloo):
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -296,11 +297,29 @@ def ensure_process_group(backend: str, timeout_s: float | None = None) -> None:
         return
     if launcher_world() is not None:
         init_process_group(backend, timeout_s=timeout_s)
+        atexit.register(_teardown_own_group, None)
         return
     import tempfile
 
     store = tempfile.NamedTemporaryFile(prefix="enginekit_pg_", delete=False).name
     init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout_s=timeout_s)
+    atexit.register(_teardown_own_group, store)
+
+
+def _teardown_own_group(store: str | None) -> None:
+    """At interpreter exit, destroy the process groups of a default group the engine created
+    (and remove its rendezvous file). A script that never tears down (the README's API example)
+    otherwise leaves gloo's / NCCL's C++ worker threads to static destruction, where one rank
+    could abort (``terminate called without an active exception``, SIGABRT) after its work was
+    done, failing the job. No collective runs here: a peer that already exited is not awaited.
+    A group the caller initialised is the caller's to destroy."""
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()  # every group: the default and its subgroups (meshes, megatron's)
+    except Exception:  # noqa: BLE001 - at exit, a failed teardown must not turn a finished run into a failed one
+        pass
+    if store is not None and os.path.exists(store):
+        os.remove(store)
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:
