@@ -7,6 +7,10 @@ project means "infinite", and a NaN passes every ``x < 0``-style range check), a
 own value checks (a dataclass may define ``_problems(self) -> list[str]``; they are gathered
 from every nested dataclass). One ``ValueError`` lists them all, each naming the field, the
 value and the fix.
+
+A scalar given for a section (``engine.optim=5``) is reported as such, with an example of a key
+inside it. A list field whose ``dataclasses.field`` metadata has ``scalar_as_list: True`` also
+takes a single string, read as a one-element list (``data.train_files=x.jsonl``).
 """
 
 from __future__ import annotations
@@ -93,6 +97,12 @@ def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[
             if problem:
                 problems.append(problem)
                 continue
+            field, hint = _field_at(schema, key)
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint) and not isinstance(value, (dict, DictConfig)):
+                problems.append(_scalar_for_section(prefix + key, value, hint))
+                continue
+            if field is not None and field.metadata.get("scalar_as_list") and isinstance(value, str):
+                value = [value]  # one path (or pattern) without brackets
             try:
                 merged = OmegaConf.merge(merged, _nest(key, value))
             except OmegaConfBaseException as exc:
@@ -135,6 +145,10 @@ def _sections(schema: type, layers, leaves: list[list[tuple[str, Any]]], problem
                     )
                 elif head == spec.active and rest:
                     mine.append((rest, value))
+                elif head == spec.active and spec.schema is not None and not isinstance(value, dict):
+                    problems.append(_scalar_for_section(key, value, spec.schema))
+                elif head == spec.active and value == {}:
+                    pass  # an empty section: its defaults
                 elif head in spec.foreign:
                     problems.append(f"{key}: {spec.foreign[head]}")
                 elif spec.error is None or head not in fields:
@@ -218,6 +232,32 @@ def _nest(key: str, value: Any) -> DictConfig:
     for part in reversed(key.split(".")):
         node = {part: node}
     return OmegaConf.create(node)
+
+
+def _field_at(schema: type, key: str) -> tuple[dataclasses.Field | None, Any]:
+    """The dataclass field that dotted ``key`` names in ``schema`` and its type hint;
+    ``(None, None)`` when the path leaves the dataclasses (e.g. inside a dict-typed field)."""
+    cls: Any = schema
+    field, hint = None, None
+    for part in key.split("."):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return None, None
+        field = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if field is None:
+            return None, None
+        hint = cls = typing.get_type_hints(cls).get(part)
+    return field, hint
+
+
+def _scalar_for_section(key: str, value: Any, section: type) -> str:
+    """The message for a scalar (or list) given where a section (a mapping of keys) belongs."""
+    names = [f.name for f in dataclasses.fields(section)]
+    example = next((n for n in names if not dataclasses.is_dataclass(typing.get_type_hints(section).get(n))), names[0] if names else "key")
+    return (
+        f"{key} = {value!r}: {key} is a section (a mapping of keys), and a {type(value).__name__} is not a mapping; fix: set a key "
+        f"inside it, e.g. {key}.{example}=... on the command line or `{key.rsplit('.', 1)[-1]}: {{{example}: ...}}` in YAML "
+        f"(its keys: {', '.join(names)})"
+    )
 
 
 def _unknown_key(schema: type, key: str, prefix: str = "") -> str | None:

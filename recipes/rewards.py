@@ -17,6 +17,16 @@ and ``columns`` every other column of the prompt's row (e.g. ``answer``). With
 Rewards are computed on rank 0 and broadcast, so a function with side effects (a judge call,
 a log) runs once per response. An exception, a non-number or a non-finite value stops the step
 before any update with an error naming the row.
+
+The function is the user's code, so it is fenced: anything it raises, ``BaseException``s
+included (``sys.exit`` in it or in a library it calls, ``GeneratorExit``), becomes a
+``RewardError`` naming ``reward.function``; a ``KeyboardInterrupt`` stays an interrupt. Either way
+every rank learns of it through the step's one collective and stops at once (no rank is left
+waiting for a collective timeout). ``reward.timeout_s`` bounds one call (one response, or the
+whole step for a batched function): the call then runs in a daemon thread, and a call past the
+limit is abandoned (a Python thread cannot be killed; it may keep running until the process
+exits, which it then does with an error). With ``timeout_s: null`` the function runs in the main
+thread with no limit (for code that needs the main thread, e.g. ``signal.alarm`` timeouts).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +47,12 @@ import torch
 from engine_api.dist import all_reduce, comm_device, is_initialized
 
 RewardFn = Callable[..., float]
+
+# The default bound on one reward call: far above any scoring function's or judge call's normal
+# time, and below the default collective timeout the other ranks wait under meanwhile (torch's 30
+# minutes; they wait for all of a step's calls, so a slow per-response function still wants
+# reward.batched or a larger engine.dist_timeout_s).
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -47,12 +64,18 @@ class RewardConfig:
             (``exact_match``, ``math_answer``); null: the sorting task's own scorer (only
             without data files).
         batched: call the function once per step with lists (see the module docstring).
+        timeout_s: seconds one call may take (one response; with ``batched``, the whole step's
+            responses); a call past it stops the run naming the function. It then runs in a
+            daemon thread (abandoned on timeout). null: no limit, called in the main thread.
     """
 
     function: str | None = None
     batched: bool = False
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
 
     def _problems(self) -> list[str]:
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            return [f"timeout_s = {self.timeout_s}: must be positive; fix: seconds > 0, e.g. {DEFAULT_TIMEOUT_S:g}, or null (no limit)"]
         if self.function is None or self.function in BUILTINS:
             return []
         module, sep, name = self.function.rpartition(":")
@@ -94,7 +117,10 @@ def load_reward_fn(spec: str) -> RewardFn:
                 loader_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 (user code may raise anything while importing)
+    except KeyboardInterrupt:
+        sys.modules.pop(name, None)
+        raise
+    except BaseException as exc:  # noqa: BLE001 (user code may raise anything while importing, sys.exit included)
         sys.modules.pop(name, None)
         raise ValueError(f"reward.function = {spec!r}: cannot load {module_name!r}: {exc!r}; fix: check the module or file") from exc
     fn = getattr(module, attr, None)
@@ -125,7 +151,7 @@ def check_reward_columns(fn: RewardFn, spec: str, columns: set[str]) -> None:
 
 
 class RewardError(RuntimeError):
-    """A reward function failed or returned something that is not a finite number."""
+    """A reward function failed, timed out, or returned something that is not a finite number."""
 
 
 def compute_rewards(
@@ -135,54 +161,124 @@ def compute_rewards(
     responses: Sequence[str],
     columns: Sequence[Mapping[str, object]],
     sources: Sequence[str],
+    name: str | None = None,
+    timeout_s: float | None = None,
 ) -> torch.Tensor:
     """``fn``'s reward of every response (float64 [N]), on rank 0, broadcast to every rank.
 
+    ``name``: how messages call the function (``reward.function``'s spec; default its qualified
+    name). ``timeout_s``: the bound on one call (``RewardConfig.timeout_s``; None: none, and the
+    function runs in the calling thread).
+
     Raises:
-        RewardError: on every rank, when ``fn`` raises or returns a non-number or a
-            non-finite value; rank 0's message names the row (its file and line or index)."""
-    values = torch.zeros(len(prompts) + 1, dtype=torch.float64)
-    error: Exception | None = None
+        RewardError: on every rank, when ``fn`` raises anything (``SystemExit`` included),
+            times out, or returns a non-number or a non-finite value; rank 0's message names the
+            function and the row (its file and line or index).
+        KeyboardInterrupt: on every rank, when ``fn`` raised it or the user interrupted rank 0
+            while it ran.
+    """
+    name = name or getattr(fn, "__qualname__", repr(fn))
+    # [0]: rank 0 finished; [1]: rank 0 was interrupted; [2:]: the rewards.
+    values = torch.zeros(len(prompts) + 2, dtype=torch.float64)
+    error: BaseException | None = None
     if not is_initialized() or torch.distributed.get_rank() == 0:
         try:
-            values[1:] = torch.tensor(_call(fn, batched, prompts, responses, columns, sources), dtype=torch.float64)
+            values[2:] = torch.tensor(_call(fn, name, batched, timeout_s, prompts, responses, columns, sources), dtype=torch.float64)
             values[0] = 1.0
         except RewardError as exc:
             error = exc
+        except KeyboardInterrupt as exc:
+            error, values[1] = exc, 1.0
     if is_initialized():
-        values = all_reduce(values.to(comm_device(None)), "sum", None).cpu()  # only rank 0 contributes
+        # The only collective of the step's scoring, reached by every rank whatever the function
+        # did, so a failure on rank 0 stops every rank now (only rank 0 contributes).
+        values = all_reduce(values.to(comm_device(None)), "sum", None).cpu()
     if error is not None:
         raise error
+    if values[1] == 1.0:
+        raise KeyboardInterrupt(f"reward.function = {name!r} was interrupted on rank 0; this rank stops too")
     if values[0] != 1.0:
-        raise RewardError("the reward function failed on rank 0 (its error names the row); this step made no update")
-    return values[1:]
+        raise RewardError(f"reward.function = {name!r} failed on rank 0 (its error names the row); this step made no update")
+    return values[2:]
 
 
-def _call(fn, batched, prompts, responses, columns, sources) -> list[float]:
+def _fenced(fn: Callable[[], object], timeout_s: float | None) -> object:
+    """``fn()``, bounded by ``timeout_s`` seconds when it is not None: it then runs in a daemon
+    thread that is abandoned on timeout (a thread cannot be killed; being a daemon it does not
+    keep the process alive). Whatever ``fn`` raises is re-raised here, in the calling thread.
+
+    Raises:
+        _Timeout: ``fn`` did not return in time.
+    """
+    if timeout_s is None:
+        return fn()
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (handed to the calling thread, which judges it)
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="enginekit-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)  # a Ctrl-C interrupts this wait in the main thread
+    if thread.is_alive():
+        raise _Timeout
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]
+
+
+class _Timeout(Exception):
+    """A fenced call ran past its time limit."""
+
+
+def _call(fn, name, batched, timeout_s, prompts, responses, columns, sources) -> list[float]:
+    fix = "fix: make the function return a finite float for every row"
+
+    def failed(exc: BaseException, where: str) -> RewardError:
+        if isinstance(exc, _Timeout):
+            what = f"did not return within reward.timeout_s = {timeout_s:g} s (the call was abandoned: a thread cannot be stopped)"
+            advice = "fix: make it faster, or raise reward.timeout_s (null: no limit)"
+        elif isinstance(exc, SystemExit):
+            what = f"raised {exc!r} (sys.exit, in the function or a library it calls)"
+            advice = "fix: a reward function must return a number; raise an exception instead of exiting"
+        else:
+            what = f"raised {exc!r}"
+            advice = fix
+            if isinstance(exc, ValueError) and "main thread" in str(exc) and timeout_s is not None:
+                advice += "; it needs the main thread (e.g. signal.alarm): set reward.timeout_s=null to call it there"
+        return RewardError(f"reward.function = {name!r} {where}: {what}; the run stops before any update; {advice}")
+
     def bad(i: int, what: str) -> RewardError:
         return RewardError(
-            f"reward.function on row {sources[i]} (sample {i} of this step): {what}; the step stops before any update; "
-            "fix: make the function return a finite float for every row"
+            f"reward.function = {name!r} on row {sources[i]} (sample {i} of this step): {what}; the step stops before any update; {fix}"
         )
 
     if batched:
         keys = sorted({k for c in columns for k in c})
         lists = {k: [c.get(k) for c in columns] for k in keys}
         try:
-            out = list(fn(list(prompts), list(responses), **lists))
-        except Exception as exc:  # noqa: BLE001 (user code)
-            raise RewardError(
-                f"reward.function (batched) raised {exc!r} on the rows {sources[0]} .. {sources[-1]}; no update was made"
-            ) from exc
+            # list() inside the fence: a generator's body runs while it is consumed
+            out = _fenced(lambda: list(fn(list(prompts), list(responses), **lists)), timeout_s)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 (user code: SystemExit, GeneratorExit, ... are failures too)
+            raise failed(exc, f"(batched) on the rows {sources[0]} .. {sources[-1]}") from exc
         if len(out) != len(prompts):
-            raise RewardError(f"reward.function (batched) returned {len(out)} rewards for {len(prompts)} responses; fix: one per response")
+            raise RewardError(
+                f"reward.function = {name!r} (batched) returned {len(out)} rewards for {len(prompts)} responses; fix: one per response"
+            )
     else:
         out = []
         for i, (p, r, c) in enumerate(zip(prompts, responses, columns, strict=True)):
             try:
-                out.append(fn(p, r, **c))
-            except Exception as exc:  # noqa: BLE001 (user code)
-                raise bad(i, f"raised {exc!r}") from exc
+                out.append(_fenced(lambda p=p, r=r, c=c: fn(p, r, **c), timeout_s))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 (user code: SystemExit, GeneratorExit, ... are failures too)
+                raise failed(exc, f"on row {sources[i]} (sample {i} of this step)") from exc
     checked = []
     for i, v in enumerate(out):
         if isinstance(v, bool) or not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):

@@ -11,7 +11,7 @@ import torch
 
 from recipes import data as task
 from recipes.common import rank
-from recipes.rewards import check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
+from recipes.rewards import DEFAULT_TIMEOUT_S, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
 from recipes.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 
 
@@ -52,8 +52,11 @@ class SortTask:
 class FileTask:
     """Prompts from ``data.train_files`` / ``data.val_files``, scored by ``reward.function``."""
 
-    def __init__(self, cfg: DataConfig, model_path: str, reward_function: str, batched: bool) -> None:
+    def __init__(
+        self, cfg: DataConfig, model_path: str, reward_function: str, batched: bool, timeout_s: float | None = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.cfg = cfg
+        self.reward_spec, self.timeout_s = reward_function, timeout_s
         self.tokenizer = load_tokenizer(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer, model_path, end_of_turn=cfg.apply_chat_template)
         self.reward_fn, self.batched = load_reward_fn(reward_function), batched
@@ -78,7 +81,14 @@ class FileTask:
         """The reward function on the decoded text (special tokens, e.g. EOS, left out)."""
         texts = [self.tokenizer.decode(r.tolist(), skip_special_tokens=True) for r in responses]
         return compute_rewards(
-            self.reward_fn, self.batched, [m.text for m in metas], texts, [m.columns for m in metas], [m.source for m in metas]
+            self.reward_fn,
+            self.batched,
+            [m.text for m in metas],
+            texts,
+            [m.columns for m in metas],
+            [m.source for m in metas],
+            name=self.reward_spec,
+            timeout_s=self.timeout_s,
         ).float()
 
 
@@ -86,4 +96,4 @@ def build_task(cfg) -> SortTask | FileTask:
     """The task of a loaded RL config (``recipes.ppo.PPOConfig``)."""
     if not cfg.data.from_files:
         return SortTask(cfg.data)
-    return FileTask(cfg.data, cfg.engine.model.path, cfg.reward.function, cfg.reward.batched)
+    return FileTask(cfg.data, cfg.engine.model.path, cfg.reward.function, cfg.reward.batched, cfg.reward.timeout_s)

@@ -3,7 +3,15 @@ template, and the step -> samples order.
 
 Files (``data.train_files``, ``data.val_files``): ``.jsonl`` (one JSON object per line),
 ``.json`` (a JSON array of objects, or JSON lines) and ``.parquet`` (read with pyarrow). Each
-row is a mapping of column -> value.
+row is a mapping of column -> value. Each key takes a list of paths, one path or a glob pattern
+(``data/*.jsonl``; expanded sorted, and a pattern matching nothing is an error). A JSON line
+longer than ``data.max_row_bytes`` is refused before it is parsed (a ``.json`` array's or a
+Parquet row's text, after reading), so one runaway row cannot exhaust memory.
+
+Message content (SFT ``messages`` rows, RL prompts given as messages) must be text: a string, or
+a list of text parts (``[{"type": "text", "text": ...}, ...]``, OpenAI style; joined with
+newlines, as vLLM joins them). ``null`` (except for an assistant message with ``tool_calls``),
+numbers, mappings and non-text parts are refused, naming the row, the message and its role.
 
 SFT rows (``data.format``):
     * ``messages``: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant",
@@ -35,6 +43,8 @@ all ranks); this is cheap next to training for datasets up to a few 100k rows.
 
 from __future__ import annotations
 
+import glob
+import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -51,6 +61,11 @@ FORMATS = ("messages", "prompt_response")
 OVERLONG = ("truncate", "drop", "error")
 LOSS_ON = ("all_turns", "last_turn")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
+# The default data.max_row_bytes: 8 MiB of JSON is some two million tokens of text, far beyond
+# any sample length a recipe trains on, while a runaway row (a whole file on one line) is refused
+# before parsing and tokenizing it cost gigabytes of memory and minutes.
+MAX_ROW_BYTES = 8 * 2**20
+_GLOB_CHARS = "*?["
 
 
 # ---------------------------------------------------------------------------------- config
@@ -80,10 +95,18 @@ class DataConfig(task.DataConfig):
             question and the generation prompt are), ``drop`` (left out), ``error`` (the load stops
             naming the row). Counts are printed at load and returned in the run summary.
         shuffle: a new seeded permutation of the rows every epoch; false: file order.
+        max_row_bytes: the largest row accepted (a JSON line's bytes, checked before parsing;
+            for ``.json`` arrays and Parquet the row's text); a larger row stops the load
+            naming the file, the line, the size and this key.
+
+    ``train_files`` / ``val_files`` also take one path or a glob pattern as a string; patterns
+    are expanded here (sorted), so the config holds the files actually read.
     """
 
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
+    # scalar_as_list: the config loader (engine_api.typed_config) turns a single string into a
+    # one-element list, so `data.train_files=x.jsonl` works without brackets.
+    train_files: list[str] = field(default_factory=list, metadata={"scalar_as_list": True})
+    val_files: list[str] = field(default_factory=list, metadata={"scalar_as_list": True})
     format: str = "messages"
     messages_key: str = "messages"
     prompt_key: str = "prompt"
@@ -96,6 +119,13 @@ class DataConfig(task.DataConfig):
     max_response_length: int | None = None
     overlong: str = "error"
     shuffle: bool = True
+    max_row_bytes: int = MAX_ROW_BYTES
+
+    def __post_init__(self) -> None:
+        # Frozen: the expanded lists are set once, here (a pattern matching nothing is kept, and
+        # reported by _problems).
+        for key in ("train_files", "val_files"):
+            object.__setattr__(self, key, expand_files(getattr(self, key)))
 
     @property
     def from_files(self) -> bool:
@@ -112,6 +142,8 @@ class DataConfig(task.DataConfig):
         for name in ("max_length", "max_prompt_length"):
             if getattr(self, name) < 2:
                 out.append(f"{name} = {getattr(self, name)}: must be >= 2; fix: e.g. 1024")
+        if self.max_row_bytes < 1:
+            out.append(f"max_row_bytes = {self.max_row_bytes}: must be positive; fix: e.g. {MAX_ROW_BYTES} (8 MiB)")
         if self.max_response_length is not None and self.max_response_length < 1:
             out.append(f"max_response_length = {self.max_response_length}: must be >= 1 (or null); fix: e.g. 256")
         if self.val_files and not self.train_files:
@@ -120,11 +152,36 @@ class DataConfig(task.DataConfig):
             )
         for key in ("train_files", "val_files"):
             for path in getattr(self, key):
-                if not str(path).endswith(EXTENSIONS):
+                path = str(path)
+                if os.path.isdir(path):
+                    out.append(
+                        f"{key}: {path!r} is a directory, not a data file; fix: name its files, e.g. "
+                        f"{key}={os.path.join(path, '*.jsonl')!r} (a glob pattern)"
+                    )
+                elif _is_pattern(path) and not os.path.exists(path):
+                    out.append(f"{key}: the pattern {path!r} matches no file (working directory {os.getcwd()}); fix: check the pattern")
+                elif not path.endswith(EXTENSIONS):
                     out.append(f"{key}: {path!r} has an unknown extension; fix: use one of {', '.join(EXTENSIONS)}")
                 elif not os.path.isfile(path):
                     out.append(f"{key}: {path!r} does not exist (working directory {os.getcwd()}); fix: give an existing file")
         return out
+
+
+def _is_pattern(path: str) -> bool:
+    return any(c in path for c in _GLOB_CHARS)
+
+
+def expand_files(files: str | Sequence[str]) -> list[str]:
+    """``files`` as a list of paths: a single string becomes a one-element list, and a glob
+    pattern (``*``, ``?``, ``[...]``; ``**`` recursive) is replaced by its matches, sorted. A path
+    that exists as written is kept even if it contains such characters; a pattern matching
+    nothing is kept as is (``DataConfig`` reports it)."""
+    out: list[str] = []
+    for path in [files] if isinstance(files, str) else list(files):
+        path = str(path)
+        matches = sorted(glob.glob(path, recursive=True)) if _is_pattern(path) and not os.path.exists(path) else []
+        out.extend(matches or [path])
+    return out
 
 
 # ---------------------------------------------------------------------------------- files
@@ -136,30 +193,64 @@ class Row:
     source: str
 
 
-def read_rows(paths: Sequence[str], key: str = "data.train_files") -> list[Row]:
+def read_rows(paths: Sequence[str], key: str = "data.train_files", max_row_bytes: int = MAX_ROW_BYTES) -> list[Row]:
     """Every row of ``paths``, in file order.
 
     Raises:
-        ValueError: an unreadable file or a row that is not a JSON object, naming it.
+        ValueError: an unreadable file, a row that is not a JSON object, or a row over
+            ``max_row_bytes`` (``data.max_row_bytes``), naming it.
     """
     rows: list[Row] = []
     for path in paths:
+        if os.path.isdir(path):  # a config built in Python skips DataConfig's check
+            raise ValueError(f"{key}: {path!r} is a directory, not a data file; fix: name its files (a glob pattern works)")
         try:
             if path.endswith(".parquet"):
                 import pyarrow.parquet as pq
 
-                values = [(f"{path}[{i}]", _drop_null_struct_keys(r)) for i, r in enumerate(pq.read_table(path).to_pylist())]
+                table = pq.read_table(path).to_pylist()
+                values = [(f"{path}[{i}]", _drop_null_struct_keys(r), False) for i, r in enumerate(table)]
             else:
-                values = _read_json(path)
+                values = _read_json(path, max_row_bytes, key)
+        except _RowTooLarge:
+            raise
         except (OSError, ValueError) as exc:
             raise ValueError(f"{key}: cannot read {path!r}: {exc}; fix: give a valid {os.path.splitext(path)[1]} file") from exc
-        for source, value in values:
+        for source, value, measured in values:
             if not isinstance(value, dict):
                 raise ValueError(f"{key}: row {source} is a {type(value).__name__}, not an object of columns; fix: one JSON object per row")
+            if not measured:  # (JSON lines were measured before parsing)
+                size = _text_bytes(value)
+                if size > max_row_bytes:
+                    raise _too_large(key, source, f"about {size} bytes of text", max_row_bytes)
             rows.append(Row(value, source))
     if not rows:
         raise ValueError(f"{key} = {list(paths)}: no rows; fix: give files with at least one row")
     return rows
+
+
+class _RowTooLarge(ValueError):
+    """A row over ``data.max_row_bytes``."""
+
+
+def _too_large(key: str, source: str, size: str, limit: int) -> _RowTooLarge:
+    return _RowTooLarge(
+        f"{key}: row {source} is {size}, over data.max_row_bytes = {limit}; it is refused before parsing and tokenizing it "
+        "(a row that large is far over any sample length and would take gigabytes of memory); fix: check the file (a missing "
+        "line break?), split or shorten the row, or raise data.max_row_bytes"
+    )
+
+
+def _text_bytes(value: object) -> int:
+    """Roughly the JSON size of ``value``: its strings' UTF-8 bytes plus a few per item (what
+    tokenizing it costs), without serialising it."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass")) + 2
+    if isinstance(value, dict):
+        return sum(_text_bytes(k) + _text_bytes(v) for k, v in value.items()) + 2
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) + 1 for v in value) + 2
+    return 8
 
 
 def _drop_null_struct_keys(row: dict) -> dict:
@@ -175,28 +266,51 @@ def _drop_null_struct_keys(row: dict) -> dict:
     return out
 
 
-def _read_json(path: str) -> list[tuple[str, object]]:
-    """A ``.json`` array, or JSON lines (``.jsonl``, or a ``.json`` that is not one document)."""
-    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the data
-        text = f.read()
+def _read_json(path: str, max_row_bytes: int = MAX_ROW_BYTES, key: str = "data.train_files") -> list[tuple[str, object, bool]]:
+    """``(source, row, measured)`` of a ``.json`` array, or of JSON lines (``.jsonl``, or a
+    ``.json`` that is not one document); ``measured``: the row's size was already checked. A
+    JSON line's length is read before the line is: one over ``max_row_bytes`` is refused
+    without holding more than ``max_row_bytes`` of it in memory."""
     if path.endswith(".json"):
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the data
+            text = f.read()
         try:
             doc = json.loads(text)
         except json.JSONDecodeError:
             doc = None  # maybe JSON lines
+        del text
         if isinstance(doc, list):
-            return [(f"{path}[{i}]", v) for i, v in enumerate(doc)]
+            return [(f"{path}[{i}]", v, False) for i, v in enumerate(doc)]
         if isinstance(doc, dict):
-            return [(f"{path}[0]", doc)]
+            return [(f"{path}[0]", doc, False)]
     out = []
-    # split on newlines only: str.splitlines also splits inside strings on U+2028, U+0085, ...
-    for n, line in enumerate(text.split("\n"), 1):
-        if line.strip():
+    # Binary lines split on b"\n" only: str.splitlines would also split inside strings on
+    # U+2028, U+0085, ...
+    with open(path, "rb") as f:
+        for n in itertools.count(1):
+            line = f.readline(max_row_bytes + 1)
+            if not line:
+                break
+            if len(line) > max_row_bytes and not (len(line) == max_row_bytes + 1 and line.endswith(b"\n")):
+                size = len(line) + _skip_line(f)
+                raise _too_large(key, f"{path}:{n}", f"{size} bytes", max_row_bytes)
             try:
-                out.append((f"{path}:{n}", json.loads(line)))
-            except json.JSONDecodeError as exc:
+                text = line.decode("utf-8-sig" if n == 1 else "utf-8")  # -sig: a byte-order mark is not part of the data
+                if text.strip():
+                    out.append((f"{path}:{n}", json.loads(text), True))
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
                 raise ValueError(f"line {n}: {exc}") from exc
     return out
+
+
+def _skip_line(f) -> int:
+    """Read to the end of the current line in 1 MiB pieces; return how many bytes were read."""
+    size = 0
+    while True:
+        piece = f.readline(2**20)
+        size += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return size
 
 
 # ---------------------------------------------------------------------------------- tokenizer
@@ -292,7 +406,7 @@ class ChatEncoder:
         to the end of ``render(messages[:i + 1])``; both must be prefixes of the full rendering.
         The full text is tokenized in one call, and a token is trained when its character span
         overlaps a trained turn's span (tokenizers without offsets: each piece separately)."""
-        _check_messages(messages, source)
+        messages = _check_messages(messages, source)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if not turns:
             raise ValueError(f"row {source}: no assistant turn, so nothing to learn; fix: add one or drop the row")
@@ -359,18 +473,57 @@ class ChatEncoder:
             if not self.cfg.apply_chat_template:
                 return self._ids(value, special=True), value
             value = [{"role": "user", "content": value}]
-        _check_messages(value, source)
+        value = _check_messages(value, source)
         text = self._render(value, True, source)
         return self._ids(text), text
 
 
-def _check_messages(messages: object, source: str) -> None:
+def _check_messages(messages: object, source: str) -> list[dict]:
+    """``messages`` with every ``content`` as text: a list of text parts (OpenAI style
+    ``[{"type": "text", "text": ...}]``) is joined with newlines (as vLLM joins them).
+
+    Raises:
+        ValueError: not a non-empty list of ``{"role": str, ...}`` messages, or a message whose
+            content is missing, null (allowed only for an assistant message with ``tool_calls``),
+            a number, a mapping or a list with non-text parts; naming the row, the message index
+            and its role.
+    """
     ok = isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
     if not ok:
         raise ValueError(
             f"row {source}: expected a non-empty list of chat messages ({{'role': ..., 'content': ...}}), got {str(messages)[:80]!r}; "
             "fix: check data.messages_key / data.prompt_key"
         )
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(m)
+            continue
+        where = f"row {source}: message {i} ({m['role']})"
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            out.append(m)  # a tool-call turn: the template renders the calls
+            continue
+        if content is None:
+            raise ValueError(
+                f"{where} has {'content null' if 'content' in m else 'no content'}; an empty reply would be trained or shown "
+                "silently; fix: give the message's text (an empty string if it is meant to be empty), or drop the message"
+            )
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if content and len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+                out.append({**m, "content": "\n".join(texts)})
+                continue
+            kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content})
+            raise ValueError(
+                f"{where}: its content is a list of parts of type(s) {kinds}; only text parts ({{'type': 'text', 'text': ...}}) "
+                "are read (these recipes train on text); fix: give the content as a string, or as text parts only"
+            )
+        raise ValueError(
+            f"{where}: content is a {type(content).__name__} ({str(content)[:40]}), not text; it would be rendered as its "
+            "Python text; fix: give the content as a string"
+        )
+    return out
 
 
 def _column(row: Row, key: str, name: str) -> object:
@@ -425,7 +578,7 @@ class SFTDataset:
         self.samples: list[tuple[list[int], list[int]]] = []
         self.sources: list[str] = []
         self.counts = LoadCounts()
-        for row in read_rows(files, key):
+        for row in read_rows(files, key, cfg.max_row_bytes):
             self.counts.rows += 1
             if cfg.format == "messages":
                 ids, mask = enc.conversation(_column(row, cfg.messages_key, "messages_key"), row.source)
@@ -475,7 +628,7 @@ class PromptDataset:
         enc = ChatEncoder(tokenizer, cfg)
         self.samples: list[PromptSample] = []
         self.counts = LoadCounts()
-        for row in read_rows(files, key):
+        for row in read_rows(files, key, cfg.max_row_bytes):
             self.counts.rows += 1
             ids, text = enc.prompt(_column(row, cfg.prompt_key, "prompt_key"), row.source)
             action = _overlong(cfg, row.source, len(ids), cfg.max_prompt_length, "max_prompt_length")
