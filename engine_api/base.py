@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 
 from engine_api.batch import shard_batch, unshard_batch
 from engine_api.config import EngineConfig
@@ -73,6 +74,26 @@ def export_in_buckets(export: Callable[..., Iterator], bucket_mb: float | None, 
     return export(bucket_mb=bucket_mb)
 
 
+def relocate_module(module: torch.nn.Module, device: str | torch.device) -> None:
+    """Move ``module``'s parameters, gradients and buffers to ``device`` as new copies (in
+    place: the ``Parameter`` objects stay, so an optimizer keeps them), releasing the old
+    storage. Unlike ``module.to(device)``, which returns the very same tensors when they are
+    already there, this also works on a CPU-only machine, where loading and offloading are
+    both "cpu" (see the offload duty of :class:`BaseEngine`). An FSDP2 module re-registers its
+    shards itself (``FSDPModule._apply``)."""
+    module._apply(lambda t: t.to(device, copy=True))
+
+
+def relocate_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
+    """Move ``optimizer``'s state tensors to ``device`` as new copies (see
+    :func:`relocate_module`); the step counters stay where they are (AdamW keeps them on the
+    CPU)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, copy=True)
+
+
 class BaseEngine(abc.ABC):
     """A training engine: one model (+ optimizer) on a set of ranks, driven by batches.
 
@@ -120,10 +141,15 @@ class BaseEngine(abc.ABC):
       training calls and ``save_checkpoint`` raise (:meth:`_refuse_if_frozen`), inference works.
     * **Offload.** ``train_mode`` / ``eval_mode`` load what they need onto the compute device
       and, on exit, move what ``config.offload`` names to the CPU; training with offload is
-      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`). The engine
-      records what is offloaded (:attr:`offloaded`, the same on CPU and GPU machines) and
-      refuses to compute on an offloaded part (:meth:`_require_loaded`); saving, loading and
-      exporting load what they need for the call (:meth:`_loaded`).
+      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`). An offload
+      releases the compute-device storage of every tensor of the part (parameters and
+      gradients; optimizer state) and keeps the values in a separate host copy, on a CPU-only
+      machine too, where the "compute device" is the CPU: a move that keeps the old storage
+      alive frees nothing there, and on a GPU it would not either (:meth:`state_tensors` is
+      how the conformance kit looks). The engine records what is offloaded
+      (:attr:`offloaded`, the same on CPU and GPU machines) and refuses to compute on an
+      offloaded part (:meth:`_require_loaded`); saving, loading and exporting load what they
+      need for the call (:meth:`_loaded`).
     * **Checkpoints.** The directory protocol of ``engine_api.ckpt_layout``: write into the
       temporary directory of ``begin``, then ``commit`` (manifest, completion marker,
       ``latest``, retention, remote copy). Loading verifies the manifest before anything is
@@ -251,8 +277,9 @@ class BaseEngine(abc.ABC):
         :meth:`to` the compute device).
 
         This is the engine's record, not a guess from tensor devices: on a CPU-only machine
-        the compute device *is* the CPU, so an offload moves no bytes (megatron frees and
-        refills storage all the same), yet the record changes exactly as on a GPU. Compute on
+        the compute device *is* the CPU, so no tensor device shows an offload (the bytes still
+        move: into a host copy, the original storage released, see :meth:`state_tensors`), yet
+        the record changes exactly as on a GPU. Compute on
         an offloaded part raises (:meth:`_require_loaded`), so a mode that forgot to load
         something fails on every machine, not only where the bytes would be missing."""
         return dict(self._offload_record)
@@ -290,14 +317,20 @@ class BaseEngine(abc.ABC):
     def _offload(self, model: bool, optimizer: bool) -> None:
         """Move each named part to the CPU (:meth:`_move`) and record it offloaded (a part
         already offloaded is not touched, except for a plain-``to`` backend: see :meth:`_load`).
-        On a CPU-only machine an FSDP move changes nothing but the record (see
-        :attr:`offloaded`). The optimizer goes first, while the model is still loaded (megatron
-        reads the model's storages to keep the ones its optimizer shares)."""
+        On a CPU-only machine the move still copies into host storage and releases the old one
+        (``self._relocate_module`` / ``_relocate_state``), so the kit can see that it happened.
+        The optimizer goes first, while the model is still loaded (megatron reads the model's
+        storages to keep the ones its optimizer shares)."""
         plain = self._moves_through_to()
         for kind, wanted in (("optimizer", optimizer), ("model", model)):
             if wanted and (plain or not self._offload_record[kind]):
                 self._move(kind, load=False)
                 self._offload_record[kind] = True
+
+    # Copying moves for a ``_move`` (see relocate_module): reachable as ``self._relocate_*``
+    # by a backend that imports only ``engine_api.kit``.
+    _relocate_module = staticmethod(relocate_module)
+    _relocate_state = staticmethod(relocate_state)
 
     def _move(self, kind: str, load: bool) -> None:
         """Load (``load``: onto the compute device) or offload (to the CPU) one part,
@@ -306,12 +339,41 @@ class BaseEngine(abc.ABC):
         which one it is. Default: :meth:`to` with that part alone, for a backend whose ``to``
         is a plain move; a backend whose ``to`` goes through :meth:`_load_or_offload` must
         override this (else ``to`` and ``_move`` would call each other: refused with
-        ``NotImplementedError``)."""
+        ``NotImplementedError``). An override moves by copying (``self._relocate_module``,
+        ``self._relocate_state``) or frees storage in place (megatron), so that an offload
+        releases memory on a CPU-only machine too (the offload duty)."""
         if self.__dict__.get("_routing_to"):
             raise NotImplementedError(
                 f"{type(self).__name__}.to goes through _load_or_offload, so it must override _move(kind, load) to move the tensors"
             )
         self.to(self.device if load else "cpu", model=kind == "model", optimizer=kind == "optimizer")
+
+    def state_tensors(self, kind: str) -> Iterator[torch.Tensor]:
+        """The tensors an offload of ``kind`` must move: ``"model"``, the parameters and their
+        gradients; ``"optimizer"``, the optimizer state (not the step counters, which AdamW
+        keeps on the CPU anyway). DTensors are given as their local shards.
+
+        Read by the conformance kit's ``offload`` check, which looks at their storage: while
+        loaded they live on the compute device; after an offload, each storage seen while
+        loaded must be released (freed, or resized to 0 bytes in place), on a CPU-only machine
+        too. Default: the parameters (and ``.grad``) of every ``torch.nn.Module`` attribute of
+        the engine (or list / tuple of them) and the state of every ``torch.optim.Optimizer``
+        attribute. Override it when the engine keeps them elsewhere (megatron: gradient
+        buffers and its own optimizer wrapper); yield nothing for a part the engine does not
+        have (a frozen engine's optimizer)."""
+        if kind not in ("model", "optimizer"):
+            raise ValueError(f"state_tensors({kind!r}): kind must be 'model' or 'optimizer'")
+        found: list[torch.Tensor] = []
+        for value in vars(self).values():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                if kind == "model" and isinstance(item, torch.nn.Module):
+                    for p in item.parameters():
+                        found += [p] if p.grad is None else [p, p.grad]
+                elif kind == "optimizer" and isinstance(item, torch.optim.Optimizer):
+                    for state in item.state.values():
+                        found += [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
+        return iter([t.to_local() if isinstance(t, DTensor) else t for t in found])
 
     def _load_or_offload(self, device: str | torch.device, model: bool, optimizer: bool) -> None:
         """:meth:`to` for a backend that keeps :attr:`offloaded` through :meth:`_load` /

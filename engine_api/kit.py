@@ -34,7 +34,7 @@ from __future__ import annotations
 from tensordict import TensorDict
 
 from engine_api import ckpt_layout
-from engine_api.base import RETURN_PREDICTIONS, BaseEngine, bucket_bytes
+from engine_api.base import RETURN_PREDICTIONS, BaseEngine, bucket_bytes, relocate_module, relocate_state
 from engine_api.batch import loss_mask_of, make_batch, pack, pad, relayout, to_device, unpack, unpad, validate_batch
 from engine_api.ckpt_integrity import CorruptCheckpointError
 from engine_api.ckpt_layout import make_extra
@@ -103,6 +103,8 @@ __all__ = [
     "pad",
     "register_engine",
     "relayout",
+    "relocate_module",
+    "relocate_state",
     "temperature_of",
     "to_device",
     "token_entropy",

@@ -93,13 +93,17 @@ class ReferenceEngine(kit.BaseEngine):
         return self._switch_mode([self.module], training=False)
 
     def to(self, device, model=True, optimizer=True) -> None:
-        if model:
-            self.module.to(device)
-        if optimizer and self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":  # AdamW keeps its step count on the CPU
-                        state[k] = v.to(device)
+        # The compute device loads, the CPU offloads; engine.offloaded records it.
+        self._load_or_offload(device, model=model, optimizer=optimizer)
+
+    def _move(self, kind: str, load: bool) -> None:
+        # Copies, so an offload releases the loaded storage even where the compute device is
+        # the CPU (a plain module.to("cpu") would keep the very same tensors there).
+        device = self.device if load else torch.device("cpu")
+        if kind == "model":
+            self._relocate_module(self.module, device)
+        elif self.optimizer is not None:
+            self._relocate_state(self.optimizer, device)  # AdamW keeps its step count on the CPU
 
     @property
     def dp_rank(self) -> int:

@@ -97,14 +97,13 @@ class FSDPEngine(BaseEngine):
         self._load_or_offload(device, model=model, optimizer=optimizer)
 
     def _move(self, kind: str, load: bool) -> None:
+        # Copies (BaseEngine._relocate_*), so the loaded storage is released on a CPU-only
+        # machine too, where both directions are "cpu" (module.to would keep the same tensors).
         device = self.device if load else torch.device("cpu")
         if kind == "model":
-            self.model.to(device)  # nn.Module._apply moves .grad with each param (FSDP2 shards)
+            self._relocate_module(self.model, device)  # moves .grad with each param; FSDP2 re-registers its shards
         elif self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps its step on the CPU
-                        state[key] = value.to(device, non_blocking=True)
+            self._relocate_state(self.optimizer, device)  # AdamW keeps its step on the CPU
         if not load and torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -175,6 +175,14 @@ class MegatronEngine(BaseEngine):
         else:
             self._offloaders["model"].offload(self._model_tensors())
 
+    def state_tensors(self, kind: str):
+        """What an offload frees (``BaseEngine.state_tensors``): the DDP param / grad buffers
+        and the parameters viewing them; the optimizer's state (and distributed-optimizer
+        shards)."""
+        if kind not in ("model", "optimizer"):
+            return super().state_tensors(kind)
+        return self._model_tensors() if kind == "model" else self._optimizer_tensors()
+
     def _model_tensors(self):
         for chunk in self.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:

@@ -10,9 +10,12 @@ or from Python with :func:`run_conformance`. The checks (``engine_api.conformanc
 are written against the contract only: HF log-prob parity, temperature and entropy, value
 heads, HF names of exported weights, the update of one optimizer step against an independent
 HF step for every micro-batching / dynamic batching / packing / split-call layout in all four
-aggregation modes (at ``--nproc 2`` also DP-size invariance), abort, non-finite skip, bad-batch
-rejection before any state change, frozen engines, offload round trips, exact resume in a
-fresh process, and refusal of tampered checkpoints. The backend must load an HF causal-LM
+aggregation modes (at ``--nproc 2`` also DP-size invariance), the model's dropout in train
+mode, abort, non-finite skip (a NaN loss, and an inf loss with finite gradients), the LR
+schedule applied and reported (across a save and load too), bad-batch rejection before any
+state change, frozen engines, offload round trips that release the loaded storage, exact
+resume in a fresh process (with dropout: the RNG state too), and refusal of tampered
+checkpoints. The backend must load an HF causal-LM
 directory (the kit builds a tiny Llama-style one; nothing is downloaded).
 
 Rollout backends (``engine_api.rollout.BaseRollout``) have their own kit

@@ -12,7 +12,9 @@ declares it does not take the check's setting (e.g. refuses ``model.head: value`
   relative 1e-6 for losses, grad norms and updated weights as one vector (fp32; measured
   2e-8 on every built-in backend, while a mis-scaled gradient moves the updated weights by
   ~1e-2 relative: AdamW eps 1e-3 keeps the update proportional to the gradient);
-* engine against itself (abort, non-finite skip, bad batch, offload, resume): bit-exact.
+* engine against itself (abort, non-finite skip, bad batch, offload, resume): bit-exact;
+* the LR: the reported one relative 1e-6 to the schedule's formula (``fx.lr_at``), the one a
+  step applied (read from the weights) relative 1e-4 (fp32 rounding of ``p * (1 - lr)``).
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ def weights(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in engine.export_weights()}
 
 
-def window(engine, batch, calls: int = 1) -> dict:
+def window(engine, batch, calls: int = 1, inside: Callable[[], None] | None = None) -> dict:
     """One accumulation window on this rank's ``batch`` split into ``calls`` consecutive
-    ``forward_backward_step`` calls, the optimizer step, and the LR step when it was taken."""
+    ``forward_backward_step`` calls, the optimizer step, and the LR step when it was taken;
+    ``inside()`` runs last, still in ``train_mode``."""
     n = batch.batch_size[0]
     calls = min(calls, n)
     bounds = [round(i * n / calls) for i in range(calls + 1)]
@@ -103,6 +106,8 @@ def window(engine, batch, calls: int = 1) -> dict:
         losses = [engine.forward_backward_step(batch[a:b])[1] for a, b in zip(bounds, bounds[1:], strict=False)]
         norm = engine.optimizer_step()
         lr = engine.lr_scheduler_step() if math.isfinite(norm) else None
+        if inside is not None:
+            inside()
     return {"losses": losses, "grad_norm": norm, "lr": lr}
 
 
@@ -117,12 +122,16 @@ def max_diff(jagged: torch.Tensor, rows: list[torch.Tensor]) -> float:
 
 def same(what: str, got: dict, want: dict) -> None:
     """Bit-exact equality of two results (floats, lists and tensor dicts)."""
+    if set(got) != set(want):
+        raise CheckFailed(f"{what}: keys differ ({sorted(set(got) ^ set(want))[:4]})")
     for key in want:
         a, b = got[key], want[key]
         if isinstance(b, dict):
+            if not isinstance(a, dict) or set(a) != set(b):
+                raise CheckFailed(f"{what}: {key} have other names ({sorted((set(a) if isinstance(a, dict) else set()) ^ set(b))[:4]})")
             bad = [k for k in b if not torch.equal(a[k], b[k])]
-            if set(a) != set(b) or bad:
-                raise CheckFailed(f"{what}: {key} differ ({', '.join(bad[:4]) or 'names'}{', ...' if len(bad) > 4 else ''})")
+            if bad:
+                raise CheckFailed(f"{what}: {key} differ ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
         elif a != b and not (isinstance(b, float) and math.isnan(a) and math.isnan(b)):
             raise CheckFailed(f"{what}: {key} {a!r} vs {b!r}")
 
@@ -216,6 +225,36 @@ def export_names(env: Env) -> str:
     if differ:
         raise CheckFailed(f"export_weights(bucket_mb=0.01) differs from export_weights() in {len(differ)} tensors, e.g. {differ[:3]}")
     return f"{len(got)} tensors, bit-exact; bucketed export identical"
+
+
+def dropout_model(env: Env) -> str:
+    """The kit's model with HF attention dropout on (``fx.DROPOUT``), built by the runner."""
+    return os.path.join(env.workdir, fx.DROPOUT_MODEL)
+
+
+@check("dropout")
+def dropout(env: Env) -> str:
+    """A model whose HF config sets attention_dropout applies it in train mode (two forwards of one batch differ) and not in eval mode (equals HF)."""
+    engine = new_engine(env, f"model.path={dropout_model(env)}")
+    local = _local(engine)
+    with engine.train_mode():
+        losses = []
+        for _ in range(2):
+            engine.optimizer_zero_grad()
+            losses.append(engine.forward_backward_step(local)[1])
+        engine.optimizer_zero_grad()  # abort: nothing is stepped
+    if losses[0] == losses[1]:
+        raise CheckFailed(
+            f"attention_dropout={fx.DROPOUT} has no effect in train mode: two training forwards of one batch give loss {losses[0]!r} "
+            "both times; fix: build the model with the HF config's dropout (the resume check relies on it to compare RNG state)"
+        )
+    with engine.eval_mode():
+        out = engine.infer_batch(local)
+    if out is not None:
+        d = max_diff(out["log_probs"], fx.hf_token_outputs(fx.hf_model(dropout_model(env)), local)[0])
+        if d > 1e-5:
+            raise CheckFailed(f"eval-mode log-probs of the dropout model differ from HF by {d:.2e} (> 1e-5): dropout applied in eval mode?")
+    return f"train losses {losses[0]:.6f} vs {losses[1]:.6f}; eval equals HF"
 
 
 # ----------------------------------------------------------------------------- the update
@@ -321,6 +360,8 @@ def bad_batch(env: Env) -> str:
 
 
 def _nan_loss_on(rank: int, env: Env):
+    """A NaN loss on ``rank``: the NaN multiplies the loss, so it poisons the gradient too."""
+
     def loss(mb, out, norm):
         value, metrics = fx.loss_fn(mb, out, norm)
         return (value * float("nan") if env.rank == rank else value), metrics
@@ -328,21 +369,99 @@ def _nan_loss_on(rank: int, env: Env):
     return loss
 
 
+def _inf_loss_finite_grad_on(rank: int, env: Env):
+    """An infinite loss on ``rank`` whose gradient stays finite: a detached inf term adds to
+    the value and not to the graph (as a masked-out inf of a per-token term would). An engine
+    that only looks at the grad norm steps on it."""
+
+    def loss(mb, out, norm):
+        value, metrics = fx.loss_fn(mb, out, norm)
+        return (value + torch.tensor(float("inf")).to(value.device) if env.rank == rank else value), metrics
+
+    return loss
+
+
 @check("nonfinite_skip")
 def nonfinite_skip(env: Env) -> str:
-    """A NaN loss on one rank skips the step on every rank, state untouched; the next step equals a run without it."""
-    a, b = new_engine(env), new_engine(env)
-    before = weights(a)
-    a.set_loss_fn(_nan_loss_on(env.world - 1, env))
-    skipped = window(a, _local(a, seed=3))
-    if math.isfinite(skipped["grad_norm"]):
-        raise CheckFailed(f"optimizer_step returned {skipped['grad_norm']} for a window with a NaN loss on rank {env.world - 1}")
-    same("weights after the skipped step", {"w": weights(a)}, {"w": before})
-    a.set_loss_fn(fx.loss_fn)
-    got = {**window(a, _local(a)), "w": weights(a)}
+    """A NaN loss (NaN gradient) or an inf loss with a finite gradient, on one rank, skips the step on every rank, state untouched; the next step equals a run without it."""
+    b = new_engine(env)
     want = {**window(b, _local(b)), "w": weights(b)}
-    same("step after a skipped one vs a run without it", got, want)
-    return "skipped on every rank, next step bit-exact"
+    rank = env.world - 1
+    for what, bad_loss in {
+        "a NaN loss (NaN gradient)": _nan_loss_on,
+        "an inf loss with a finite gradient": _inf_loss_finite_grad_on,
+    }.items():
+        a = new_engine(env)
+        before = weights(a)
+        a.set_loss_fn(bad_loss(rank, env))
+        skipped = window(a, _local(a, seed=3))
+        if math.isfinite(skipped["grad_norm"]):
+            raise CheckFailed(f"optimizer_step returned {skipped['grad_norm']} for a window with {what} on rank {rank}: not skipped")
+        same(f"weights after the step skipped for {what} on rank {rank}", {"w": weights(a)}, {"w": before})
+        a.set_loss_fn(fx.loss_fn)
+        same(f"step after one skipped for {what} vs a run without it", {**window(a, _local(a)), "w": weights(a)}, want)
+    return "NaN loss and inf loss with finite grads: skipped on every rank, next step bit-exact"
+
+
+# Warmup + cosine decay with a floor; weight decay 1 makes the applied LR visible (below).
+LR_WARMUP, LR_TOTAL, LR_MIN_RATIO, LR_DECAY = 2, 6, 0.1, 1.0
+LR_SETTINGS = (
+    "optim.lr_schedule=cosine",
+    f"optim.warmup_steps={LR_WARMUP}",
+    f"optim.total_steps={LR_TOTAL}",
+    f"optim.min_lr_ratio={LR_MIN_RATIO}",
+    f"optim.weight_decay={LR_DECAY}",
+)
+
+
+def _zero_loss(mb, out, norm):
+    """The kit's loss times 0: every gradient is exactly 0, so AdamW's moments stay 0 and its
+    step is ``p *= 1 - lr * weight_decay`` alone, which tells the LR the step applied."""
+    value, metrics = fx.loss_fn(mb, out, norm)
+    return value * 0.0, metrics
+
+
+def _lr_steps(env: Env, engine, steps: range) -> list[str]:
+    """Run ``steps`` (0-based optimizer step numbers) with :func:`_zero_loss`; compare the LR
+    each step applied (read from the weights) and the LR ``lr_scheduler_step`` reports (the
+    next step's) with :func:`fx.lr_at`. Returns the compared values for the report."""
+    seen = []
+    for k in steps:
+        before = weights(engine)
+        reported = window(engine, _local(engine, seed=k))["lr"]
+        after = weights(engine)
+        b = torch.cat([before[n].flatten().double() for n in before])
+        a = torch.cat([after[n].flatten().double() for n in before])
+        applied = float(1.0 - a.dot(b) / b.dot(b)) / LR_DECAY  # least squares of a = (1 - lr * wd) * b
+        want = fx.lr_at(k, fx.LR, LR_WARMUP, LR_TOTAL, LR_MIN_RATIO)
+        close(f"LR applied by optimizer step {k + 1} (read from the weight decay of a zero-gradient step)", applied, want, 1e-4)
+        if reported is None:
+            raise CheckFailed(f"optimizer step {k + 1} (zero gradient, finite norm) was skipped")
+        close(
+            f"LR reported by lr_scheduler_step after step {k + 1} (the next step's)",
+            reported,
+            fx.lr_at(k + 1, fx.LR, LR_WARMUP, LR_TOTAL, LR_MIN_RATIO),
+            1e-6,
+        )
+        seen.append(f"{applied:.5f}")
+    return seen
+
+
+@check("lr_schedule")
+def lr_schedule(env: Env) -> str:
+    """The LR each optimizer step applies, and the one lr_scheduler_step reports, follow warmup + cosine decay from the config, also after save and load."""
+    engine = new_engine(env, *LR_SETTINGS)
+    engine.set_loss_fn(_zero_loss)
+    seen = _lr_steps(env, engine, range(3))
+    root = os.path.join(env.workdir, "lr_ckpt")
+    engine.save_checkpoint(root, global_step=3)
+    seen += _lr_steps(env, engine, range(3, 5))
+    resumed = new_engine(env, *LR_SETTINGS)
+    resumed.set_loss_fn(_zero_loss)
+    if resumed.load_checkpoint(root, del_local_after_load=False) != 3:
+        raise CheckFailed("load_checkpoint did not return the saved step 3")
+    _lr_steps(env, resumed, range(3, 5))
+    return f"applied LRs {', '.join(seen)} as scheduled; after load, steps 4-5 continue it"
 
 
 @check("frozen")
@@ -433,18 +552,73 @@ def _offload_stages(engine) -> list[tuple[str, dict, dict]]:
     return stages
 
 
+def _storages(engine) -> dict[str, list]:
+    """Weak references to the distinct non-empty storages of ``engine.state_tensors`` per
+    part (weak: holding them must not keep the memory alive), with their devices."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = {}
+    for kind in ("model", "optimizer"):
+        seen = {}
+        for t in engine.state_tensors(kind):
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                seen.setdefault(storage.data_ptr(), (StorageWeakRef(storage), t.device))
+        out[kind] = list(seen.values())
+    return out
+
+
+def _still_allocated(refs: list) -> int:
+    """How many of ``refs`` still hold bytes (neither freed nor resized to 0 in place)."""
+    alive = 0
+    for ref, _ in refs:
+        storage = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        alive += storage is not None and storage.nbytes() > 0
+        del storage
+    return alive
+
+
+def _check_released(engine, loaded: dict[str, list]) -> str:
+    """After an offload of both parts: every storage seen while loaded is released, and no
+    tensor of the engine's state holds bytes on the compute device (on a GPU)."""
+    for kind, refs in loaded.items():
+        if not refs:
+            raise CheckFailed(
+                f"engine.state_tensors({kind!r}) gave nothing after an optimizer step: the kit cannot see where the {kind} lives; "
+                "fix: override BaseEngine.state_tensors to yield it"
+            )
+        alive = _still_allocated(refs)
+        if alive:
+            raise CheckFailed(
+                f"after the offload, {alive} of the {len(refs)} {kind} storages used in train_mode are still allocated "
+                f"(engine.offloaded says {engine.offloaded}): the offload freed nothing; fix: copy into host memory and release "
+                "the loaded storage (BaseEngine._relocate_module / _relocate_state), on a CPU-only machine too"
+            )
+    for kind in ("model", "optimizer"):
+        resident = [t.device for t in engine.state_tensors(kind) if t.device.type != "cpu" and t.untyped_storage().nbytes()]
+        if resident:
+            raise CheckFailed(f"after the offload, {len(resident)} {kind} tensors still hold bytes on {resident[0]}")
+    return f"{len(loaded['model'])} model and {len(loaded['optimizer'])} optimizer storages released"
+
+
 @check("offload")
 def offload(env: Env) -> str:
     """offload.param/optimizer round trips through train/eval modes train bit-identically to
-    no offload, and ``engine.offloaded`` records each stage (see ``BaseEngine.offloaded``; a
-    backend that never records anything, e.g. one with its own mode managers, is noted, not
-    failed)."""
-    results, stages = [], []
+    no offload, an offload releases the storage the state used while loaded (on a CPU-only
+    machine too), and ``engine.offloaded`` records each stage (see ``BaseEngine.offloaded``;
+    a backend that never records anything, e.g. one with its own mode managers, is noted,
+    not failed)."""
+    results, stages, released = [], [], ""
     for extra in (["offload.param=true", "offload.optimizer=true"], []):
         engine = new_engine(env, *extra)
         if extra:
             stages = _offload_stages(engine)
-        steps = [window(engine, _local(engine, seed=s)) for s in (0, 1)]
+            loaded: dict[str, list] = {}
+            steps = [window(engine, _local(engine, seed=0), inside=lambda e=engine, out=loaded: out.update(_storages(e)))]
+            released = _check_released(engine, loaded)
+            steps.append(window(engine, _local(engine, seed=1)))
+        else:
+            steps = [window(engine, _local(engine, seed=s)) for s in (0, 1)]
         with engine.eval_mode():
             out = engine.infer_batch(_local(engine))
         lp = None if out is None else out["log_probs"].values().detach().cpu().clone()
@@ -462,11 +636,18 @@ def offload(env: Env) -> str:
     for stage, got, want in stages if kept else []:
         if got != want:
             raise CheckFailed(f"engine.offloaded {stage} is {got}, want {want}")
-    return "2 steps + inference bit-exact; " + ("offload record right at every stage" if kept else "no offload record kept")
+    return f"2 steps + inference bit-exact; {released}; " + ("offload record right at every stage" if kept else "no offload record kept")
 
 
 # ----------------------------------------------------------------------------- checkpoints
 RESUME = ["optim.lr_schedule=cosine", "optim.warmup_steps=2", "optim.total_steps=10"]
+
+
+def _resume_settings(env: Env) -> list[str]:
+    """The resume checks' settings: a warmup + cosine schedule, on the dropout model, so the
+    steps after the resume draw random numbers and match only if the RNG state was restored
+    (the ``dropout`` check proves the dropout is live)."""
+    return [*RESUME, f"model.path={dropout_model(env)}"]
 
 
 def _ckpt_root(env: Env) -> str:
@@ -476,7 +657,7 @@ def _ckpt_root(env: Env) -> str:
 @check("resume_save", phase=1)
 def resume_save(env: Env) -> str:
     """(phase 1 of resume) 2 steps, save, 2 more steps: the record a fresh process must replay."""
-    engine = new_engine(env, *RESUME)
+    engine = new_engine(env, *_resume_settings(env))
     for s in (0, 1):
         window(engine, _local(engine, seed=s))
     engine.save_checkpoint(_ckpt_root(env), global_step=2)
@@ -488,12 +669,12 @@ def resume_save(env: Env) -> str:
 
 @check("resume", phase=2)
 def resume(env: Env) -> str:
-    """A fresh process loads the checkpoint and replays the next 2 steps bit-exactly (losses, grad norms, LR, weights)."""
+    """A fresh process loads the checkpoint and replays the next 2 steps bit-exactly (losses, grad norms, LR, weights), with dropout: RNG restored."""
     record_path = os.path.join(env.workdir, "resume_record.pt")
     if not os.path.exists(record_path):
         raise CheckFailed("no record from phase 1 (resume_save failed or did not run)")
     want = torch.load(record_path, weights_only=True)
-    engine = new_engine(env, *RESUME)
+    engine = new_engine(env, *_resume_settings(env))
     step = engine.load_checkpoint(_ckpt_root(env), del_local_after_load=False)
     if step != 2:
         raise CheckFailed(f"load_checkpoint returned step {step}, saved at 2")
@@ -562,7 +743,7 @@ def _write_sentinel(path: str) -> None:
 @check("tampered_checkpoint", phase=2)
 def tampered_checkpoint(env: Env) -> str:
     """A bit-flipped or code-carrying checkpoint is refused with ValueError, runs no code, changes no state."""
-    engine = new_engine(env, *RESUME)
+    engine = new_engine(env, *_resume_settings(env))
     before = weights(engine)
     refused = []
     for name in ("bit_flip", "code_pickle"):

@@ -9,6 +9,7 @@ swaps or drops a tensor cannot match by accident.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -18,6 +19,11 @@ LENGTHS = (5, 9, 3, 12, 7, 4, 10, 6)  # 8 sequences: shards evenly over 1, 2, 4 
 RESPONSE = (3, 5, 2, 4, 6, 3, 5, 2)  # loss on the last R tokens (R < length keeps position 0 out)
 CONSTANT = 8.0  # C of seq-mean-token-sum-norm
 LR, EPS, WEIGHT_DECAY, CLIP = 0.01, 1e-3, 0.01, 1.0
+# The dropout model (``build_model(..., attention_dropout=DROPOUT)``): the same weights with
+# HF's attention dropout on, so a training step draws random numbers and a resume that does not
+# restore the RNG takes another step. Its directory sits next to the kit's model.
+DROPOUT = 0.1
+DROPOUT_MODEL = "model_dropout"
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -34,11 +40,12 @@ TINY_DIMS = dict(
 )
 
 
-def build_model(path: str, seed: int = 0) -> str:
-    """Save the kit's tiny Llama-style model under ``path``; returns ``path``."""
+def build_model(path: str, seed: int = 0, attention_dropout: float = 0.0) -> str:
+    """Save the kit's tiny Llama-style model under ``path``; returns ``path``. The weights
+    depend on ``seed`` only: ``attention_dropout`` changes the config alone."""
     from transformers import LlamaConfig
 
-    return save_model(LlamaConfig(**TINY_DIMS, rms_norm_eps=1e-6), path, seed)
+    return save_model(LlamaConfig(**TINY_DIMS, rms_norm_eps=1e-6, attention_dropout=attention_dropout), path, seed)
 
 
 def save_model(config, path, seed: int = 0) -> str:
@@ -106,6 +113,18 @@ def engine_overrides(strategy: str, model_dir: str, mode: str = "token-mean") ->
     if mode == "seq-mean-token-sum-norm":
         out.append(f"loss_agg_constant={CONSTANT}")
     return out
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) under warmup + cosine decay, as
+    ``OptimConfig`` documents it (``optim.warmup_steps`` / ``total_steps`` / ``min_lr_ratio``),
+    written out here so the check does not trust the engine's scheduler: linear warmup
+    ``lr * (step + 1) / warmup``, then a half cosine from ``lr`` down to ``min_ratio * lr`` at
+    step ``total``, flat after."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def hf_model(model_dir: str, head: str = "lm", seed: int = 0):

@@ -95,6 +95,8 @@ def run_conformance(
         workdir = workdir or tmp
         os.makedirs(workdir, exist_ok=True)
         model_dir = fx.build_model(os.path.join(workdir, "model"))
+        # the same weights with attention dropout on: the dropout and resume checks (RNG)
+        fx.build_model(os.path.join(workdir, fx.DROPOUT_MODEL), attention_dropout=fx.DROPOUT)
         report = Report(strategy, nproc)
         for phase in (1, 2):
             todo = [n for n in names if C.CHECKS[n].phase == phase]

@@ -70,3 +70,112 @@ class TrainsWithTheOptimizerOffloaded(ReferenceEngine):
 
     def _load(self, model, optimizer):
         super()._load(model=model, optimizer=False)
+
+
+class SchedulerNeverSteps(ReferenceEngine):
+    """``lr_scheduler_step`` reports the LR but never advances the scheduler (issue 28): every
+    step trains at the first step's warmup LR, and resume stays consistent with itself."""
+
+    def lr_scheduler_step(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+class ForgetsTheRNGOnLoad(ReferenceEngine):
+    """``load_checkpoint`` restores everything but the RNG (it puts back the state it had
+    before the load): a resumed run draws other dropout masks than the uninterrupted one."""
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+        state = torch.get_rng_state()
+        step = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        torch.set_rng_state(state)
+        return step
+
+
+class OnlyChecksTheGradNorm(ReferenceEngine):
+    """Skips a step only for a non-finite grad norm: a non-finite loss whose gradient is finite
+    (issue 28) is stepped on."""
+
+    def optimizer_step(self) -> float:
+        self.deferred.nonfinite_loss = False  # the loss flag, ignored
+        return super().optimizer_step()
+
+
+class OffloadFreesNothing(ReferenceEngine):
+    """Records the offload and moves nothing (issue 28): on a CPU machine no device shows it,
+    only the storage that stays allocated."""
+
+    def _move(self, kind, load):
+        if load:
+            super()._move(kind, load)
+
+
+class IgnoresDropout(ReferenceEngine):
+    """Loads the model with its attention dropout switched off (as a converter that drops the
+    setting would)."""
+
+    def init_model(self) -> None:
+        super().init_model()
+        self.module.config.attention_dropout = 0.0
+        for module in self.module.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.0
+
+
+class ScalesTheLossSlightly(ReferenceEngine):
+    """Every loss, and so every gradient, is (1 + 1e-4) times too large: the kit's tolerance
+    must see a 1e-4 error."""
+
+    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
+        if forward_only:
+            return super().forward_backward_step(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+        real = self._loss_fn
+
+        def scaled(mb, out, norm):
+            loss, metrics = real(mb, out, norm)
+            return loss * (1 + 1e-4), metrics
+
+        self._loss_fn = scaled
+        try:
+            return super().forward_backward_step(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+        finally:
+            self._loss_fn = real
+
+
+class ScalesTheGradientSlightly(ReferenceEngine):
+    """The gradient is (1 + 1e-4) times too large while the reported loss is right."""
+
+    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
+        if forward_only:
+            return super().forward_backward_step(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+        real = self._loss_fn
+
+        def scaled(mb, out, norm):
+            loss, metrics = real(mb, out, norm)
+            return loss * (1 + 1e-4) - loss.detach() * 1e-4, metrics
+
+        self._loss_fn = scaled
+        try:
+            return super().forward_backward_step(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+        finally:
+            self._loss_fn = real
+
+
+class ScalesLogProbsSlightly(ReferenceEngine):
+    """Log-probs (1 + 1e-4) times too large."""
+
+    def _forward(self, mb):
+        out = super()._forward(mb)
+        if "log_probs" in out.keys():
+            out["log_probs"] = out["log_probs"] * (1 + 1e-4)
+        return out
+
+
+class OneWeightOffAfterLoad(ReferenceEngine):
+    """``load_checkpoint`` leaves one element of one weight one float step off."""
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+        step = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        with torch.no_grad():
+            w = next(self.module.parameters()).view(-1)
+            w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+        return step

@@ -8,9 +8,13 @@ with an independent HF step in all 4 aggregation modes for every micro-batching 
 2 processes that is DP-size invariance.
 
 Teeth: an engine that ignores ``temperature``, one that applies a micro-batch's gradient
-twice, one that skips the DP normalisation (2 processes) and one that changes state on a bad
-batch each fail the check that guards that duty, while the correct reference engine passes it
-in the same configuration.
+twice, one that skips the DP normalisation (2 processes), one that changes state on a bad
+batch, and (issue 28) one whose LR scheduler never steps, one that does not restore the RNG
+on resume, one that steps on a non-finite loss whose gradient is finite (2 processes), one
+whose offload frees nothing, one that ignores the model's dropout, and engines off by 1e-4
+(loss, gradient, log-probs) or by one float step in one weight after a load, each fail the
+check that guards that duty, while the correct reference engine passes it in the same
+configuration (``test_kit_helpers.py`` pins the comparison helpers themselves).
 """
 
 from __future__ import annotations
@@ -52,6 +56,17 @@ TEETH = {
     "no DP normalisation": ("SkipsDPNormalisation", 2, "update_invariance"),
     "state changed by a bad batch": ("ChangesStateOnBadBatch", 1, "bad_batch"),
     "optimizer not loaded by train_mode": ("TrainsWithTheOptimizerOffloaded", 1, "offload"),
+    # issue 28: four broken copies of a backend that passed every check before
+    "LR scheduler never steps": ("SchedulerNeverSteps", 1, "lr_schedule"),
+    "RNG not restored on resume": ("ForgetsTheRNGOnLoad", 1, "resume"),
+    "non-finite loss with finite gradients stepped on": ("OnlyChecksTheGradNorm", 2, "nonfinite_skip"),
+    "offload frees nothing": ("OffloadFreesNothing", 1, "offload"),
+    "model dropout ignored": ("IgnoresDropout", 1, "dropout"),
+    # the kit's tolerances: an error of 1e-4 must show
+    "loss and gradient 1e-4 too large": ("ScalesTheLossSlightly", 1, "update_invariance"),
+    "gradient alone 1e-4 too large": ("ScalesTheGradientSlightly", 1, "update_invariance"),
+    "log-probs 1e-4 too large": ("ScalesLogProbsSlightly", 1, "hf_logprobs"),
+    "one weight one float step off after a load": ("OneWeightOffAfterLoad", 1, "resume"),
 }
 
 
@@ -61,8 +76,9 @@ def test_the_kit_fails_a_broken_engine(bug):
     cls, nproc, check = TEETH[bug]
     broken = run_conformance(BROKEN + cls, nproc, only=[check])
     assert not broken.ok and broken.status(check) == "failed", broken.summary()
-    sound = run_conformance(REFERENCE, nproc, only=[check])
-    assert sound.ok, sound.summary()
+    # The sound engine in the same configuration (the reference, this nproc, no overrides) passes
+    # every check in RUNS' reference-1 / reference-2: not launched again here.
+    assert any(run[0] == REFERENCE and run[1] == nproc and not run[2] for run in RUNS.values())
 
 
 def test_cli_exit_status_and_summary():
