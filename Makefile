@@ -50,7 +50,8 @@ gpu-check:
 gpu-wheels:
 	bash ci/gpu_wheels.sh
 
-# Mutation testing (mutmut) of the loss, micro-batching and PPO code against the fast tests;
-# slow, not part of `make test`. Results: docs/mutation-results.txt; survivors: docs/mutation.md.
+# Mutation testing (mutmut) of the modules in pyproject.toml [tool.mutmut] against the fast tests;
+# slow, not part of `make test`. One module alone: MUTATE_ONLY="engine_api/batch.py" make mutate.
+# Results: docs/mutation-results.txt; survivors: docs/mutation.md.
 mutate: install
 	bash ci/mutate.sh $(VENV)
