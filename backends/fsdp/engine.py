@@ -21,7 +21,7 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward
 from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
-from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, config_problems, load_model
+from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, fsdp_problems, load_model
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
 from engine_api import BaseEngine, ckpt_layout, register_engine
@@ -47,7 +47,7 @@ class FSDPEngine(BaseEngine):
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
-        return config_problems(config) + tied_target_problems(config.model.lora, config.model.path)
+        return fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
 
     def init_model(self) -> None:
         """Load the HF model, shard it with FSDP2, build AdamW + LR schedule, apply offload.

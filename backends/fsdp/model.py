@@ -23,7 +23,7 @@ from engine_api.config import EngineConfig, format_problem, options_of
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def config_problems(config: EngineConfig) -> list[str]:
+def fsdp_problems(config: EngineConfig) -> list[str]:
     """What ``load_model`` would refuse, found at ``build_engine``: no model directory, or a
     directory that is not an HF model (no ``config.json``). A missing directory is already a
     general config problem."""

@@ -40,7 +40,7 @@ from backends.megatron.export import export_hf
 from backends.megatron.model import (
     build_chunks,
     build_transformer_config,
-    config_problems,
+    megatron_problems,
     init_parallel,
     load_hf_weights,
     read_hf_state,
@@ -72,8 +72,8 @@ class MegatronEngine(BaseEngine):
 
     @classmethod
     def check_config(cls, config) -> list[str]:
-        """Megatron-specific problems found at ``build_engine`` (``backends.megatron.model.config_problems``)."""
-        return config_problems(config)
+        """Megatron-specific problems found at ``build_engine`` (``backends.megatron.model.megatron_problems``)."""
+        return megatron_problems(config)
 
     def init_model(self) -> None:
         """Parallel state, GPTModel chunks from the HF directory, megatron DDP and optimizer,

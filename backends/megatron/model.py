@@ -110,7 +110,7 @@ def init_parallel(config: EngineConfig) -> torch.device:
     return device
 
 
-def config_problems(config: EngineConfig) -> list[str]:
+def megatron_problems(config: EngineConfig) -> list[str]:
     """What megatron-core or this engine would refuse in ``init_model``, found at
     ``build_engine`` from the config and the HF ``config.json`` alone (nothing is built).
 
