@@ -16,7 +16,7 @@ import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
-from engine_api.moe import RouterSpec, RoutingRecorder
+from engine_api.kit import RouterSpec, RoutingRecorder
 
 # What loading a causal-LM directory as a value model leaves out or adds, by design: the LM head
 # is not used and the one-output ``score`` layer is new.

@@ -1,15 +1,19 @@
-"""``BaseEngine``: the contract every backend implements (docs/design.md, section 2)."""
+"""``BaseEngine``: the contract every backend implements (docs/design.md, section 2).
+
+A template: the public methods do the contract's bookkeeping once (the frozen, broken and
+offloaded guards, the deferred-normalization window, the optimizer-step skeleton with its
+agreed skip and post-step finite check, step counting, the scheduler, offload placement) and
+call small backend hooks, the ``_``-prefixed methods a backend fills in
+(``docs/adding-a-backend.md`` lists them).
+"""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import inspect
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -18,16 +22,17 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from engine_api.batch import shard_batch, unshard_batch
+from engine_api.ckpt_layout import apply_extra, make_extra
 from engine_api.config import EngineConfig
-from engine_api.losses import LossFn
-from engine_api.optim import NonFiniteUpdateError, check_update_finite
+from engine_api.losses import DeferredNormalizer, LossFn
+from engine_api.offload import Offloader, relocate_module, relocate_state
+from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite, skipped_norm
+from engine_api.step import RETURN_PREDICTIONS, StepSpec, forward_backward_loop
 
 PreprocessFn = Callable[[TensorDict, dict], TensorDict]
 PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
-# ``ctx`` key of a training ``forward_backward_step``: False lets the backend skip assembling the
-# predictions (returned as None), which ``train_batch`` discards anyway; saves the per-micro-batch
-# relayout and the final reorder.
-RETURN_PREDICTIONS = "return_predictions"
+
+__all__ = ["RETURN_PREDICTIONS", "BaseEngine", "PostprocessFn", "PreprocessFn", "bucket_bytes"]
 
 
 def bucket_bytes(bucket_mb: float | None) -> int | None:
@@ -43,55 +48,6 @@ def bucket_bytes(bucket_mb: float | None) -> int | None:
             f"export_weights(bucket_mb={bucket_mb!r}): must be a finite number > 0 of MB; fix: e.g. 512, or None for one tensor at a time"
         )
     return max(1, int(bucket_mb * 2**20))
-
-
-def takes_bucket_mb(method) -> bool:
-    """Whether ``method`` (an ``export_weights``) accepts a ``bucket_mb`` keyword, by name or
-    through ``**kwargs`` (engines written before the parameter existed do not)."""
-    try:
-        params = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
-        return False
-    return any(p.name == "bucket_mb" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def export_in_buckets(export: Callable[..., Iterator], bucket_mb: float | None, setting: str = "bucket_mb") -> Iterator:
-    """``export(bucket_mb=bucket_mb)``, or ``export()`` when ``bucket_mb`` is None or ``export``
-    takes no ``bucket_mb`` (an engine written before the parameter existed): then the weights
-    move one tensor per collective, with a warning naming ``setting`` (the key that asked for
-    buckets). The one place the roles and the rollout decide how to call an export."""
-    if bucket_mb is None:
-        return export()
-    if not takes_bucket_mb(export):
-        owner = type(getattr(export, "__self__", export)).__name__
-        warnings.warn(
-            f"{setting} = {bucket_mb}: {owner}.export_weights takes no bucket_mb, so the weights move one tensor per "
-            "collective; fix: give export_weights a bucket_mb=None parameter (engine_api.BaseEngine.export_weights), "
-            "or set rollout.sync_bucket_mb=null",
-            stacklevel=3,
-        )
-        return export()
-    return export(bucket_mb=bucket_mb)
-
-
-def relocate_module(module: torch.nn.Module, device: str | torch.device) -> None:
-    """Move ``module``'s parameters, gradients and buffers to ``device`` as new copies (in
-    place: the ``Parameter`` objects stay, so an optimizer keeps them), releasing the old
-    storage. Unlike ``module.to(device)``, which returns the very same tensors when they are
-    already there, this also works on a CPU-only machine, where loading and offloading are
-    both "cpu" (see the offload duty of :class:`BaseEngine`). An FSDP2 module re-registers its
-    shards itself (``FSDPModule._apply``)."""
-    module._apply(lambda t: t.to(device, copy=True))
-
-
-def relocate_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
-    """Move ``optimizer``'s state tensors to ``device`` as new copies (see
-    :func:`relocate_module`); the step counters stay where they are (AdamW keeps them on the
-    CPU)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, copy=True)
 
 
 class BaseEngine(abc.ABC):
@@ -110,65 +66,61 @@ class BaseEngine(abc.ABC):
     step counters) changes. Every method that is a collective says so; all ranks of the
     engine must call it together.
 
-    Duties of a backend (the conformance kit, ``python -m engine_api.conformance``, checks each
-    one; ``engine_api.kit`` provides the pieces that fulfil them, see
-    ``docs/adding-a-backend.md``):
+    **What this class does for every backend** (the public methods are templates): refuse
+    training, saving and loading on a frozen engine (``config.frozen``), and training, saving
+    and exporting on a broken one (an optimizer step wrote non-finite weights, until a
+    checkpoint is loaded); refuse compute on an offloaded part; load on entering a mode and
+    offload by ``config.offload`` on leaving it, and load what saving, loading and exporting
+    need for the call (one :class:`~engine_api.offload.Offloader`); keep the deferred
+    normalization window (``self.deferred``) and the step counter (``self.global_step``); run
+    the one optimizer-step skeleton (finish grads, deferred scale, global norm, a skip agreed by
+    every rank when the norm or a loss of the window was not finite, clip, update, the
+    post-step finite check); step the LR scheduler.
 
-    * **Settings.** Declare :attr:`options_class` (a frozen dataclass with a
-      ``config_section``); read it as ``config.backend``. Problems only the backend can see
-      (a layout the model's shape cannot take, an unsupported head) come from
+    **What a backend provides** (the conformance kit, ``python -m engine_api.conformance``,
+    checks the results; ``engine_api.kit`` holds the pieces, see ``docs/adding-a-backend.md``):
+
+    * **Settings.** :attr:`options_class` (a frozen dataclass with a ``config_section``), read
+      with ``kit.options_of``; problems only the backend can see come from
       :meth:`check_config`, so ``build_engine`` refuses them before anything is built.
-    * **Processes.** ``init_model`` joins the launcher's world when there is one (torchrun's
-      environment) and creates a 1-rank group for plain python
-      (``kit.ensure_process_group``); it never trains each rank alone under a launcher.
-    * **Outputs.** ``log_probs[i]`` is log p(token i | tokens < i) with 0 at position 0, of the
-      logits divided by the batch metadata ``temperature`` (default 1.0; the rollout's sampling
-      temperature, so PPO ratios compare like with like); ``entropy`` (same alignment, same
-      temperature) only when ``calculate_entropy`` is True; ``model.head: value`` gives
-      ``values[i]`` predicted from the prefix before token i (0 at position 0), its new head
-      seeded by ``config.seed`` identically on every rank. Outputs come back in the caller's
-      row order and jagged layout, on ``batch``'s device.
-    * **The update.** One optimizer step's loss, gradient and update do not depend on
-      micro-batching, dynamic batching, packing vs padding, how a global batch is split over
-      calls (``deferred_normalization``) or the DP size: use the shared loop
-      (``kit.forward_backward_loop``; a backend with its own schedule plugs it in as the loop's
-      ``runner``) and ``kit.clip_and_step``. Gradients average or sum over DP as the backend
-      declares (``StepSpec.grads_averaged_over_dp``); the loop compensates.
-    * **Abort and skip.** :meth:`optimizer_zero_grad` aborts a window without a trace. A non-finite
-      loss or grad norm on any rank skips the step on every rank (agreed collectively); a step
-      that ran and left a non-finite weight marks the engine broken (:meth:`_check_update`).
-    * **Frozen engines.** ``config.frozen``: no optimizer, no gradient memory; ``train_mode``,
-      training calls and ``save_checkpoint`` raise (:meth:`_refuse_if_frozen`), inference works.
-    * **Offload.** ``train_mode`` / ``eval_mode`` load what they need onto the compute device
-      and, on exit, move what ``config.offload`` names to the CPU; training with offload is
-      bit-identical to training without (:meth:`_switch_mode`, :meth:`_offload`). An offload
-      releases the compute-device storage of every tensor of the part (parameters and
-      gradients; optimizer state) and keeps the values in a separate host copy, on a CPU-only
-      machine too, where the "compute device" is the CPU: a move that keeps the old storage
-      alive frees nothing there, and on a GPU it would not either (:meth:`state_tensors` is
-      how the conformance kit looks). The engine records what is offloaded
-      (:attr:`offloaded`, the same on CPU and GPU machines) and refuses to compute on an
-      offloaded part (:meth:`_require_loaded`); saving, loading and exporting load what they
-      need for the call (:meth:`_loaded`).
-    * **Checkpoints.** The directory protocol of ``engine_api.ckpt_layout``: write into the
-      temporary directory of ``begin``, then ``commit`` (manifest, completion marker,
-      ``latest``, retention, remote copy). Loading verifies the manifest before anything is
-      unpickled (``open_checkpoint``), reads tensors with ``weights_only``, changes state only
-      after everything is read, never runs code from a checkpoint, and refuses a checkpoint of
-      another backend or layout with a ``ValueError``. Resume in a fresh process is bit-exact
-      (model, optimizer, scheduler, RNG, step: ``make_extra`` / ``apply_extra``).
-    * **Export.** :meth:`export_weights` yields every weight by its HF name, in HF layout.
+    * **Build** (:meth:`_build_model`): join the launcher's world when there is one and a
+      1-rank group for plain python (``kit.ensure_process_group``); set ``self.device`` and
+      build the model, and unless frozen ``self.optimizer`` and ``self.scheduler`` (None when
+      frozen: no optimizer, no gradient memory).
+    * **Outputs** (:meth:`_step_spec`, and the forward it names). ``log_probs[i]`` is
+      log p(token i | tokens < i) with 0 at position 0, of the logits divided by the batch
+      metadata ``temperature`` (default 1.0); ``entropy`` (same alignment, same temperature)
+      only when ``calculate_entropy`` is True; ``model.head: value`` gives ``values[i]``
+      predicted from the prefix before token i (0 at position 0), its new head seeded by
+      ``config.seed`` identically on every rank.
+    * **The update.** One step's loss, gradient and update do not depend on micro-batching,
+      dynamic batching, packing vs padding, splitting over calls (``deferred_normalization``)
+      or the DP size: the shared loop (``kit.forward_backward_loop``, the default
+      :meth:`_forward_backward`) guarantees it when the backend declares how it reduces
+      gradients (``StepSpec.grads_averaged_over_dp``). The optimizer hooks default to plain
+      torch (``.grad`` of :meth:`_trainable_parameters`, ``self.optimizer.step()``); a backend
+      with its own gradient buffers or optimizer overrides them.
+    * **Offload** (:meth:`_move`): an offload releases the compute-device storage of every
+      tensor of the part and keeps the values in a host copy, on a CPU-only machine too (the
+      default copies: ``kit.relocate_module`` / ``relocate_state``); :meth:`state_tensors` is
+      how the conformance kit looks. Training with offload is bit-identical to training without.
+    * **Checkpoints** (:meth:`_save_checkpoint`, :meth:`_load_checkpoint`): the directory
+      protocol of ``engine_api.ckpt_layout`` (write into ``begin``'s temporary directory, then
+      ``commit``; load through ``open_checkpoint``, tensors with ``weights_only``, state changed
+      only after everything is read, never code from a checkpoint, another backend's checkpoint
+      refused with a ``ValueError``). Resume in a fresh process is bit-exact (model, optimizer,
+      scheduler, RNG, step: ``make_extra`` / ``apply_extra``).
+    * **Export** (:meth:`_export_weights`): every weight by its HF name, in HF layout.
     * **LoRA** (only a backend that sets :attr:`supports_lora`; ``build_engine`` refuses
-      ``model.lora.rank > 0`` for the others): adapters on the ``model.lora.target_modules``,
-      only they are trained and checkpointed (with their optimizer state); batch metadata
-      ``disable_adapters=True`` makes a forward-only call use the base weights;
-      :meth:`export_weights` yields the merged weights and :meth:`export_adapter_weights` the
-      adapters alone.
+      ``model.lora.rank > 0`` for the others): adapters on ``model.lora.target_modules``, only
+      they trained and checkpointed; batch metadata ``disable_adapters=True`` makes a
+      forward-only call use the base weights; :meth:`export_weights` yields the merged weights
+      and :meth:`_export_adapter_weights` the adapters alone.
     * **Collectives.** ``init_model``, ``forward_backward_step``, ``optimizer_step``,
-      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint``, ``export_weights`` and ``export_adapter_weights`` are
-      collective over every rank of the engine; so are ``train_mode`` / ``eval_mode`` when
-      loading or offloading involves communication. A bad batch on one rank raises on every
-      rank (validation is agreed), so no rank is left waiting.
+      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint``, ``export_weights`` and
+      ``export_adapter_weights`` are collective over every rank of the engine; so are
+      ``train_mode`` / ``eval_mode`` when loading or offloading communicates. A bad batch on
+      one rank raises on every rank (validation is agreed), so no rank is left waiting.
     """
 
     #: The backend's own settings: a frozen dataclass with a ``config_section: ClassVar[str]``
@@ -181,11 +133,17 @@ class BaseEngine(abc.ABC):
     def __init__(self, config: EngineConfig) -> None:
         """Store the typed config; build nothing heavy (no model, no process groups)."""
         self.config = config
+        self.device: torch.device = torch.device("cpu")  # the compute device, set by _build_model
+        self.optimizer = None  # set by _build_model unless frozen
+        self.scheduler = None
+        self.global_step = 0
+        self.deferred = DeferredNormalizer(config.loss_agg_mode, config.loss_agg_constant)
         self._loss_fn: LossFn | None = None
         # Why the weights are invalid (an optimizer step wrote NaN/inf into them), else None.
         self._broken: str | None = None
+        self._offloader = Offloader(self._move)
 
-    # ------------------------------------------------------------------ lifecycle
+    # ================================================================== the contract
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:
         """Problems of ``config`` that only this backend knows about (layouts the model's
@@ -198,239 +156,40 @@ class BaseEngine(abc.ABC):
         """
         return []
 
-    @abc.abstractmethod
     def init_model(self) -> None:
         """Build/load the model from ``config.model.path``, the optimizer and LR scheduler
-        (none for an engine without training, e.g. a reference model), and apply the offload
-        policy. Collective over all ranks of the engine."""
+        (none for a frozen engine), then apply the offload policy. Collective."""
+        self._build_model()
+        self._offloader.offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
-    @abc.abstractmethod
-    def train_mode(self) -> AbstractContextManager[BaseEngine]:
+    def train_mode(self) -> contextlib.AbstractContextManager[BaseEngine]:
         """Context manager for training: on enter, params, grads and optimizer state are on
-        the compute device and the module is in ``train()``; on exit, what
-        ``config.offload`` names goes back to CPU."""
+        the compute device and the modules are in ``train()``; on exit, what
+        ``config.offload`` names goes back to the CPU. Refused on a frozen or broken engine."""
+        return self._mode(training=True)
 
-    @abc.abstractmethod
-    def eval_mode(self) -> AbstractContextManager[BaseEngine]:
+    def eval_mode(self) -> contextlib.AbstractContextManager[BaseEngine]:
         """Context manager for inference: on enter, params are on the compute device and the
-        module is in ``eval()``; on exit, offloaded per ``config.offload``."""
+        modules are in ``eval()``; on exit, offloaded per ``config.offload``."""
+        return self._mode(training=False)
 
-    def _keep(self, max_ckpt_to_keep: int | None) -> int | None:
-        """The retention of one save: the argument, else ``config.checkpoint.max_ckpt_to_keep``."""
-        return max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
-
-    def _refuse_if_frozen(self, what: str) -> None:
-        """Raise the frozen-engine error for a training call (``config.frozen``)."""
-        if self.config.frozen:
-            raise RuntimeError(
-                f"{what} on a frozen engine (engine.frozen = True: no optimizer); fix: use eval_mode/infer_batch, or set engine.frozen=false"
-            )
-
-    def _check_update(self, named_params, group: dist.ProcessGroup | None = None) -> None:
-        """After an optimizer step that ran: ``engine_api.optim.check_update_finite`` for step
-        ``global_step + 1``; a failure marks the engine broken (see :meth:`_refuse_if_broken`)
-        before it propagates. Collective over ``group`` (None: the world)."""
-        try:
-            check_update_finite(named_params, getattr(self, "global_step", 0) + 1, group)
-        except NonFiniteUpdateError as exc:
-            self._broken = str(exc)
-            raise
-
-    def _refuse_if_broken(self, what: str) -> None:
-        """Raise for ``what`` while the weights are invalid: an optimizer step wrote non-finite
-        values (``engine_api.optim.check_update_finite``). Training, saving (which could rotate
-        good checkpoints out) and exporting them are refused until ``load_checkpoint``."""
-        broken = getattr(self, "_broken", None)
-        if broken:
-            raise RuntimeError(f"{what} refused: {broken}")
-
-    # ------------------------------------------------------------------ shared helpers
     @contextlib.contextmanager
-    def _switch_mode(self, modules, training: bool):
-        """The one implementation of :meth:`train_mode` / :meth:`eval_mode`: refuse training
-        on a frozen or broken engine, load what the mode needs onto ``self.device`` (params;
-        optimizer state too when ``training``), set ``train()`` / ``eval()`` on ``modules``,
-        and on exit offload what ``config.offload`` names (:meth:`_offload`)."""
+    def _mode(self, training: bool) -> Iterator[BaseEngine]:
         if training:
             self._refuse_if_frozen("train_mode")
             self._refuse_if_broken("train_mode")
-        self._load(model=True, optimizer=training)
-        for module in modules:
+        self._offloader.load(model=True, optimizer=training)
+        for module in self._modules():
             module.train(training)
         try:
             yield self
         finally:
-            self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+            self._offloader.offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
-    # ------------------------------------------------------------------ offload bookkeeping
-    @property
-    def _offload_record(self) -> dict[str, bool]:
-        # Which parts are offloaded now (see :attr:`offloaded`), kept by _load / _offload;
-        # created on first use, so a backend whose __init__ skips BaseEngine's works too.
-        return self.__dict__.setdefault("_offloaded", {"model": False, "optimizer": False})
-
-    @property
-    def offloaded(self) -> dict[str, bool]:
-        """Which parts are offloaded now: ``{"model": bool, "optimizer": bool}`` ("model" is
-        params and grads). True from an offload (a mode's exit under ``config.offload``, or
-        :meth:`to` another device) until the part is loaded again (entering a mode, or
-        :meth:`to` the compute device).
-
-        This is the engine's record, not a guess from tensor devices: on a CPU-only machine
-        the compute device *is* the CPU, so no tensor device shows an offload (the bytes still
-        move: into a host copy, the original storage released, see :meth:`state_tensors`), yet
-        the record changes exactly as on a GPU. Compute on
-        an offloaded part raises (:meth:`_require_loaded`), so a mode that forgot to load
-        something fails on every machine, not only where the bytes would be missing."""
-        return dict(self._offload_record)
-
-    @property
-    def placement(self) -> dict[str, torch.device]:
-        """Where each part lives: the CPU while :attr:`offloaded`, else the compute device.
-
-        Derived from the record. Assigning it (as backends written before the record did, in
-        ``init_model``) is accepted and ignored: the record decides."""
-        device = torch.device(getattr(self, "device", "cpu"))
-        return {kind: torch.device("cpu") if off else device for kind, off in self._offload_record.items()}
-
-    @placement.setter
-    def placement(self, value) -> None:
-        del value  # ignored: see the getter
-
-    def _moves_through_to(self) -> bool:
-        # A backend that did not override _move moves through its own ``to`` (a plain move).
-        return type(self)._move is BaseEngine._move
-
-    def _load(self, model: bool, optimizer: bool) -> None:
-        """Bring each named part back onto the compute device (:meth:`_move`) and record it loaded.
-
-        A backend with its own :meth:`_move` keeps the record exact, so a part already loaded
-        is not touched. A backend whose ``to`` is a plain move (no ``_move``) is moved every
-        time, as before the record existed: its manual ``to`` calls do not update the record,
-        so only the move itself can be trusted to put the part where the mode needs it."""
-        plain = self._moves_through_to()
-        for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and (plain or self._offload_record[kind]):
-                self._move(kind, load=True)
-                self._offload_record[kind] = False
-
-    def _offload(self, model: bool, optimizer: bool) -> None:
-        """Move each named part to the CPU (:meth:`_move`) and record it offloaded (a part
-        already offloaded is not touched, except for a plain-``to`` backend: see :meth:`_load`).
-        On a CPU-only machine the move still copies into host storage and releases the old one
-        (``self._relocate_module`` / ``_relocate_state``), so the kit can see that it happened.
-        The optimizer goes first, while the model is still loaded (megatron reads the model's
-        storages to keep the ones its optimizer shares)."""
-        plain = self._moves_through_to()
-        for kind, wanted in (("optimizer", optimizer), ("model", model)):
-            if wanted and (plain or not self._offload_record[kind]):
-                self._move(kind, load=False)
-                self._offload_record[kind] = True
-
-    # Copying moves for a ``_move`` (see relocate_module): reachable as ``self._relocate_*``
-    # by a backend that imports only ``engine_api.kit``.
-    _relocate_module = staticmethod(relocate_module)
-    _relocate_state = staticmethod(relocate_state)
-
-    def _move(self, kind: str, load: bool) -> None:
-        """Load (``load``: onto the compute device) or offload (to the CPU) one part,
-        ``"model"`` or ``"optimizer"``. A flag, not a device: on a CPU-only machine both
-        directions are "cpu", and a backend that frees storage (megatron) must still know
-        which one it is. Default: :meth:`to` with that part alone, for a backend whose ``to``
-        is a plain move; a backend whose ``to`` goes through :meth:`_load_or_offload` must
-        override this (else ``to`` and ``_move`` would call each other: refused with
-        ``NotImplementedError``). An override moves by copying (``self._relocate_module``,
-        ``self._relocate_state``) or frees storage in place (megatron), so that an offload
-        releases memory on a CPU-only machine too (the offload duty)."""
-        if self.__dict__.get("_routing_to"):
-            raise NotImplementedError(
-                f"{type(self).__name__}.to goes through _load_or_offload, so it must override _move(kind, load) to move the tensors"
-            )
-        self.to(self.device if load else "cpu", model=kind == "model", optimizer=kind == "optimizer")
-
-    def state_tensors(self, kind: str) -> Iterator[torch.Tensor]:
-        """The tensors an offload of ``kind`` must move: ``"model"``, the parameters and their
-        gradients; ``"optimizer"``, the optimizer state (not the step counters, which AdamW
-        keeps on the CPU anyway). DTensors are given as their local shards.
-
-        Read by the conformance kit's ``offload`` check, which looks at their storage: while
-        loaded they live on the compute device; after an offload, each storage seen while
-        loaded must be released (freed, or resized to 0 bytes in place), on a CPU-only machine
-        too. Default: the parameters (and ``.grad``) of every ``torch.nn.Module`` attribute of
-        the engine (or list / tuple of them) and the state of every ``torch.optim.Optimizer``
-        attribute. Override it when the engine keeps them elsewhere (megatron: gradient
-        buffers and its own optimizer wrapper); yield nothing for a part the engine does not
-        have (a frozen engine's optimizer)."""
-        if kind not in ("model", "optimizer"):
-            raise ValueError(f"state_tensors({kind!r}): kind must be 'model' or 'optimizer'")
-        found: list[torch.Tensor] = []
-        for value in vars(self).values():
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
-                if kind == "model" and isinstance(item, torch.nn.Module):
-                    for p in item.parameters():
-                        found += [p] if p.grad is None else [p, p.grad]
-                elif kind == "optimizer" and isinstance(item, torch.optim.Optimizer):
-                    for state in item.state.values():
-                        found += [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
-        return iter([t.to_local() if isinstance(t, DTensor) else t for t in found])
-
-    def _load_or_offload(self, device: str | torch.device, model: bool, optimizer: bool) -> None:
-        """:meth:`to` for a backend that keeps :attr:`offloaded` through :meth:`_load` /
-        :meth:`_offload`: the compute device (``"cuda"`` matches ``cuda:<this rank's index>``)
-        loads, the CPU offloads; on a CPU-only machine ``"cpu"`` is the compute device, so it
-        loads. Any other device is refused (``ValueError``, nothing moved)."""
-        device, compute = torch.device(device), torch.device(self.device)
-        if device.type == compute.type and device.index in (None, compute.index):
-            move = self._load
-        elif device.type == "cpu":
-            move = self._offload
-        else:
-            raise ValueError(
-                f"engine.to({str(device)!r}): this rank computes on {compute} and offloads to the CPU; "
-                f"fix: pass {str(compute)!r} to load or 'cpu' to offload"
-            )
-        self.__dict__["_routing_to"] = True
-        try:
-            move(model=model, optimizer=optimizer)
-        finally:
-            self.__dict__["_routing_to"] = False
-
-    def _require_loaded(self, model: bool, optimizer: bool) -> None:
-        """Raise a ``RuntimeError`` (nothing changed) when a part this call computes with is
-        offloaded: on a GPU it would compute on the wrong device or on freed storage."""
-        for kind, wanted in (("model", model), ("optimizer", optimizer)):
-            if wanted and self._offload_record[kind]:
-                raise RuntimeError(
-                    f"the {kind} is offloaded (engine.offloaded[{kind!r}] is True); fix: call this inside "
-                    "engine.train_mode() / eval_mode(), or engine.to(<compute device>) first"
-                )
-
-    @contextlib.contextmanager
-    def _loaded(self, optimizer: bool = True):
-        """The model (and, when ``optimizer``, the optimizer state) on the compute device for
-        the duration: saving and loading need both, exporting only the model (the rollout sync
-        should not bring the Adam moments onto the GPU). What was offloaded before is
-        offloaded again after."""
-        saved = dict(self._offload_record)
-        self._load(model=True, optimizer=optimizer)
-        try:
-            yield
-        finally:
-            self._offload(model=saved["model"], optimizer=saved["optimizer"])
-
-    def _step_scheduler(self) -> float:
-        """The one implementation of :meth:`lr_scheduler_step` over ``self.scheduler``."""
-        self._refuse_if_frozen("lr_scheduler_step")
-        self.scheduler.step()
-        return self.scheduler.get_last_lr()[0]
-
-    # ------------------------------------------------------------------ compute
     def set_loss_fn(self, loss_fn: LossFn) -> None:
         """Set the loss used by :meth:`forward_backward_step` (see ``engine_api.losses.LossFn``)."""
         self._loss_fn = loss_fn
 
-    @abc.abstractmethod
     def forward_backward_step(
         self,
         batch: TensorDict,
@@ -463,39 +222,67 @@ class BaseEngine(abc.ABC):
         Raises:
             ValueError: a malformed batch, or no loss function set for a training call;
                 raised before any gradient is touched.
+            RuntimeError: a training call on a frozen engine, or the model is offloaded.
         """
+        if not forward_only:
+            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
+        self._offloader.require_loaded(model=True, optimizer=False)
+        return self._forward_backward(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
 
-    @abc.abstractmethod
     def optimizer_zero_grad(self) -> None:
         """Clear gradients (and backend grad buffers) and the accumulation window (deferred
         counts, recorded losses). Calling it between ``forward_backward_step`` calls aborts
         that window without a trace: params, optimizer state, step counter and LR are as
         before the window, and the next window equals one on an engine that never saw the
         aborted data. Also the way to recover after a ``forward_backward_step`` that raised
-        part-way (e.g. in the loss function). Call it inside ``train_mode``: the built-in
-        backends refuse it while the model or the optimizer is :attr:`offloaded`."""
+        part-way (e.g. in the loss function). Refused while the model or the optimizer is
+        :attr:`offloaded` (call it inside ``train_mode``), before anything changes."""
+        self._refuse_if_frozen("optimizer_zero_grad")
+        self._offloader.require_loaded(model=True, optimizer=True)
+        self._zero_grad()
+        self.deferred.reset()
 
-    @abc.abstractmethod
     def optimizer_step(self) -> float:
         """Finish the gradient sync, apply deferred normalization, clip, and step.
 
         Returns:
             The global gradient norm before clipping (the same on every rank). If the norm,
             or the loss of any call since the last step, is not finite on *any* rank, the
-            step is skipped on *every* rank (the decision is agreed collectively): params,
-            optimizer state and the step counter are untouched, the window is reset, and a
-            non-finite value is returned (the norm itself, or NaN when only a loss was not
-            finite). Collective.
+            step is skipped on *every* rank (the decision is agreed collectively over the
+            engine's world: model-parallel peers compute the loss separately, so a non-finite
+            loss can be rank-local): params, optimizer state and the step counter are
+            untouched, the window is reset, and a non-finite value is returned (the norm
+            itself, or NaN when only a loss was not finite). Collective.
 
         Raises:
             engine_api.optim.NonFiniteUpdateError: the step ran and left a parameter NaN or
                 inf (on every rank, naming the step). The engine then refuses to train, save
-                or export until a checkpoint is loaded (see ``_refuse_if_broken``).
+                or export until a checkpoint is loaded.
         """
+        self._refuse_if_frozen("optimizer_step")
+        self._offloader.require_loaded(model=True, optimizer=True)
+        self._finish_grads()
+        nonfinite_loss = self.deferred.nonfinite_loss
+        if self.config.deferred_normalization:
+            self._scale_grads(self.deferred.grad_scale())
+        self.deferred.reset()  # the next window starts clean, whether this step runs or not
+        measured = self._grad_norm()
+        # Sharded grads give a partial norm; full_tensor() all-reduces it into the global one.
+        norm = float(measured.full_tensor() if isinstance(measured, DTensor) else measured)
+        if agree_to_skip(norm, nonfinite_loss, None):
+            return skipped_norm(norm)
+        if self.config.optim.clip_grad is not None:
+            self._clip_grads(self.config.optim.clip_grad, measured)
+        self._apply_update()
+        self._check_update(self._updated_parameters())
+        self.global_step += 1
+        return norm
 
-    @abc.abstractmethod
     def lr_scheduler_step(self) -> float:
         """Advance the LR scheduler by one step and return the new learning rate."""
+        self._refuse_if_frozen("lr_scheduler_step")
+        self.scheduler.step()
+        return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ data parallel
     @property
@@ -534,15 +321,51 @@ class BaseEngine(abc.ABC):
         batch in its original order, on every rank. Collective over :attr:`dp_group`."""
         return unshard_batch(data, self.dp_group)
 
-    # ------------------------------------------------------------------ state
-    @abc.abstractmethod
-    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
-        """Move the model (params and grads) and/or optimizer state to ``device`` (manual
-        load/offload; ``train_mode``/``eval_mode`` do it by policy). The built-in backends
-        read the compute device as "load" and the CPU as "offload" (any other device raises
-        ``ValueError``), and keep :attr:`offloaded` current (``_load_or_offload``)."""
+    # ------------------------------------------------------------------ placement
+    @property
+    def offloaded(self) -> dict[str, bool]:
+        """Which parts are offloaded now: ``{"model": bool, "optimizer": bool}`` ("model" is
+        params and grads). True from an offload (a mode's exit under ``config.offload``, or
+        :meth:`to` the CPU) until the part is loaded again. The engine's record, not a guess
+        from tensor devices: the same on CPU-only and GPU machines (``engine_api.offload``)."""
+        return self._offloader.offloaded
 
-    @abc.abstractmethod
+    @property
+    def placement(self) -> dict[str, torch.device]:
+        """Where each part lives: the CPU while :attr:`offloaded`, else the compute device."""
+        return {kind: torch.device("cpu") if off else torch.device(self.device) for kind, off in self.offloaded.items()}
+
+    def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
+        """Load (the compute device) or offload (the CPU) the model (params and grads) and/or
+        the optimizer state by hand (``train_mode`` / ``eval_mode`` do it by policy). On a
+        CPU-only machine ``"cpu"`` is the compute device, so it loads. Any other device raises
+        ``ValueError`` with nothing moved."""
+        self._offloader.to(device, self.device, model=model, optimizer=optimizer)
+
+    def state_tensors(self, kind: str) -> Iterator[torch.Tensor]:
+        """The tensors an offload of ``kind`` must move: ``"model"``, the parameters and their
+        gradients; ``"optimizer"``, the optimizer state (not the step counters, which AdamW
+        keeps on the CPU anyway). DTensors are given as their local shards.
+
+        Read by the conformance kit's ``offload`` check, which looks at their storage: while
+        loaded they live on the compute device; after an offload, each storage seen while
+        loaded must be released (freed, or resized to 0 bytes in place), on a CPU-only machine
+        too. Default: the parameters (and ``.grad``) of :meth:`_modules` and the state of
+        ``self.optimizer``. Override it when the engine keeps them elsewhere (megatron's
+        gradient buffers and optimizer wrapper)."""
+        if kind not in ("model", "optimizer"):
+            raise ValueError(f"state_tensors({kind!r}): kind must be 'model' or 'optimizer'")
+        found: list[torch.Tensor] = []
+        if kind == "model":
+            for module in self._modules():
+                for p in module.parameters():
+                    found += [p] if p.grad is None else [p, p.grad]
+        elif self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                found += [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
+        return iter([t.to_local() if isinstance(t, DTensor) else t for t in found])
+
+    # ------------------------------------------------------------------ state
     def save_checkpoint(
         self,
         local_path: str,
@@ -562,10 +385,14 @@ class BaseEngine(abc.ABC):
 
         Collective over all ranks of the engine.
         """
+        self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
+        self._refuse_if_broken("save_checkpoint")
+        keep = max_ckpt_to_keep if max_ckpt_to_keep is not None else self.config.checkpoint.max_ckpt_to_keep
+        with self._offloader.loaded():
+            self._save_checkpoint(local_path, hdfs_path, global_step, keep, self._checkpoint_extra(global_step))
 
-    @abc.abstractmethod
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True) -> int:
-        """Restore state saved by :meth:`save_checkpoint`.
+        """Restore state saved by :meth:`save_checkpoint`; clears a broken engine.
 
         Args:
             local_path: a checkpoint root (its newest complete checkpoint is loaded) or one
@@ -577,8 +404,14 @@ class BaseEngine(abc.ABC):
         Returns:
             The restored global step. Collective.
         """
+        self._refuse_if_frozen("load_checkpoint")
+        with self._offloader.loaded():
+            extra = self._load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        self.global_step = self._restore_extra(extra)
+        self.deferred.reset()
+        self._broken = None
+        return self.global_step
 
-    @abc.abstractmethod
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight, in HF naming and layout, for
         weight sync into a rollout/inference model or HF export (with LoRA: the base weights
@@ -586,10 +419,11 @@ class BaseEngine(abc.ABC):
 
         ``bucket_mb``: a transfer hint. ``None`` moves one tensor per collective; a size in MB
         asks the backend to gather consecutive tensors in flat buckets of about that size (one
-        collective per bucket: fewer, larger transfers, extra memory about a bucket or a few). The names,
-        order and values must be the same either way (bit-identical); a backend that cannot
-        bucket may ignore it. Validate it eagerly with :func:`bucket_bytes` (a bad size raises
-        at the call, not at the first ``next``)."""
+        collective per bucket). The names, order and values are the same either way
+        (bit-identical); a backend that cannot bucket ignores it. A bad size raises here, at
+        the call, not at the first ``next``; so does a broken engine."""
+        self._refuse_if_broken("export_weights")
+        return self._exporting(self._export_weights, bucket_bytes(bucket_mb))
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(peft_name, full_tensor)`` for every LoRA adapter weight, named as peft saves
@@ -597,13 +431,21 @@ class BaseEngine(abc.ABC):
         peft adapter directory. Collective.
 
         Raises:
-            ValueError: the engine has no adapters (``model.lora.rank`` is 0, or the backend
-                does not support LoRA).
+            ValueError: the engine has no adapters (``model.lora.rank`` is 0).
         """
-        raise ValueError(
-            f"export_adapter_weights on {type(self).__name__} (model.lora.rank = {self.config.model.lora.rank}): no LoRA adapters; "
-            "fix: build the engine with engine.model.lora.rank > 0 on a backend that supports LoRA, or use export_weights"
-        )
+        if not self.config.model.lora.enabled:
+            raise ValueError(
+                f"export_adapter_weights on {type(self).__name__} (model.lora.rank = {self.config.model.lora.rank}): no LoRA "
+                "adapters; fix: build the engine with engine.model.lora.rank > 0 on a backend that supports LoRA, or use export_weights"
+            )
+        self._refuse_if_broken("export_adapter_weights")
+        return self._exporting(self._export_adapter_weights)
+
+    def _exporting(self, export: Callable[..., Iterator], *args) -> Iterator:
+        # A generator, so the model is loaded from the first ``next`` until the last, and the
+        # optimizer state stays where it is.
+        with self._offloader.loaded(optimizer=False):
+            yield from export(*args)
 
     # ------------------------------------------------------------------ templates
     def train_batch(self, batch: TensorDict) -> dict[str, Any]:
@@ -633,3 +475,140 @@ class BaseEngine(abc.ABC):
         """Forward-only outputs for ``batch`` (this rank's shard). Call inside :meth:`eval_mode`."""
         predictions, _ = self.forward_backward_step(batch, forward_only=True)
         return predictions
+
+    # ------------------------------------------------------------------ guards
+    def _refuse_if_frozen(self, what: str) -> None:
+        """Raise the frozen-engine error for a training call (``config.frozen``)."""
+        if self.config.frozen:
+            raise RuntimeError(
+                f"{what} on a frozen engine (engine.frozen = True: no optimizer); fix: use eval_mode/infer_batch, or set engine.frozen=false"
+            )
+
+    def _refuse_if_broken(self, what: str) -> None:
+        """Raise for ``what`` while the weights are invalid: an optimizer step wrote non-finite
+        values (:meth:`_check_update`). Training, saving (which could rotate good checkpoints
+        out) and exporting them are refused until ``load_checkpoint``."""
+        if self._broken:
+            raise RuntimeError(f"{what} refused: {self._broken}")
+
+    def _check_update(self, named_params, group: dist.ProcessGroup | None = None) -> None:
+        """After an optimizer step that ran: ``engine_api.optim.check_update_finite`` for step
+        ``global_step + 1``; a failure marks the engine broken before it propagates.
+        Collective over ``group`` (None: the world: every rank holds other shards, and all
+        must stop together)."""
+        try:
+            check_update_finite(named_params, self.global_step + 1, group)
+        except NonFiniteUpdateError as exc:
+            self._broken = str(exc)
+            raise
+
+    # ================================================================== backend hooks
+    @abc.abstractmethod
+    def _build_model(self) -> None:
+        """Join or create the process group, set ``self.device``, build the model from
+        ``config.model.path``, and unless ``config.frozen`` ``self.optimizer`` and
+        ``self.scheduler`` (a frozen model's parameters need no gradients). Collective."""
+
+    @abc.abstractmethod
+    def _modules(self) -> list[torch.nn.Module]:
+        """The modules ``train_mode`` / ``eval_mode`` switch, and whose parameters the default
+        hooks train, offload and report."""
+
+    @abc.abstractmethod
+    def _step_spec(self) -> StepSpec:
+        """What the shared micro-batch loop needs for a call (``kit.StepSpec``): the forward,
+        the DP group, how gradients reduce over DP, the vocabulary and position limits."""
+
+    def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
+        """One ``forward_backward_step`` after the guards: the shared loop over
+        :meth:`_step_spec`. A backend with its own micro-batch schedule passes it as the
+        loop's ``runner``; one with per-call cleanup wraps this."""
+        return forward_backward_loop(
+            self._step_spec(), batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn
+        )
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (with LoRA, the adapters)."""
+        return [p for module in self._modules() for p in module.parameters() if p.requires_grad]
+
+    def _zero_grad(self) -> None:
+        """Clear the gradients (default: ``self.optimizer.zero_grad(set_to_none=True)``)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _with_grad(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self._trainable_parameters() if p.grad is not None]
+        if not params:
+            raise RuntimeError("optimizer_step with no gradients; fix: call forward_backward_step (not forward_only) first")
+        return params
+
+    def _finish_grads(self) -> None:
+        """Complete the gradients before the step (a backend that reduces over DP at the step
+        does it here). Default: check that there are gradients."""
+        self._with_grad()
+
+    def _scale_grads(self, scale: float) -> None:
+        """Multiply every gradient by ``scale`` (deferred normalization's ``1 / denominator``)."""
+        for p in self._with_grad():
+            p.grad.mul_(scale)
+
+    def _grad_norm(self) -> torch.Tensor | float:
+        """The global L2 norm of the gradients, in the form :meth:`_clip_grads` takes it
+        (default: torch's total norm, a DTensor for sharded grads; collective then)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in self._with_grad()], norm_type=2.0)
+
+    def _clip_grads(self, max_norm: float, total: torch.Tensor | float) -> None:
+        """Scale the gradients so their global norm ``total`` is at most ``max_norm``."""
+        torch.nn.utils.clip_grads_with_norm_(self._with_grad(), max_norm, total)  # takes the parameters
+
+    def _apply_update(self) -> None:
+        """Step the optimizer with the finished, clipped gradients."""
+        self.optimizer.step()
+
+    def _updated_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` of what a step changed, for the post-step finite check (only
+        the trained parameters: with LoRA not the whole frozen base every step)."""
+        return ((n, p) for module in self._modules() for n, p in module.named_parameters() if p.requires_grad)
+
+    def _move(self, kind: str, load: bool) -> None:
+        """Load (``load``: onto the compute device) or offload (to the CPU) one part,
+        ``"model"`` or ``"optimizer"``. A flag, not a device: on a CPU-only machine both
+        directions are "cpu", and a backend that frees storage (megatron) must still know
+        which one it is. Default: copies (:func:`~engine_api.offload.relocate_module`,
+        :func:`~engine_api.offload.relocate_state`), which release the old storage on a
+        CPU-only machine too."""
+        device = self.device if load else torch.device("cpu")
+        if kind == "model":
+            for module in self._modules():
+                relocate_module(module, device)  # moves .grad with each param; FSDP2 re-registers its shards
+        elif self.optimizer is not None:
+            relocate_state(self.optimizer, device)  # AdamW keeps its step counter on the CPU
+        if not load and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _checkpoint_extra(self, global_step: int) -> dict:
+        """The per-rank extra state of a checkpoint (``ckpt_layout.make_extra``: scheduler,
+        RNG, step); a backend with more RNG state adds it."""
+        return make_extra(self.scheduler, global_step)
+
+    @abc.abstractmethod
+    def _save_checkpoint(self, local_path: str, hdfs_path: str | None, global_step: int, keep: int | None, extra: dict) -> None:
+        """Write model, optimizer and ``extra`` inside the ``ckpt_layout`` protocol, keeping
+        ``keep`` checkpoints. Called with everything loaded. Collective."""
+
+    @abc.abstractmethod
+    def _load_checkpoint(self, local_path: str, hdfs_path: str | None, del_local_after_load: bool) -> dict:
+        """Read and verify a checkpoint, restore model and optimizer state (only after
+        everything is read), and return its ``extra``. Called with everything loaded. Collective."""
+
+    def _restore_extra(self, extra: dict) -> int:
+        """Apply a loaded checkpoint's ``extra`` (scheduler, RNG); return its global step."""
+        return apply_extra(extra, self.scheduler, self.config.seed)
+
+    @abc.abstractmethod
+    def _export_weights(self, bucket_bytes: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for every weight (``bucket_bytes``: the validated
+        transfer hint, None for one tensor per collective). Called with the model loaded."""
+
+    def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the LoRA adapters by peft's names (a backend with :attr:`supports_lora`)."""
+        raise NotImplementedError(f"{type(self).__name__} sets supports_lora but does not implement _export_adapter_weights")

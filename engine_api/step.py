@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from engine_api.base import RETURN_PREDICTIONS
 from engine_api.batch import loss_mask_of, relayout, to_device, validate_batch
 from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
@@ -26,6 +25,10 @@ from engine_api.microbatch import make_micro_batches
 from engine_api.moe import RoutingRecorder
 
 ForwardFn = Callable[[TensorDict], TensorDict]
+# ``ctx`` key of a training ``forward_backward_step``: False lets the backend skip assembling the
+# predictions (returned as None), which ``train_batch`` discards anyway; saves the per-micro-batch
+# relayout and the final reorder.
+RETURN_PREDICTIONS = "return_predictions"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine
-from engine_api.base import export_in_buckets
 
 
 def infer_global(engine: BaseEngine, batch: TensorDict, **meta) -> TensorDict:
@@ -61,9 +60,8 @@ class TrainableRole:
 
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full_tensor)`` pairs, gathered one tensor or one ``bucket_mb`` bucket per
-        collective (``BaseEngine.export_weights``). An engine whose ``export_weights`` takes no
-        ``bucket_mb`` (written before it existed) exports per tensor, with a warning. Collective."""
-        return export_in_buckets(self.engine.export_weights, bucket_mb)
+        collective (``BaseEngine.export_weights``). Collective."""
+        return self.engine.export_weights(bucket_mb=bucket_mb)
 
     def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters by peft's names (``BaseEngine.export_adapter_weights``). Collective."""

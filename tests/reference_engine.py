@@ -15,10 +15,7 @@ directory protocol (manifest, marker, ``latest``, retention, remote copy).
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,7 +32,7 @@ BACKEND = "reference-ddp"  # recorded in the checkpoint marker
 
 
 @dataclass(frozen=True)
-class ReferenceOptions:
+class ReferenceOptions(kit.BackendOptions):
     """The ``reference.*`` section: torch DDP settings.
 
     Attributes:
@@ -57,7 +54,7 @@ class ReferenceEngine(kit.BaseEngine):
 
     options_class = ReferenceOptions
 
-    def init_model(self) -> None:
+    def _build_model(self) -> None:
         """Join or create the process group, load the HF model, wrap it in DDP, build AdamW + LR."""
         cfg = self.config
         if cfg.model.path is None:
@@ -81,29 +78,10 @@ class ReferenceEngine(kit.BaseEngine):
         )
         self.optimizer = None if cfg.frozen else kit.build_adamw(self.module.parameters(), cfg.optim)
         self.scheduler = None if cfg.frozen else kit.build_lr_scheduler(self.optimizer, cfg.optim)
-        self.deferred = kit.DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
-        self.global_step = 0
-        self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
-    # ------------------------------------------------------------------ modes and placement
-    def train_mode(self):
-        return self._switch_mode([self.module], training=True)
-
-    def eval_mode(self):
-        return self._switch_mode([self.module], training=False)
-
-    def to(self, device, model=True, optimizer=True) -> None:
-        # The compute device loads, the CPU offloads; engine.offloaded records it.
-        self._load_or_offload(device, model=model, optimizer=optimizer)
-
-    def _move(self, kind: str, load: bool) -> None:
-        # Copies, so an offload releases the loaded storage even where the compute device is
-        # the CPU (a plain module.to("cpu") would keep the very same tensors there).
-        device = self.device if load else torch.device("cpu")
-        if kind == "model":
-            self._relocate_module(self.module, device)
-        elif self.optimizer is not None:
-            self._relocate_state(self.optimizer, device)  # AdamW keeps its step count on the CPU
+    def _modules(self):
+        # BaseEngine switches modes, offloads (by copying) and steps the optimizer over these.
+        return [self.module]
 
     @property
     def dp_rank(self) -> int:
@@ -118,15 +96,7 @@ class ReferenceEngine(kit.BaseEngine):
         return None
 
     # ------------------------------------------------------------------ compute
-    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        if not forward_only:
-            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            return kit.forward_backward_loop(
-                self._spec(), batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn
-            )
-
-    def _spec(self) -> kit.StepSpec:
+    def _step_spec(self) -> kit.StepSpec:
         """What the shared loop needs: DDP averages gradients over DP (the loop compensates)."""
         hf = self.module.config
         return kit.StepSpec(
@@ -156,29 +126,8 @@ class ReferenceEngine(kit.BaseEngine):
             out["entropy"] = kit.unpack(kit.token_entropy(logits, packed.cu_seqlens), ids)
         return TensorDict(out, batch_size=mb.batch_size)
 
-    def optimizer_zero_grad(self) -> None:
-        self._refuse_if_frozen("optimizer_zero_grad")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.deferred.reset()
-
-    def optimizer_step(self) -> float:
-        self._refuse_if_frozen("optimizer_step")
-        # DDP already averaged the grads over DP (the loop scaled the loss to undo it).
-        deferred = self.deferred if self.config.deferred_normalization else None
-        params = list(self.module.parameters())
-        grad_norm = kit.clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred)
-        if math.isfinite(grad_norm):
-            self._check_update(self.module.named_parameters())
-            self.global_step += 1
-        return grad_norm
-
-    def lr_scheduler_step(self) -> float:
-        return self._step_scheduler()
-
     # ------------------------------------------------------------------ state
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
-        self._refuse_if_frozen("save_checkpoint")
-        self._refuse_if_broken("save_checkpoint")
+    def _save_checkpoint(self, local_path, hdfs_path, global_step, keep, extra) -> None:
         tmp = kit.ckpt_layout.begin(local_path, global_step)
         if self.dp_rank == 0:  # every rank holds the same replica
             for name, state in (("model.pt", self.module.state_dict()), ("optim.pt", self.optimizer.state_dict())):
@@ -186,11 +135,10 @@ class ReferenceEngine(kit.BaseEngine):
                     torch.save(state, f)
                     f.flush()
                     os.fsync(f.fileno())
-        kit.ckpt_layout.save_extra(tmp, kit.make_extra(self.scheduler, global_step))
-        kit.ckpt_layout.commit(local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, {"backend": BACKEND})
+        kit.ckpt_layout.save_extra(tmp, extra)
+        kit.ckpt_layout.commit(local_path, global_step, keep, hdfs_path, {"backend": BACKEND})
 
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
-        self._refuse_if_frozen("load_checkpoint")
+    def _load_checkpoint(self, local_path, hdfs_path, del_local_after_load) -> dict:
         path, downloaded, info = kit.ckpt_layout.open_checkpoint(
             local_path, hdfs_path, not del_local_after_load, self.config.checkpoint.verify
         )
@@ -205,18 +153,10 @@ class ReferenceEngine(kit.BaseEngine):
         # Everything is read and verified: only now does engine state change.
         self.module.load_state_dict(model_sd)
         self.optimizer.load_state_dict(optim_sd)
-        self.global_step = kit.ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
-        self.deferred.reset()
-        self._broken = None
-        return self.global_step
+        return extra
 
-    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        # Unsharded: nothing to gather, so the bucket size (a transfer hint) is validated and ignored.
-        self._refuse_if_broken("export_weights")
-        kit.bucket_bytes(bucket_mb)
-        return self._export()
-
-    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _export_weights(self, bucket_bytes):
+        del bucket_bytes  # unsharded: nothing to gather, so the transfer hint changes nothing
         for name, param in self.module.state_dict().items():
             yield name, param.detach().clone()
         if dist.is_initialized():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from engine_api import ckpt_layout
+from engine_api.kit import ckpt_layout
 
 BACKEND = "fsdp"  # recorded in enginekit.json
 

@@ -9,7 +9,6 @@ wrapping, offload, DCP checkpoints and HF-named weight export.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -24,14 +23,17 @@ from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, ti
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, fsdp_problems, load_model
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
-from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.base import bucket_bytes
-from engine_api.config import options_of
-from engine_api.dist import all_reduce, compute_device, ensure_process_group
-from engine_api.losses import DeferredNormalizer
-from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.optim import build_adamw, clip_and_step
-from engine_api.step import StepSpec, forward_backward_loop
+from engine_api.kit import (
+    BaseEngine,
+    StepSpec,
+    all_reduce,
+    build_adamw,
+    build_lr_scheduler,
+    compute_device,
+    ensure_process_group,
+    options_of,
+    register_engine,
+)
 
 
 @register_engine("fsdp")
@@ -49,8 +51,8 @@ class FSDPEngine(BaseEngine):
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
         return fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
 
-    def init_model(self) -> None:
-        """Load the HF model, shard it with FSDP2, build AdamW + LR schedule, apply offload.
+    def _build_model(self) -> None:
+        """Load the HF model, shard it with FSDP2, build AdamW + LR schedule.
 
         Collective. Joins the launcher's world when there is one (torchrun), else creates a
         1-rank group so one process runs the same FSDP2 code as N
@@ -71,41 +73,15 @@ class FSDPEngine(BaseEngine):
         self.vocab_size = model.config.vocab_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # Only trainable parameters: with LoRA the adapters (the frozen base gets no state).
-        self.optimizer = None if self.config.frozen else build_adamw(self._trainable(), self.config.optim)
+        self.optimizer = None if self.config.frozen else build_adamw(self._trainable_parameters(), self.config.optim)
         self.scheduler = None if self.config.frozen else build_lr_scheduler(self.optimizer, self.config.optim)
         if self.config.model.lora.enabled and dist.get_rank() == 0:
-            trained, total = sum(p.numel() for p in self._trainable()), sum(p.numel() for p in self.model.parameters())
+            trained, total = sum(p.numel() for p in self._trainable_parameters()), sum(p.numel() for p in self.model.parameters())
             print(f"[enginekit] LoRA rank {self.config.model.lora.rank}: {trained:,} of {total:,} parameters trained", flush=True)
-        self.deferred = DeferredNormalizer(self.config.loss_agg_mode, self.config.loss_agg_constant)
-        self.global_step = 0
         self._forward_ran = False  # see _reset_fsdp_iteration
-        self._offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
 
-    # ------------------------------------------------------------------ modes and placement
-    def train_mode(self):
-        """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
-        return self._switch_mode([self.model], training=True)
-
-    def eval_mode(self):
-        """Params on the compute device; ``eval()``; offload on exit."""
-        return self._switch_mode([self.model], training=False)
-
-    def to(self, device, model: bool = True, optimizer: bool = True) -> None:
-        """Load (the compute device) or offload (the CPU) params + grads (``model``) and/or
-        optimizer state; :attr:`offloaded` records it (``BaseEngine._load_or_offload``: on a
-        CPU-only machine ``"cpu"`` is the compute device and loads)."""
-        self._load_or_offload(device, model=model, optimizer=optimizer)
-
-    def _move(self, kind: str, load: bool) -> None:
-        # Copies (BaseEngine._relocate_*), so the loaded storage is released on a CPU-only
-        # machine too, where both directions are "cpu" (module.to would keep the same tensors).
-        device = self.device if load else torch.device("cpu")
-        if kind == "model":
-            self._relocate_module(self.model, device)  # moves .grad with each param; FSDP2 re-registers its shards
-        elif self.optimizer is not None:
-            self._relocate_state(self.optimizer, device)  # AdamW keeps its step on the CPU
-        if not load and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def _modules(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     # ------------------------------------------------------------------ topology
     @property
@@ -121,23 +97,9 @@ class FSDPEngine(BaseEngine):
         return dist.group.WORLD
 
     # ------------------------------------------------------------------ compute
-    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        """See ``BaseEngine.forward_backward_step``. Micro-batches run on the compute device;
-        predictions come back on every rank, on ``batch``'s device and jagged layout."""
-        if forward_only:
-            try:
-                return self._forward_backward(batch, ctx, True, preprocess_fn, postprocess_fn)
-            finally:
-                # FSDP2 records every forward for backward prefetching and forgets the record
-                # only in a backward: forward-only calls (inference, a frozen engine) would
-                # grow it forever (measured: +0.18 KiB per call, linear over 1500 calls).
-                self._reset_fsdp_iteration()
-        self._refuse_if_frozen("forward_backward_step(forward_only=False)")
-        return self._forward_backward(batch, ctx, False, preprocess_fn, postprocess_fn)
-
-    def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
-        self._require_loaded(model=True, optimizer=False)
-        spec = StepSpec(
+    def _step_spec(self) -> StepSpec:
+        # FSDP2 averages gradients over DP (the loop compensates: StepSpec's default).
+        return StepSpec(
             config=self.config,
             dp_group=self.dp_group,
             forward=self._forward,
@@ -146,7 +108,16 @@ class FSDPEngine(BaseEngine):
             max_positions=self.max_positions,
             router=self.router,
         )
-        return forward_backward_loop(spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn)
+
+    def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
+        try:
+            return super()._forward_backward(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
+        finally:
+            if forward_only:
+                # FSDP2 records every forward for backward prefetching and forgets the record
+                # only in a backward: forward-only calls (inference, a frozen engine) would
+                # grow it forever (measured: +0.18 KiB per call, linear over 1500 calls).
+                self._reset_fsdp_iteration()
 
     def _forward(self, mb: TensorDict) -> TensorDict:
         self._forward_ran = True
@@ -156,16 +127,10 @@ class FSDPEngine(BaseEngine):
         with adapters_off(self.model) if base_only else contextlib.nullcontext():
             return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
 
-    def optimizer_zero_grad(self) -> None:
-        """Clear grads and the accumulation window; also FSDP2's per-iteration state, which a
-        call that raised part-way (e.g. in the loss function) leaves behind (torch's documented
-        recovery: ``reset_iter_state`` on the root module)."""
-        self._refuse_if_frozen("optimizer_zero_grad")
-        # As on megatron (whose grad buffers are freed while offloaded): refused before any
-        # change, so a train_batch outside the modes leaves the window as it was.
-        self._require_loaded(model=True, optimizer=True)
+    def _zero_grad(self) -> None:
+        # Also FSDP2's per-iteration state, which a call that raised part-way (e.g. in the loss
+        # function) leaves behind (torch's documented recovery: reset_iter_state on the root).
         self.optimizer.zero_grad(set_to_none=True)
-        self.deferred.reset()
         self._reset_fsdp_iteration()
 
     def _reset_fsdp_iteration(self) -> None:
@@ -177,47 +142,14 @@ class FSDPEngine(BaseEngine):
             reset()
             self._forward_ran = False
 
-    def optimizer_step(self) -> float:
-        """Deferred normalization, global pre-clip norm (collective), skip decision agreed by
-        every rank (non-finite norm or loss), clip, AdamW step."""
-        self._refuse_if_frozen("optimizer_step")
-        self._require_loaded(model=True, optimizer=True)
-        deferred = self.deferred if self.config.deferred_normalization else None
-        params = self._trainable()
-        grad_norm = clip_and_step(params, self.optimizer, self.config.optim.clip_grad, deferred, window=self.deferred, group=self.dp_group)
-        if math.isfinite(grad_norm):
-            # only what the step changed (with LoRA, not the whole frozen base every step)
-            self._check_update([(n, p) for n, p in self.model.named_parameters() if p.requires_grad])
-            self.global_step += 1
-        return grad_norm
-
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def lr_scheduler_step(self) -> float:
-        """Advance the schedule; return the new learning rate."""
-        return self._step_scheduler()
-
     # ------------------------------------------------------------------ state
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
+    def _save_checkpoint(self, local_path, hdfs_path, global_step, keep, extra) -> None:
         """DCP save of model + optimizer, plus scheduler, RNG and step per rank. Collective."""
-        self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
-        self._refuse_if_broken("save_checkpoint")
-        extra = ckpt_layout.make_extra(self.scheduler, global_step)
-        with self._loaded():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path, self._lora)
+        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path, self._lora)
 
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+    def _load_checkpoint(self, local_path, hdfs_path, del_local_after_load) -> dict:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``). Collective."""
-        self._refuse_if_frozen("load_checkpoint")
-        with self._loaded():
-            extra = ckpt.load(
-                self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora
-            )
-        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed)
-        self.deferred.reset()
-        self._broken = None
-        return self.global_step
+        return ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora)
 
     @property
     def _lora(self) -> dict:
@@ -227,38 +159,27 @@ class FSDPEngine(BaseEngine):
             return {}
         return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules), "head": self.config.model.head}
 
-    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the LoRA adapters by peft's names (see ``BaseEngine.export_adapter_weights``). Collective."""
-        if not self.config.model.lora.enabled:
-            yield from super().export_adapter_weights()
-            return
-        self._refuse_if_broken("export_adapter_weights")
-        with self._loaded(optimizer=False):
-            yield from adapter_weights(self.model)
+    def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters by peft's names (see ``BaseEngine.export_adapter_weights``). Collective."""
+        return adapter_weights(self.model)
 
-    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so
-        peak memory is one full tensor. FSDP2 keeps HF module names, so names are HF's;
-        tied weights appear under both names, as in HF's own ``state_dict``. With LoRA: the
-        merged weights, one decoder layer gathered at a time (``backends.fsdp.lora``;
-        ``bucket_mb`` is then ignored: a layer is the unit).
+    def _export_weights(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full_tensor)`` one parameter at a time (each an all-gather), so peak
+        memory is one full tensor. FSDP2 keeps HF module names, so names are HF's; tied weights
+        appear under both names, as in HF's own ``state_dict``. With LoRA: the merged weights,
+        one decoder layer gathered at a time (``backends.fsdp.lora``; the bucket size is then
+        ignored: a layer is the unit).
 
-        ``bucket_mb``: gather in flat buckets of about this many MB, one collective per bucket
+        ``size``: gather in flat buckets of about this many bytes, one collective per bucket
         (``backends.fsdp.export``; same tensors, same order, bit-exact); extra memory is then a
         few times a bucket (the local shards side by side, the gathered buffer, the tensors
         reassembled from it)."""
-        self._refuse_if_broken("export_weights")
-        size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
-        return self._export(size)
-
-    def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._loaded(optimizer=False):
-            if self.config.model.lora.enabled:
-                yield from merged_weights(self.model)
-                return
-            if size is not None:
-                yield from bucketed_full_tensors(iter(self.model.state_dict().items()), size)
-                return
-            for name, tensor in self.model.state_dict().items():
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                yield name, full.detach()
+        if self.config.model.lora.enabled:
+            yield from merged_weights(self.model)
+            return
+        if size is not None:
+            yield from bucketed_full_tensors(iter(self.model.state_dict().items()), size)
+            return
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, full.detach()

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 from tensordict import TensorDict
 
-from engine_api.batch import pack, pad, unpack
-from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
+from engine_api.kit import align_to_tokens, pack, pad, token_entropy, token_log_probs, unpack
 
 # FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
 # in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs

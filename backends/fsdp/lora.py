@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engine_api.config import LoraConfig
+from engine_api.kit import LoraConfig
 
 ADAPTER = "default"  # peft's name for the one adapter
 

@@ -13,7 +13,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from engine_api import ckpt_layout
+from engine_api.kit import ckpt_layout
 
 BACKEND = "megatron"  # recorded in enginekit.json
 

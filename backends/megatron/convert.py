@@ -103,7 +103,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine_api.config import format_problem
+from engine_api.kit import format_problem
 
 FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")

@@ -5,7 +5,7 @@ Normalization with megatron's machinery: the schedule divides each micro-batch l
 number of micro-batches and megatron DDP averages gradients over DP, so the loss handed to the
 schedule is ``contribution * backward_scale * num_microbatches`` (see ``engine_api.losses``).
 Gradients are reduced over DP once per optimizer step (``finalize_model_grads`` in
-:meth:`optimizer_step`, not per call), which keeps split calls exact with the distributed
+:meth:`_finish_grads`, not per call), which keeps split calls exact with the distributed
 optimizer's reduce-scatter too.
 
 Packed micro-batches (``use_remove_padding``) are one row with a block-diagonal causal attention
@@ -40,26 +40,35 @@ from backends.megatron.export import export_hf
 from backends.megatron.model import (
     build_chunks,
     build_transformer_config,
-    megatron_problems,
     init_parallel,
     load_hf_weights,
+    megatron_problems,
     read_hf_state,
     use_te_spec,
 )
 from backends.megatron.offload import StorageOffloader
 from backends.megatron.options import MegatronOptions
 from backends.megatron.routing import attach_router_recorder, router_mask
-from engine_api import BaseEngine, ckpt_layout, register_engine
-from engine_api.base import bucket_bytes
-from engine_api.batch import pack, pad, relayout, to_device, unpack
-from engine_api.config import options_of
-from engine_api.dist import broadcast_tensors
-from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
-from engine_api.losses import DeferredNormalizer
-from engine_api.lr_schedule import build_lr_scheduler
-from engine_api.moe import RouterSpec
-from engine_api.optim import agree_to_skip, skipped_norm
-from engine_api.step import CallState, StepSpec, forward_backward_loop
+from engine_api.kit import (
+    BaseEngine,
+    CallState,
+    RouterSpec,
+    StepSpec,
+    align_to_tokens,
+    broadcast_tensors,
+    build_lr_scheduler,
+    ckpt_layout,
+    forward_backward_loop,
+    options_of,
+    pack,
+    pad,
+    register_engine,
+    relayout,
+    to_device,
+    token_entropy,
+    token_log_probs,
+    unpack,
+)
 
 
 @register_engine("megatron")
@@ -75,9 +84,9 @@ class MegatronEngine(BaseEngine):
         """Megatron-specific problems found at ``build_engine`` (``backends.megatron.model.megatron_problems``)."""
         return megatron_problems(config)
 
-    def init_model(self) -> None:
+    def _build_model(self) -> None:
         """Parallel state, GPTModel chunks from the HF directory, megatron DDP and optimizer,
-        LR schedule, offload policy. Collective over the world."""
+        LR schedule. Collective over the world."""
         cfg = self.config
         if cfg.model.path is None:
             raise ValueError("model.path = None: MegatronEngine loads an HF directory; fix: set engine.model.path")
@@ -124,14 +133,11 @@ class MegatronEngine(BaseEngine):
             )
         )
         self.scheduler = None if cfg.frozen else build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
-        self.deferred = DeferredNormalizer(cfg.loss_agg_mode, cfg.loss_agg_constant)
-        self.global_step = 0
         pipelined = options_of(cfg, MegatronOptions).pipeline_model_parallel_size > 1
         self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
         self.fixed_shape = pipelined
         self._call_len = 0
         self._offloaders = {"model": StorageOffloader(), "optimizer": StorageOffloader()}
-        self._offload(model=cfg.offload.param, optimizer=cfg.offload.optimizer)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -146,29 +152,16 @@ class MegatronEngine(BaseEngine):
     def dp_group(self) -> dist.ProcessGroup:
         return mpu.get_data_parallel_group()
 
-    # ------------------------------------------------------------------ modes and placement
-    def train_mode(self):
-        """Params, grads and optimizer state on the compute device; ``train()``; offload on exit."""
-        return self._switch_mode(self.model, training=True)
-
-    def eval_mode(self):
-        """Params on the compute device; ``eval()``; offload on exit."""
-        return self._switch_mode(self.model, training=False)
-
-    def to(self, device, model: bool = True, optimizer: bool = True) -> None:
-        """Load (the compute device) or offload (the CPU) params + grad buffers (``model``)
-        and/or optimizer state, by freeing and refilling storage in place
-        (``backends.megatron.offload``); :attr:`offloaded` records it. On a CPU-only machine
-        ``"cpu"`` is the compute device, so ``to("cpu")`` loads; the offload policy of
-        train/eval modes still frees storage there."""
-        self._load_or_offload(device, model=model, optimizer=optimizer)
+    # ------------------------------------------------------------------ placement
+    def _modules(self) -> list[torch.nn.Module]:
+        return list(self.model)
 
     def _move(self, kind: str, load: bool) -> None:
         if load:
             self._offloaders[kind].restore()
         elif kind == "optimizer":
             # Keep the storages the optimizer shares with the model (parameters without a
-            # distributed-optimizer copy): they are the model's to free (BaseEngine._offload
+            # distributed-optimizer copy): they are the model's to free (the Offloader
             # offloads the optimizer first, so they are still allocated here).
             keep = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
             self._offloaders["optimizer"].offload(self._optimizer_tensors(), keep=keep)
@@ -201,15 +194,9 @@ class MegatronEngine(BaseEngine):
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # ------------------------------------------------------------------ compute
-    def forward_backward_step(self, batch, ctx=None, forward_only=False, preprocess_fn=None, postprocess_fn=None):
-        """See ``BaseEngine.forward_backward_step``: the shared loop (``engine_api.step``) with
-        megatron's schedule (no pipelining, 1F1B, or interleaved with VPP) as its micro-batch
-        runner. Collective over the world."""
-        if not forward_only:
-            self._refuse_if_frozen("forward_backward_step(forward_only=False)")
-        self._require_loaded(model=True, optimizer=False)
+    def _step_spec(self) -> StepSpec:
         limit, reason = self.arch.length_limit()
-        spec = StepSpec(
+        return StepSpec(
             config=self.config,
             dp_group=self.dp_group,
             vocab_size=self.arch.vocab,
@@ -220,8 +207,20 @@ class MegatronEngine(BaseEngine):
             validate_over_world=True,
             router=self.router,
         )
+
+    def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
+        """The shared loop (``engine_api.step``) with megatron's schedule (no pipelining, 1F1B,
+        or interleaved with VPP) as its micro-batch runner. Collective over the world."""
         return forward_backward_loop(
-            spec, batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn, runner=self._run_schedule
+            self._step_spec(),
+            batch,
+            self._loss_fn,
+            self.deferred,
+            ctx,
+            forward_only,
+            preprocess_fn,
+            postprocess_fn,
+            runner=self._run_schedule,
         )
 
     def _run_schedule(self, spec: StepSpec, state: CallState):
@@ -360,60 +359,50 @@ class MegatronEngine(BaseEngine):
         outputs, _, local = payload
         return outputs, torch.tensor(local, dtype=torch.float64)
 
-    def optimizer_zero_grad(self) -> None:
-        """Zero megatron's grad buffers and the deferred window (aborts an accumulation window)."""
-        self._refuse_if_frozen("optimizer_zero_grad")
-        # The grad buffers are the model's storage and the optimizer's shards its own: both
-        # freed while offloaded (zeroing freed storage would write through a dangling pointer).
-        self._require_loaded(model=True, optimizer=True)
+    # ------------------------------------------------------------------ the optimizer hooks
+    def _zero_grad(self) -> None:
+        # The grad buffers are the model's storage and the optimizer's shards its own (both
+        # freed while offloaded: BaseEngine refuses this call then).
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.deferred.reset()
 
-    def optimizer_step(self) -> float:
-        """Reduce grads over DP (finalize_model_grads), deferred normalization, global pre-clip
-        norm, skip (agreed by every rank) if the norm or a loss of the window was not finite,
-        clip, step. Collective."""
-        self._refuse_if_frozen("optimizer_step")
-        self._require_loaded(model=True, optimizer=True)
+    def _finish_grads(self) -> None:
+        # Gradients are reduced over DP once per optimizer step, not per call: split calls
+        # stay exact with the distributed optimizer's reduce-scatter too.
         finalize_model_grads(self.model)
-        nonfinite_loss = self.deferred.nonfinite_loss
-        if self.config.deferred_normalization:
-            scale = self.deferred.grad_scale()
-            for chunk in self.model:
-                chunk.scale_gradients(scale)
-        self.deferred.reset()  # the next window starts clean, whether this step runs or not
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        # Over the whole world: TP peers compute the loss separately, so a non-finite loss can
-        # be rank-local; every rank of every layout must take the same decision.
-        if agree_to_skip(grad_norm, nonfinite_loss, None):
-            return skipped_norm(grad_norm)
-        if self.config.optim.clip_grad is not None:
-            # Clip with the norm measured above: megatron's clip_grad_norm() would compute it
-            # again (one more pass over every grad, and a collective over the DP/MP groups).
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                params = opt.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(
-                        params, self.config.optim.clip_grad, grad_norm, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-                    )
-        self.optimizer.step_with_ready_grads()
-        # Over the world: each rank holds other TP/PP shards; all must stop together.
-        self._check_update((n, p) for chunk in self.model for n, p in chunk.module.named_parameters())
-        self.global_step += 1
-        return grad_norm
 
-    def lr_scheduler_step(self) -> float:
-        """Advance the schedule (applied to megatron's param groups); return the new lr."""
-        return self._step_scheduler()
+    def _scale_grads(self, scale: float) -> None:
+        for chunk in self.model:
+            chunk.scale_gradients(scale)
+
+    def _grad_norm(self) -> float:
+        self.optimizer.prepare_grads()
+        return float(self.optimizer.get_grad_norm())
+
+    def _clip_grads(self, max_norm: float, total: float) -> None:
+        # Clip with the norm measured in _grad_norm: megatron's clip_grad_norm() would compute it
+        # again (one more pass over every grad, and a collective over the DP/MP groups).
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, max_norm, total, opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+    def _apply_update(self) -> None:
+        self.optimizer.step_with_ready_grads()
+
+    def _updated_parameters(self):
+        # Every shard this rank holds (other TP/PP shards live on other ranks: the check is
+        # collective over the world, so all stop together).
+        return ((n, p) for chunk in self.model for n, p in chunk.module.named_parameters())
 
     # ------------------------------------------------------------------ state
-    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None) -> None:
+    def _checkpoint_extra(self, global_step: int) -> dict:
+        # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
+        return ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
+
+    def _save_checkpoint(self, local_path, hdfs_path, global_step, keep, extra) -> None:
         """megatron dist_checkpointing of model chunks + optimizer, plus per-rank scheduler/RNG/step."""
-        self._refuse_if_frozen("save_checkpoint (the frozen weights are the HF directory)")
-        self._refuse_if_broken("save_checkpoint")
         if self.global_step == 0 and not ckpt.has_optimizer_state(self.optimizer):
             # megatron's optimizer creates its state in the first step and its sharded state
             # dict then simply omits it: such a checkpoint would save fine and never load.
@@ -421,16 +410,13 @@ class MegatronEngine(BaseEngine):
                 "save_checkpoint before the first optimizer step: megatron's optimizer has no state to save yet, so the "
                 "checkpoint could not be loaded; fix: save after a step (the initial weights are the HF directory)"
             )
-        # megatron's RNG tracker (per-TP-rank model-parallel streams) rides along.
-        extra = ckpt_layout.make_extra(self.scheduler, global_step, tracker=get_cuda_rng_tracker().get_states())
-        with self._loaded():
-            ckpt.save(self.model, self.optimizer, extra, local_path, global_step, self._keep(max_ckpt_to_keep), hdfs_path)
+        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
 
-    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True) -> int:
+    def _load_checkpoint(self, local_path, hdfs_path, del_local_after_load) -> dict:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
-        self._refuse_if_frozen("load_checkpoint")
-        with self._loaded():
-            extra = ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+        return ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+
+    def _restore_extra(self, extra: dict) -> int:
         # One RNG stream per (pipeline stage, DP replica): tensor-parallel peers draw alike.
         stream = mpu.get_pipeline_model_parallel_rank() * self.dp_size + self.dp_rank
         if extra["rng"] is None:
@@ -439,23 +425,14 @@ class MegatronEngine(BaseEngine):
             model_parallel_cuda_manual_seed(ckpt_layout.derived_seed(self.config.seed, int(extra["global_step"]), stream))
         else:
             get_cuda_rng_tracker().set_states(extra["tracker"])
-        self.global_step = ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed, stream)
-        self.deferred.reset()
-        self._broken = None
-        return self.global_step
+        return ckpt_layout.apply_extra(extra, self.scheduler, self.config.seed, stream)
 
-    def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _export_weights(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors (on CPU): TP shards gathered, PP stages broadcast, with tensor
-        collectives. ``bucket_mb``: move consecutive parameters in buckets of about this many MB
+        collectives. ``size``: move consecutive parameters in buckets of about this many bytes
         (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``; extra
         memory a few times one bucket); ``None``: one parameter at a time. Collective."""
-        self._refuse_if_broken("export_weights")
-        size = bucket_bytes(bucket_mb)  # (here, not in the generator: a bad size raises at the call)
-        return self._export(size)
-
-    def _export(self, size: int | None) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._loaded(optimizer=False):
-            yield from export_hf(self.model, self.arch, size)
+        return export_hf(self.model, self.arch, size)
 
 
 def _broadcast_outputs(payload: tuple | None, src: int, group) -> tuple:

@@ -22,7 +22,7 @@ from megatron.core import parallel_state as mpu
 
 from backends.megatron.convert import ArchInfo, hf_experts, to_hf
 from backends.megatron.model import global_layer
-from engine_api.dist import broadcast_tensors
+from engine_api.kit import broadcast_tensors
 
 _EXPERT = ".mlp.experts.local_experts."
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from engine_api.moe import RouterSpec, RoutingRecorder
+from engine_api.kit import RouterSpec, RoutingRecorder
 
 
 def attach_router_recorder(chunks, spec: RouterSpec | None, num_layers: int, sequence_parallel: bool) -> RoutingRecorder | None:

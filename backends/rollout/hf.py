@@ -14,8 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from backends.hf import refusing_pickled_objects, resolve_attn_implementation
 from backends.rollout.layout import HFLayout
-from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
-from engine_api.rollout_registry import register_rollout
+from engine_api.kit import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

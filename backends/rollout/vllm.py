@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from backends.rollout.layout import HFLayout, aliases, to_checkpoint_layout
-from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
-from engine_api.rollout_registry import register_rollout
+from engine_api.kit import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _ON_CPU = not torch.cuda.is_available()
 

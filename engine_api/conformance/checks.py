@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_api.base import takes_bucket_mb
 from engine_api.conformance import fixtures as fx
 
 
@@ -212,11 +211,6 @@ def export_names(env: Env) -> str:
     bad = [k for k in want if got[k].shape != want[k].shape or not torch.equal(got[k].float(), want[k].float())]
     if bad:
         raise CheckFailed(f"{len(bad)} tensors differ from the HF checkpoint, e.g. {bad[:3]}")
-    if not takes_bucket_mb(engine.export_weights):
-        raise CheckFailed(
-            f"{type(engine).__name__}.export_weights takes no bucket_mb; fix: accept bucket_mb: float | None = None "
-            "(BaseEngine.export_weights; ignoring it is allowed)"
-        )
     # A bucket far smaller than the model: several buckets, and tensors larger than one.
     bucketed = [(k, v.detach().clone().cpu()) for k, v in engine.export_weights(bucket_mb=0.01)]
     if [k for k, _ in bucketed] != list(got):
@@ -592,7 +586,7 @@ def _check_released(engine, loaded: dict[str, list]) -> str:
             raise CheckFailed(
                 f"after the offload, {alive} of the {len(refs)} {kind} storages used in train_mode are still allocated "
                 f"(engine.offloaded says {engine.offloaded}): the offload freed nothing; fix: copy into host memory and release "
-                "the loaded storage (BaseEngine._relocate_module / _relocate_state), on a CPU-only machine too"
+                "the loaded storage (kit.relocate_module / relocate_state, BaseEngine._move's default), on a CPU-only machine too"
             )
     for kind in ("model", "optimizer"):
         resident = [t.device for t in engine.state_tensors(kind) if t.device.type != "cpu" and t.untyped_storage().nbytes()]

@@ -313,13 +313,11 @@ def check_sync_after_step(kit: Kit) -> str:
     """A real training engine's export_weights(bucket_mb=...) after one optimizer step, synced: log-probs equal the stepped HF model."""
     if kit.trainer is None:
         raise Skipped(f"no training engine: {kit.trainer_error or 'not built'}")
-    from engine_api.base import takes_bucket_mb
-
     e, trainer, before, version = kit.engine, kit.trainer, kit.expected, kit.version + 1
     sent: list[tuple[str, torch.Tensor]] = []
 
     def export():  # records what was sent, as it was when it was sent
-        stream = trainer.export_weights(bucket_mb=CHUNK_MB) if takes_bucket_mb(trainer.export_weights) else trainer.export_weights()
+        stream = trainer.export_weights(bucket_mb=CHUNK_MB)
         for name, tensor in stream:
             sent.append((name, tensor.detach().cpu().clone()))
             yield name, tensor

@@ -1,5 +1,5 @@
 """The non-finite skip is agreed by every rank (``engine_api.optim.agree_to_skip`` and
-``clip_and_step``), on 2 gloo ranks where only one rank sees the problem.
+``BaseEngine.optimizer_step``), on 2 gloo ranks where only one rank sees the problem.
 
 Why a test of its own: end to end, the FSDP engine cannot show a missing agreement, because
 its loss and grad norm are already global (a NaN on one rank reaches every rank through the
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from engine_api.losses import DeferredNormalizer
-from engine_api.optim import agree_to_skip, clip_and_step
+from engine_api.optim import agree_to_skip
+from tests.engine_api.param_engine import ParamEngine
 from tests.reliability._step_common import run
 
 # (grad norm, non-finite loss) on rank 0 and rank 1
@@ -31,19 +31,19 @@ CASES = {
 
 
 def _step(rank: int, poisoned_loss: bool) -> dict:
-    """One clip_and_step on a per-rank linear layer with finite grads; ``poisoned_loss``
+    """One ``optimizer_step`` on a per-rank linear layer with finite grads; ``poisoned_loss``
     marks this rank's window as having seen a non-finite loss."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 2)
     before = [p.detach().clone() for p in layer.parameters()]
     opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
     layer(torch.ones(1, 3) * (rank + 1)).sum().backward()
-    window = DeferredNormalizer("token-mean")
+    engine = ParamEngine(dict(layer.named_parameters()), opt, clip_grad=1.0)
     if poisoned_loss:
-        window.note_loss(math.inf)
-    norm = clip_and_step(list(layer.parameters()), opt, 1.0, window=window, group=None)
+        engine.deferred.note_loss(math.inf)
+    norm = engine.optimizer_step()
     moved = any(not torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
-    return {"norm": norm, "moved": moved, "window_reset": not window.nonfinite_loss}
+    return {"norm": norm, "moved": moved, "window_reset": not engine.deferred.nonfinite_loss}
 
 
 def _worker(rank, world):
@@ -66,7 +66,7 @@ def test_one_rank_alone_sees_a_non_finite_value_and_every_rank_skips(results):
             assert skip == (name != "healthy"), f"rank {rank}, {name}: skip={skip}"
 
 
-def test_clip_and_step_skips_on_every_rank_when_one_rank_saw_a_non_finite_loss(results):
+def test_the_step_skips_on_every_rank_when_one_rank_saw_a_non_finite_loss(results):
     for rank, r in enumerate(results):
         bad, good = r["poisoned on rank 1"], r["healthy"]
         assert not bad["moved"] and math.isnan(bad["norm"]), f"rank {rank} stepped: {bad}"

@@ -6,7 +6,8 @@ logits, and a checkpoint would carry it on). The guard first takes fused L2 norm
 overflow to inf for huge *finite* weights) and confirms a non-finite norm on the tensor itself,
 so huge finite weights must not be refused either. In-process, one rank (the collective parts
 return early for a group of one; the two-rank agreement is ``tests/reliability/test_update_guard.py``).
-The last test drives a real optimizer step end to end through ``clip_and_step``.
+The last tests drive a real optimizer step end to end through ``BaseEngine.optimizer_step``
+(``tests/engine_api/param_engine.py``: the skeleton over given parameters).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import math
 import pytest
 import torch
 
-from engine_api.optim import NonFiniteUpdateError, check_update_finite, clip_and_step
+from engine_api.optim import NonFiniteUpdateError, check_update_finite
+from tests.engine_api.param_engine import ParamEngine
 
 
 def _params(bad: float | None = None, where: int = 1, dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -54,18 +56,21 @@ def test_a_huge_finite_tensor_does_not_hide_an_inf_in_another_one():
         check_update_finite(named, step=2)
 
 
-def test_a_step_that_writes_inf_is_caught_after_clip_and_step():
+def test_a_step_that_writes_inf_is_caught_by_the_step_itself():
     """End to end on a real optimizer: a finite gradient, an update that overflows one weight to
-    +inf (an lr so large that 1.0 - lr * grad leaves float32), the step is not marked skipped
-    (the norm is finite), and the guard then raises. The reference is plain arithmetic."""
+    +inf (an lr so large that 1.0 - lr * grad leaves float32): the step ran (the norm was
+    finite), and the skeleton's post-step guard raises, naming step 4 and the weight, and marks
+    the engine broken. The reference is plain arithmetic."""
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
-    opt = torch.optim.SGD([w], lr=3e38)
+    engine = ParamEngine({"weight": w}, torch.optim.SGD([w], lr=3e38))
+    engine.global_step = 3
     w.grad = torch.tensor([-10.0, 0.0])  # w[0] -> 1 + 3e39 = inf in float32; w[1] unchanged
-    norm = clip_and_step([w], opt, clip_grad=None)
-    assert norm == pytest.approx(10.0)  # finite: the step ran
-    assert math.isinf(float(w.detach()[0])) and float(w.detach()[1]) == 2.0
     with pytest.raises(NonFiniteUpdateError, match=r"step 4 .*\(first: weight\)"):
-        check_update_finite([("weight", w)], step=4)
+        engine.optimizer_step()
+    assert math.isinf(float(w.detach()[0])) and float(w.detach()[1]) == 2.0
+    assert engine.global_step == 3
+    with pytest.raises(RuntimeError, match="train_mode refused: optimizer step 4"):
+        engine.train_mode().__enter__()
 
 
 def test_an_inf_weight_marks_the_engine_broken_until_a_load():
@@ -90,28 +95,37 @@ def test_an_inf_weight_marks_the_engine_broken_until_a_load():
 @pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
 def test_a_non_finite_gradient_skips_the_step_and_leaves_weights_and_optimizer_state(bad):
     """The skip before the step (the other half of the guard): a NaN or inf in the gradient
-    gives a non-finite norm; ``clip_and_step`` returns it and does not step (AdamW state stays
-    empty, weights unchanged)."""
+    gives a non-finite norm; ``optimizer_step`` returns it and does not step (AdamW state stays
+    empty, weights and step counter unchanged)."""
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     opt = torch.optim.AdamW([w], lr=0.1)
+    engine = ParamEngine({"w": w}, opt, clip_grad=1.0)
     w.grad = torch.tensor([bad, 1.0])
-    norm = clip_and_step([w], opt, clip_grad=1.0)
+    norm = engine.optimizer_step()
     assert not math.isfinite(norm) and (math.isnan(norm) == math.isnan(bad))
-    assert w.detach().tolist() == [1.0, 2.0] and opt.state == {}
+    assert w.detach().tolist() == [1.0, 2.0] and opt.state == {} and engine.global_step == 0
 
 
 def test_a_non_finite_loss_in_the_window_skips_a_step_with_a_finite_gradient():
     """A NaN loss in a masked-out position can leave the gradient finite: the window's record
     skips the step (NaN is returned, as the norm itself was finite), and the record is reset
     so the next window steps."""
-    from engine_api.losses import DeferredNormalizer
-
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
-    opt = torch.optim.SGD([w], lr=0.5)
-    window = DeferredNormalizer("token-mean")
-    window.note_loss(math.nan)
+    engine = ParamEngine({"w": w}, torch.optim.SGD([w], lr=0.5))
+    engine.deferred.note_loss(math.nan)
     w.grad = torch.tensor([3.0, 4.0])
-    assert math.isnan(clip_and_step([w], opt, clip_grad=None, window=window))
-    assert w.detach().tolist() == [1.0, 2.0] and not window.nonfinite_loss
-    assert clip_and_step([w], opt, clip_grad=None, window=window) == pytest.approx(5.0)  # sqrt(9 + 16)
-    assert w.detach().tolist() == pytest.approx([1.0 - 0.5 * 3.0, 2.0 - 0.5 * 4.0])
+    assert math.isnan(engine.optimizer_step())
+    assert w.detach().tolist() == [1.0, 2.0] and not engine.deferred.nonfinite_loss and engine.global_step == 0
+    assert engine.optimizer_step() == pytest.approx(5.0)  # sqrt(9 + 16)
+    assert w.detach().tolist() == pytest.approx([1.0 - 0.5 * 3.0, 2.0 - 0.5 * 4.0]) and engine.global_step == 1
+
+
+def test_clipping_scales_the_gradient_to_the_max_norm_before_the_update():
+    """The clip of the skeleton: a gradient of norm 5 clipped to 1 is the gradient / 5 (torch's
+    ``clip_grads_with_norm_`` coefficient, max_norm / (norm + 1e-6)); SGD then moves by lr times it."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    engine = ParamEngine({"w": w}, torch.optim.SGD([w], lr=1.0), clip_grad=1.0)
+    w.grad = torch.tensor([3.0, 4.0])
+    assert engine.optimizer_step() == pytest.approx(5.0)  # the pre-clip norm is reported
+    coef = 1.0 / (5.0 + 1e-6)
+    assert w.detach().tolist() == pytest.approx([1.0 - 3.0 * coef, 2.0 - 4.0 * coef], rel=1e-6)

@@ -232,22 +232,3 @@ def test_offload_releases_cuda_memory_at_every_offloaded_stage(followed):
         freed = off[stage]["cuda_bytes"] - on[stage]["cuda_bytes"]
         assert freed >= 2 * off["param_bytes"], f"{stage}: offload freed {freed} bytes of a {off['param_bytes']}-byte model"
     assert on["in eval_mode"]["cuda_bytes"] < on["in train_mode, after a step"]["cuda_bytes"]
-
-
-def test_a_to_through_the_record_without_a_move_is_refused_not_recursed(tmp_path):
-    """A backend whose ``to`` goes through ``_load_or_offload`` must override ``_move``; the
-    base refuses the loop ``to`` -> ``_load`` -> ``_move`` -> ``to`` with a clear error."""
-    from engine_api.base import BaseEngine
-    from tests.reference_engine import ReferenceEngine
-
-    class RoutesToWithoutMove(ReferenceEngine):
-        _move = BaseEngine._move  # the reference engine overrides it (issue 28); this one does not
-
-        def to(self, device, model=True, optimizer=True):
-            self._load_or_offload(device, model=model, optimizer=optimizer)
-
-    engine = RoutesToWithoutMove.__new__(RoutesToWithoutMove)
-    engine.device = torch.device("cpu")
-    with pytest.raises(NotImplementedError, match="must override _move"):
-        engine.to("cpu")
-    assert engine.offloaded == {"model": False, "optimizer": False}
