@@ -1,19 +1,20 @@
-"""Typed engine configuration (frozen dataclasses) and :func:`load_config`.
+"""Typed engine configuration: frozen dataclasses and their value checks.
 
-Configs are built with ``OmegaConf.structured`` + merge + ``to_object`` (see
-``engine_api.typed_config``); nothing past the entry point sees a DictConfig. The YAML files
-``configs/engine/fsdp.yaml`` and ``configs/engine/megatron.yaml`` document every key.
+``engine_api.loader.load_config`` builds them (``OmegaConf.structured`` + merge + ``to_object``,
+see ``engine_api.typed_config``); nothing past the entry point sees a DictConfig. The YAML files
+``configs/engine/fsdp.yaml`` and ``configs/engine/megatron.yaml`` document every key. This
+module knows no backend and imports neither the registry nor the loader: a backend's settings
+are a :class:`BackendOptions` subclass, which the loader resolves from ``strategy``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import ClassVar, TypeVar
 
 from engine_api.losses import AGG_MODES
-from engine_api.typed_config import SectionSchema, check, load_typed
+from engine_api.typed_config import check
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("lm", "value")
@@ -22,13 +23,54 @@ HEADS = ("lm", "value")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
-
-T = TypeVar("T")
 _FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny; this module imports no torch
 
 
 def _p(field_name: str, value: object, problem: str, fix: str) -> str:
     return f"{field_name} = {value!r}: {problem}; fix: {fix}"
+
+
+@dataclass(frozen=True)
+class WorldDivisor:
+    """A group of ranks that a backend option sets up, whose size must divide the world size.
+
+    Backends declare them (:meth:`BackendOptions.world_divisors`) instead of checking the world
+    size themselves: the world size is an engine setting (``world_size``, else ``WORLD_SIZE``),
+    so :class:`EngineConfig` checks them when the config loads.
+
+    Attributes:
+        option: the option the problem is reported under (its value is shown).
+        size: the group's size; below 1 it is not checked (the option's own check reports it).
+        formula: how ``size`` is formed from the options, e.g. ``TP x PP x CP`` (shown as
+            ``TP x PP x CP = 4``); None when ``size`` is the option's value.
+        fix: what to do about it.
+    """
+
+    option: str
+    size: int
+    formula: str | None
+    fix: str
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Base class of a backend's settings (``BaseEngine.options_class``): a frozen dataclass
+    whose keys sit under the engine-config section ``config_section`` (``engine.fsdp.*``,
+    ``engine.megatron.*``, a plug-in's ``engine.mine.*``).
+
+    A subclass declares ``config_section: ClassVar[str]`` (an identifier that is not an
+    :class:`EngineConfig` field, by convention the backend's name), its fields with defaults,
+    and optionally ``_problems(self) -> list[str]`` (its own value checks, like every config
+    dataclass) and :meth:`world_divisors`. The loader validates the section's keys against it;
+    a backend reads its instance with :func:`options_of`.
+    """
+
+    config_section: ClassVar[str]
+
+    def world_divisors(self) -> tuple[WorldDivisor, ...]:
+        """The rank groups these options set up whose sizes must divide the world size
+        (checked at config load when the world size is known). None by default."""
+        return ()
 
 
 @dataclass(frozen=True)
@@ -230,16 +272,16 @@ class EngineConfig:
             torch's default of 30 minutes). Ignored when the caller already initialised
             ``torch.distributed``.
         backend: the strategy's own settings: an instance of the backend's
-            ``BaseEngine.options_class`` (a frozen dataclass), written in YAML / overrides under
-            the section the options class names (``options_class.config_section``, e.g.
-            ``fsdp.fsdp_size=2``, ``megatron.tensor_model_parallel_size=2``). None until a
-            loader or ``build_engine`` fills in the backend's defaults. The section name also
-            reads it: ``config.megatron is config.backend`` under ``strategy: megatron``.
+            ``BaseEngine.options_class`` (a :class:`BackendOptions` subclass), written in YAML /
+            overrides under the section the options class names (``config_section``, e.g.
+            ``fsdp.fsdp_size=2``, ``megatron.tensor_model_parallel_size=2``). None until the
+            loader or ``build_engine`` fills in the backend's defaults. A backend reads it with
+            :func:`options_of`.
 
-    Backend sections are generic: the loader resolves ``strategy`` to its engine class
-    (``engine_api.registry``), validates the keys of that class's section against its options
-    class (typos get the closest key), and refuses keys of another backend's section. Nothing
-    here knows a backend by name.
+    Backend sections are generic: the loader (``engine_api.loader``) resolves ``strategy`` to
+    its engine class, validates the keys of that class's section against its options class
+    (typos get the closest key), refuses keys of another backend's section and reports a
+    strategy that names no engine. Nothing here knows a backend by name.
     """
 
     strategy: str = "fsdp"
@@ -257,20 +299,11 @@ class EngineConfig:
     frozen: bool = False
     world_size: int | None = None
     dist_timeout_s: float | None = None
-    backend: Any = None
+    backend: BackendOptions | None = None
 
     def _problems(self) -> list[str]:
+        # ``strategy`` is resolved by the loader (engine_api.loader), which knows the registry.
         out = []
-        if not self.strategy:
-            out.append(_p("strategy", self.strategy, "empty", "name a registered engine, e.g. fsdp or megatron"))
-        else:
-            # Resolved by name here, at config load, without importing a backend: a misspelt
-            # strategy is reported before a recipe spends time on data, tokenizer or model.
-            from engine_api.registry import strategy_problem  # the registry imports this module
-
-            problem = strategy_problem(self.strategy)
-            if problem:
-                out.append(problem)
         if self.seed < 0:
             out.append(_p("seed", self.seed, "negative", "use a seed >= 0"))
         if self.frozen and self.model.lora.enabled:
@@ -311,11 +344,24 @@ class EngineConfig:
                     "set it, e.g. to the max response length",
                 )
             )
-        # A backend's checks that need the engine config (e.g. parallel sizes vs the world size).
-        with_engine = getattr(self.backend, "_problems_with", None)
-        if with_engine is not None:
-            section = getattr(type(self.backend), "config_section", "backend")
-            out += [f"{section}.{p}" for p in with_engine(self)]
+        out += self._world_problems()
+        return out
+
+    def _world_problems(self) -> list[str]:
+        """The backend's rank groups (:meth:`BackendOptions.world_divisors`) that do not divide
+        the known world size, reported under the backend's section."""
+        if self.backend is None:
+            return []
+        world = self.known_world_size()
+        if world is None:
+            return []
+        out = []
+        for group in self.backend.world_divisors():
+            if group.size >= 1 and world % group.size:
+                formed = f"{group.formula} = {group.size} " if group.formula else ""
+                value = getattr(self.backend, group.option)
+                problem = _p(group.option, value, f"{formed}does not divide the world size {world}", group.fix)
+                out.append(f"{self.backend.config_section}.{problem}")
         return out
 
     def known_world_size(self) -> int | None:
@@ -324,51 +370,21 @@ class EngineConfig:
         against a guess)."""
         return self.world_size if self.world_size is not None else _known_world_size()
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names that are not fields: ``config.<section>`` reads the backend's
-        # options when ``name`` is the section of the options held (e.g. ``config.fsdp``).
-        backend = self.__dict__.get("backend")
-        if backend is not None and getattr(type(backend), "config_section", None) == name:
-            return backend
-        if backend is not None:
-            raise AttributeError(
-                f"EngineConfig has no attribute {name!r} (the backend settings held are the {backend.config_section!r} section)"
-            )
-        raise AttributeError(
-            f"EngineConfig has no attribute {name!r} (config.backend is None: no backend key was set, so build_engine fills "
-            "in the strategy's defaults; read them from engine.config after build_engine)"
-        )
 
-    @classmethod
-    def _section_schema(cls, raw: Mapping) -> SectionSchema:
-        """How the loader treats top-level keys that are not fields (``typed_config`` hook):
-        the strategy's section is validated against its options class; a section of another
-        known backend is refused."""
-        from engine_api.registry import section_schema  # the registry imports this module
-
-        return section_schema(raw)
+OptionsT = TypeVar("OptionsT", bound=BackendOptions)
 
 
-def load_config(source: str | os.PathLike | Mapping | None = None, overrides: Sequence[str] = ()) -> EngineConfig:
-    """Load an :class:`EngineConfig` from a YAML path or a mapping, plus dot-list overrides.
-
-    Example: ``load_config("configs/engine/fsdp.yaml", ["micro_batch_size=2", "optim.lr=1e-4"])``.
-
-    Raises:
-        ValueError: one error listing every misspelt key (with the closest valid key), every
-            wrong type and every invalid value, each with the field, the value and the fix.
-    """
-    return load_typed(EngineConfig, source, overrides)
-
-
-def options_of(config: EngineConfig, options_class: type[T]) -> T:
-    """``config.backend`` when it is an ``options_class`` instance, else that class's defaults
-    (a config that did not pass ``build_engine``, e.g. one handed to a backend's helpers)."""
+def options_of(config: EngineConfig, options_class: type[OptionsT]) -> OptionsT:
+    """The backend's settings, typed: ``config.backend`` when it is an ``options_class``
+    instance, else that class's defaults (a config that did not pass ``build_engine``, e.g. one
+    handed to a backend's helpers)."""
     return config.backend if isinstance(config.backend, options_class) else options_class()
 
 
-def config_problems(config: EngineConfig) -> list[str]:
-    """Every problem of an already-built config (``build_engine`` refuses one that has any)."""
+def problems_of(config: EngineConfig) -> list[str]:
+    """Every value problem of an already-built config, nested sections and the backend's
+    options included (``build_engine`` refuses one that has any). The strategy itself is
+    resolved by the loader and by ``build_engine``, not here."""
     return check(config)
 
 

@@ -11,8 +11,9 @@ A strategy is one of:
   ``PYTHONPATH``); the class is imported and registered under that path on first use.
 
 The class must subclass ``BaseEngine``. Its settings are its ``options_class`` (a frozen
-dataclass whose ``config_section`` names the engine-config section holding them, e.g.
-``fsdp.*``); :func:`section_schema` tells the config loader how to read them.
+``BackendOptions`` subclass whose ``config_section`` names the engine-config section holding
+them, e.g. ``fsdp.*``); the config loader (``engine_api.loader``) reads that section through
+:func:`get_engine_class` and :func:`section_of`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from engine_api.base import BaseEngine
-from engine_api.config import EngineConfig, config_problems
-from engine_api.typed_config import SectionSchema
+from engine_api.config import BackendOptions, EngineConfig, format_problem, problems_of
 
 ENTRY_POINT_GROUP = "enginekit.backends"
 # The backends shipped in this repository: name -> "module:Class" (imported on first use).
@@ -66,7 +66,8 @@ def unregister_engine(name: str) -> None:
 
 def check_engine_class(cls: object, where: str) -> None:
     """Raise unless ``cls`` is a ``BaseEngine`` subclass whose ``options_class`` (if any) is a
-    frozen dataclass with an identifier ``config_section`` that is not an ``EngineConfig`` field."""
+    frozen dataclass subclassing ``BackendOptions``, with an identifier ``config_section`` that
+    is not an ``EngineConfig`` field."""
     if not (isinstance(cls, type) and issubclass(cls, BaseEngine)):
         raise TypeError(f"{where} needs a BaseEngine subclass, got {cls!r}; fix: subclass engine_api.BaseEngine")
     options = cls.options_class
@@ -74,8 +75,13 @@ def check_engine_class(cls: object, where: str) -> None:
         return
     section = getattr(options, "config_section", None)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    if not (dataclasses.is_dataclass(options) and isinstance(options, type) and options.__dataclass_params__.frozen):
-        raise ValueError(f"{where}: options_class = {options!r} is not a frozen dataclass; fix: decorate it with @dataclass(frozen=True)")
+    # ``__dataclass_fields__`` in the class's own namespace: decorated itself, not only through its base.
+    declared = isinstance(options, type) and dataclasses.is_dataclass(options) and "__dataclass_fields__" in vars(options)
+    if not (declared and issubclass(options, BackendOptions) and options.__dataclass_params__.frozen):
+        raise ValueError(
+            f"{where}: options_class = {options!r} is not a frozen dataclass subclassing engine_api.kit.BackendOptions "
+            "(EngineConfig.backend holds it); fix: declare it as @dataclass(frozen=True) class MyOptions(BackendOptions)"
+        )
     if not (isinstance(section, str) and section.isidentifier()) or section in fields:
         raise ValueError(
             f"{where}: {options.__qualname__}.config_section = {section!r} must be an identifier that is not an engine "
@@ -103,8 +109,10 @@ def is_import_path(strategy: str) -> bool:
 
 def strategy_problem(strategy: str) -> str | None:
     """Why ``strategy`` cannot name an engine, found without importing any backend (None when
-    it can): not registered, not an installed built-in or entry point, and not an import path
-    of a module that exists. Config loading calls it, so a typo fails in milliseconds."""
+    it can): empty, not registered, not an installed built-in or entry point, and not an import
+    path of a module that exists. Config loading calls it, so a typo fails in milliseconds."""
+    if not strategy:
+        return format_problem("strategy", strategy, "empty", "name a registered engine, e.g. fsdp or megatron")
     if strategy in _REGISTRY or strategy in _known_specs():
         return None
     if is_import_path(strategy):
@@ -161,38 +169,7 @@ def _import_class(strategy: str, spec: str) -> type[BaseEngine]:
     return cls
 
 
-def section_schema(raw: Mapping) -> SectionSchema:
-    """How the config loader reads the top-level engine keys that are not ``EngineConfig``
-    fields (``EngineConfig._section_schema``): the strategy's section against its
-    ``options_class``, another backend's section refused.
-
-    The strategy's class is imported only when such a key is present: a config without
-    backend keys loads without importing any backend, and ``build_engine`` fills in the
-    backend's defaults.
-    """
-    strategy = raw.get("strategy", EngineConfig.strategy)
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    extra = [k for k in raw if k not in fields]
-    known = {name: _section_of(name) for name in available_engines()}
-    if not extra:
-        return SectionSchema(target="backend")
-    try:
-        cls = get_engine_class(str(strategy))
-    except ValueError as exc:
-        return SectionSchema(target="backend", error=str(exc))
-    options = cls.options_class
-    active = options.config_section if options is not None else None
-    foreign = {
-        section: f"belongs to backend {name!r}, but strategy = {strategy!r}; fix: remove it, or set strategy={name}"
-        for name, section in known.items()
-        if section != active
-    }
-    if options is None and isinstance(strategy, str) and strategy.isidentifier():
-        foreign[strategy] = f"backend {strategy!r} declares no settings (no options_class); fix: remove these keys"
-    return SectionSchema(target="backend", active=active, schema=options, foreign=foreign)
-
-
-def _section_of(name: str) -> str:
+def section_of(name: str) -> str:
     """The config section of engine ``name`` without importing it (an engine not yet imported
     is assumed to use its name, as the built-ins do)."""
     cls = _REGISTRY.get(name)
@@ -214,7 +191,7 @@ def build_engine(config: EngineConfig) -> BaseEngine:
     try:
         cls = get_engine_class(config.strategy)
     except ValueError as exc:
-        problems = [p for p in config_problems(config) if "strategy" not in p]
+        problems = problems_of(config)
         if not problems:
             raise
         raise ValueError(f"{len(problems) + 1} config problem(s):\n" + "\n".join(f"  - {p}" for p in [*problems, str(exc)])) from None
@@ -228,7 +205,7 @@ def build_engine(config: EngineConfig) -> BaseEngine:
             f"backend = {type(config.backend).__qualname__}: strategy {config.strategy!r} takes {want}; "
             "fix: build the config with load_config, or pass that class"
         )
-    problems = config_problems(config) + wrong_type
+    problems = problems_of(config) + wrong_type
     if config.model.lora.enabled and not cls.supports_lora:
         problems.append(
             f"model.lora.rank = {config.model.lora.rank}: the {config.strategy!r} backend does not support LoRA; "

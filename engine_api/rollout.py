@@ -90,7 +90,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
 
-    def problems(self) -> list[str]:
+    def _problems(self) -> list[str]:
         """Every bad setting, each naming the field, the value and the fix."""
         out = []
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -191,7 +191,7 @@ class BaseRollout(abc.ABC):
             RuntimeError: a weight update is open, the memory is released, or the engine is
                 shut down.
         """
-        problems = params.problems()
+        problems = params._problems()
         if problems:
             raise ValueError("sampling params: " + "; ".join(problems))
         if len(seeds) != len(prompts):

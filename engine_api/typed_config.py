@@ -11,6 +11,11 @@ value and the fix.
 A scalar given for a section (``engine.optim=5``) is reported as such, with an example of a key
 inside it. A list field whose ``dataclasses.field`` metadata has ``scalar_as_list: True`` also
 takes a single string, read as a one-element list (``data.train_files=x.jsonl``).
+
+Plug-in sections (a backend's options under ``EngineConfig``) are read by a *section resolver*
+registered for the dataclass that holds them (:func:`register_sections`; ``engine_api.loader``
+registers ``EngineConfig``'s), wherever that dataclass is nested. This module imports nothing
+else from ``engine_api``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import difflib
 import math
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,8 +36,8 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class SectionSchema:
-    """What a schema's ``_section_schema(raw)`` hook returns: how the top-level keys of that
-    schema's node that are not fields are read (the backend sections of ``EngineConfig``).
+    """What a section resolver returns: how the keys of its dataclass's node that are not
+    fields are read (the backend sections of ``EngineConfig``).
 
     Attributes:
         target: the field that receives the active section's object (e.g. ``backend``).
@@ -40,8 +45,8 @@ class SectionSchema:
         schema: the frozen dataclass of the active section (None: it takes no keys).
         foreign: other known section names -> why they are refused (the message's problem
             and fix, without the key).
-        error: a problem of the hook's own input (e.g. an unknown strategy); the section keys
-            are then not judged (one error, not one per key).
+        error: a problem of the node itself (e.g. a strategy that names no engine), reported
+            under the node's path; the active section is then not built.
     """
 
     target: str
@@ -51,12 +56,34 @@ class SectionSchema:
     error: str | None = None
 
 
-def load_typed(schema: type[T], source: str | os.PathLike | Mapping | None = None, overrides: Sequence[str] = ()) -> T:
+#: Reads a node's raw mapping (the merged YAML and overrides, before typing) and says how its
+#: non-field keys are read (:class:`SectionSchema`).
+SectionResolver = Callable[[Mapping[str, Any]], SectionSchema]
+
+# Dataclass -> the resolver of its plug-in sections, used by every ``load_typed`` call that is
+# not given its own table. Filled by ``engine_api.loader`` (``EngineConfig``), which the
+# ``engine_api`` package imports, so any import of this module has it.
+_RESOLVERS: dict[type, SectionResolver] = {}
+
+
+def register_sections(schema: type, resolver: SectionResolver) -> None:
+    """Make ``resolver`` read the plug-in sections of ``schema`` wherever ``load_typed`` meets
+    it (the top-level schema or a nested field, at any depth)."""
+    _RESOLVERS[schema] = resolver
+
+
+def load_typed(
+    schema: type[T],
+    source: str | os.PathLike | Mapping | None = None,
+    overrides: Sequence[str] = (),
+    sections: Mapping[type, SectionResolver] | None = None,
+) -> T:
     """Merge ``source`` (a YAML path or a mapping) and dot-list ``overrides`` onto ``schema``.
 
-    A nested dataclass (at any depth) may define a classmethod ``_section_schema(raw)`` (see
-    :class:`SectionSchema`): keys of its node that are not fields are then routed by it, so a
-    plug-in section (a backend's options) is validated like every other key.
+    A dataclass (``schema`` or one nested in it, at any depth) that has a section resolver
+    (``sections``, by default those registered with :func:`register_sections`) has the keys
+    of its node that are not fields routed by it, so a plug-in section (a backend's options)
+    is validated like every other key.
 
     Returns:
         An instance of the frozen dataclass ``schema``.
@@ -64,6 +91,7 @@ def load_typed(schema: type[T], source: str | os.PathLike | Mapping | None = Non
     Raises:
         ValueError: listing every unknown key, type error and invalid value.
     """
+    resolvers = _RESOLVERS if sections is None else sections
     layers = []
     if source is not None:
         layers.append(OmegaConf.load(source) if isinstance(source, (str, os.PathLike)) else OmegaConf.create(dict(source)))
@@ -71,9 +99,9 @@ def load_typed(schema: type[T], source: str | os.PathLike | Mapping | None = Non
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     leaves = [_leaves(OmegaConf.to_container(layer, resolve=False)) for layer in layers]
     problems: list[str] = []
-    sections = _sections(schema, layers, leaves, problems)
+    found = _sections(schema, resolvers, layers, leaves, problems)
     obj = _build(schema, leaves, problems, prefix="")
-    for path, (spec, section_leaves) in sections.items():
+    for path, (spec, section_leaves) in found.items():
         if spec.schema is None or spec.error is not None or obj is None:
             continue
         value = _build(spec.schema, section_leaves, problems, prefix=f"{path}{spec.active}.")
@@ -114,11 +142,17 @@ def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[
         return None
 
 
-def _sections(schema: type, layers, leaves: list[list[tuple[str, Any]]], problems: list[str]) -> dict[str, tuple[SectionSchema, list]]:
-    """Find the nodes of ``schema`` with a ``_section_schema`` hook, ask each how to read its
+def _sections(
+    schema: type,
+    resolvers: Mapping[type, SectionResolver],
+    layers: list[Any],
+    leaves: list[list[tuple[str, Any]]],
+    problems: list[str],
+) -> dict[str, tuple[SectionSchema, list]]:
+    """Find the nodes of ``schema`` that have a section resolver, ask each how to read its
     non-field keys, and move those keys out of ``leaves`` (in place): into the active
     section's own leaves, or into ``problems``."""
-    hooked = _hooked_nodes(schema)
+    hooked = _hooked_nodes(schema, resolvers)
     if not hooked:
         return {}
     raw = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False) if layers else {}
@@ -127,7 +161,7 @@ def _sections(schema: type, layers, leaves: list[list[tuple[str, Any]]], problem
         node = raw
         for part in path.split(".")[:-1] if path else []:
             node = node.get(part) if isinstance(node, dict) else None
-        spec = cls._section_schema(node if isinstance(node, dict) else {})
+        spec = resolvers[cls](node if isinstance(node, dict) else {})
         if spec.error is not None:
             problems.append(f"{path}{spec.error}")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -162,12 +196,12 @@ def _sections(schema: type, layers, leaves: list[list[tuple[str, Any]]], problem
     return found
 
 
-def _hooked_nodes(schema: type, path: str = "") -> dict[str, type]:
-    """Dotted path prefix (``""`` or ``"engine."``) -> dataclass with a section hook."""
-    out = {path: schema} if hasattr(schema, "_section_schema") else {}
+def _hooked_nodes(schema: type, resolvers: Mapping[type, SectionResolver], path: str = "") -> dict[str, type]:
+    """Dotted path prefix (``""`` or ``"engine."``) -> dataclass that has a section resolver."""
+    out = {path: schema} if schema in resolvers else {}
     for name, hint in typing.get_type_hints(schema).items():
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            out.update(_hooked_nodes(hint, f"{path}{name}."))
+            out.update(_hooked_nodes(hint, resolvers, f"{path}{name}."))
     return out
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api import make_batch
-from engine_api.base import bucket_bytes, export_in_buckets
+from engine_api.base import bucket_bytes
 from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
 from engine_api.registry import is_import_path
 from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
@@ -62,8 +62,6 @@ class RolloutConfig:
         sync_bucket_mb: the actor's weights are gathered in flat buckets of about this many MB,
             one collective per bucket, and handed to the engine one bucket per
             ``update_weights`` chunk (512, as in verl and NeMo-RL); ``None``: one tensor each.
-            A source whose ``export_weights`` takes no ``bucket_mb`` is synced per tensor, with
-            a warning.
         lora_sync: with a LoRA actor: ``adapter`` sends only the adapters (the backend must
             serve them: vllm), ``merged`` sends merged full weights, ``auto`` picks adapter
             when the backend can.
@@ -102,7 +100,7 @@ class RolloutConfig:
         )
 
     def _problems(self) -> list[str]:
-        out = [p for p in self.sampling().problems() if not p.startswith("max_tokens")]
+        out = [p for p in self.sampling()._problems() if not p.startswith("max_tokens")]
         if self.max_new_tokens < 1:
             out.append(f"max_new_tokens = {self.max_new_tokens}: must be >= 1; fix: e.g. 8")
         try:
@@ -152,7 +150,7 @@ class Rollout:
     ) -> None:
         self.source, self.engine, self.config, self.group = source, engine, config, group
         self.params = config.sampling(stop_token_ids, stop)
-        problems = self.params.problems()
+        problems = self.params._problems()
         if problems:
             raise ValueError("rollout: " + "; ".join(problems))
         self.lora = dict(lora) if lora else None
@@ -182,14 +180,14 @@ class Rollout:
             if self.adapter_sync:
                 dict(self.source.export_adapter_weights())  # still drained: the export is collective
             else:
-                for _ in export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb"):
+                for _ in self.source.export_weights(bucket_mb=self.config.sync_bucket_mb):
                     pass
         elif self.adapter_sync:
             adapter = dict(self.source.export_adapter_weights())  # collective: drained on every rank
             moved = sum(t.numel() * t.element_size() for t in adapter.values())
             error = _attempt(lambda: self.engine.load_adapter(adapter, self.lora, version))
         else:
-            named = export_in_buckets(self.source.export_weights, self.config.sync_bucket_mb, "rollout.sync_bucket_mb")
+            named = self.source.export_weights(bucket_mb=self.config.sync_bucket_mb)
             try:
                 self.engine.begin_weight_update(version)
             except (RuntimeError, ValueError) as exc:

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from backends.fsdp.lora import apply_lora
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attn_problems, load_hf_model, resolve_attn_implementation
-from engine_api.config import EngineConfig, format_problem, options_of
+from engine_api.kit import EngineConfig, format_problem, options_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

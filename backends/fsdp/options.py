@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engine_api.config import DTYPES, EngineConfig, format_problem
+from engine_api.kit import DTYPES, BackendOptions, WorldDivisor, format_problem
 
 _p = format_problem
 
 
 @dataclass(frozen=True)
-class FSDPOptions:
+class FSDPOptions(BackendOptions):
     """FSDP2 (``fully_shard``) settings: the ``fsdp.*`` section of the engine config.
 
     Attributes:
@@ -39,13 +39,6 @@ class FSDPOptions:
                 out.append(_p(name, value, "unknown dtype", f"use one of {', '.join(DTYPES)}"))
         return out
 
-    def _problems_with(self, config: EngineConfig) -> list[str]:
-        """Checks that need the engine config: the shard group must divide the world size."""
-        world = config.known_world_size()
-        if world is not None and self.fsdp_size > 0 and world % self.fsdp_size:
-            return [
-                format_problem(
-                    "fsdp_size", self.fsdp_size, f"does not divide the world size {world}", "use -1 or a divisor of the world size"
-                )
-            ]
-        return []
+    def world_divisors(self) -> tuple[WorldDivisor, ...]:
+        """The shard group (-1, the whole world, is not checked)."""
+        return (WorldDivisor("fsdp_size", self.fsdp_size, None, "use -1 or a divisor of the world size"),)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engine_api.config import EngineConfig, format_problem
+from engine_api.kit import BackendOptions, WorldDivisor, format_problem
 
 _p = format_problem
 LAYER_SPECS = ("auto", "local", "te")
 
 
 @dataclass(frozen=True)
-class MegatronOptions:
+class MegatronOptions(BackendOptions):
     """megatron-core parallelism, with megatron-core's own names: the ``megatron.*`` section
     of the engine config.
 
@@ -91,29 +91,22 @@ class MegatronOptions:
             out.append(_p("layer_spec", self.layer_spec, "unknown layer spec", f"use one of {', '.join(LAYER_SPECS)}"))
         return out
 
-    def _problems_with(self, config: EngineConfig) -> list[str]:
-        """Checks that need the engine config: TP x PP x CP and EP x expert-TP x PP must divide
-        the world size."""
-        world, mp, ep = config.known_world_size(), self.model_parallel_size, self.expert_parallel_size
-        out = []
-        if world is not None and mp >= 1 and world % mp:
-            out.append(
-                format_problem(
-                    "tensor_model_parallel_size",
-                    self.tensor_model_parallel_size,
-                    f"TP x PP x CP = {mp} does not divide the world size {world}",
-                    "choose sizes whose product divides the number of processes",
-                )
-            )
-        # With EP = 1 and expert-TP = TP this is the TP x PP check above; report it once.
-        explicit = self.expert_model_parallel_size > 1 or self.expert_tensor_parallel_size is not None
-        if explicit and world is not None and ep >= 1 and world % ep:
-            out.append(
-                format_problem(
-                    "expert_model_parallel_size",
-                    self.expert_model_parallel_size,
-                    f"EP x expert-TP x PP = {ep} does not divide the world size {world}",
-                    "choose expert sizes whose product with the pipeline size divides the number of processes",
-                )
-            )
-        return out
+    def world_divisors(self) -> tuple[WorldDivisor, ...]:
+        """TP x PP x CP (one data-parallel replica) and EP x expert-TP x PP (one
+        expert-data-parallel replica)."""
+        model = WorldDivisor(
+            "tensor_model_parallel_size",
+            self.model_parallel_size,
+            "TP x PP x CP",
+            "choose sizes whose product divides the number of processes",
+        )
+        # With EP = 1 and expert-TP = TP this is the TP x PP group above; report it once.
+        if not (self.expert_model_parallel_size > 1 or self.expert_tensor_parallel_size is not None):
+            return (model,)
+        expert = WorldDivisor(
+            "expert_model_parallel_size",
+            self.expert_parallel_size,
+            "EP x expert-TP x PP",
+            "choose expert sizes whose product with the pipeline size divides the number of processes",
+        )
+        return (model, expert)

@@ -83,7 +83,7 @@ import engine_api
 from engine_api import load_config, build_engine
 assert "ddp" in engine_api.available_engines(), engine_api.available_engines()
 cfg = load_config(None, ["strategy=ddp", "ddp.bucket_cap_mb=10"])
-assert cfg.ddp.bucket_cap_mb == 10 and cfg.backend is cfg.ddp
+assert cfg.backend.bucket_cap_mb == 10 and type(cfg.backend).config_section == "ddp"
 assert type(build_engine(cfg)).__module__ == "ddp_backend"
 for bad, needle in [
     (["strategy=ddp", "ddp.bucket_cap_mbb=10"], "did you mean 'ddp.bucket_cap_mb'"),
@@ -108,3 +108,19 @@ def test_the_out_of_repo_backend_passes_the_conformance_kit(plugin_dir):
     result = _run(plugin_dir, "-m", "engine_api.conformance", "ddp_backend:ReferenceEngine", "--nproc", "2")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert f"{len(CHECKS)} passed, 0 failed, 0 skipped" in result.stdout, result.stdout
+
+
+def test_the_guide_names_every_hook_and_only_real_ones():
+    """The hook table of ``docs/adding-a-backend.md`` names every abstract method of
+    ``BaseEngine`` (marked abstract) and nothing that BaseEngine does not define, so the guide
+    cannot drift from the class a backend subclasses."""
+    import re
+
+    from engine_api.kit import BaseEngine
+
+    guide = (ROOT / "docs" / "adding-a-backend.md").read_text()
+    table = guide[guide.index("| hook | abstract |") : guide.index("Every duty is written")]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:] if line.startswith("|")]
+    named = {n: abstract.strip() == "yes" for cell, abstract in rows for n in re.findall(r"`(\w+)", cell)}
+    assert {n for n, abstract in named.items() if abstract} == set(BaseEngine.__abstractmethods__)
+    assert all(hasattr(BaseEngine, n) for n in named), [n for n in named if not hasattr(BaseEngine, n)]

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from backends.megatron.options import MegatronOptions
-from engine_api import build_engine
-from engine_api.config import EngineConfig, OptimConfig, load_config
+from engine_api import build_engine, load_config
+from engine_api.config import EngineConfig, OptimConfig
 from engine_api.registry import get_engine_class
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "engine"
@@ -44,7 +44,7 @@ def test_overrides_win_and_result_is_typed_and_frozen():
 def test_mapping_source():
     # world_size explicit: otherwise it comes from WORLD_SIZE or an initialised process group.
     cfg = load_config({"strategy": "megatron", "world_size": 2, "megatron": {"tensor_model_parallel_size": 2}})
-    assert cfg.megatron == MegatronOptions(tensor_model_parallel_size=2) and cfg.backend is cfg.megatron
+    assert cfg.backend == MegatronOptions(tensor_model_parallel_size=2)
 
 
 def test_misspelt_key_names_the_closest_valid_one():
@@ -147,3 +147,61 @@ def test_every_float_setting_refuses_non_finite_values(value):
     hand_built = EngineConfig(optim=OptimConfig(lr=float(value)))
     with pytest.raises(ValueError, match="optim.lr = .*not a finite number"):
         build_engine(hand_built)
+
+
+def test_backend_options_are_a_declared_type_read_with_options_of():
+    """Issue 29: ``EngineConfig.backend`` is typed ``BackendOptions | None`` and read with
+    ``options_of``; no attribute is looked up by section name."""
+    import typing
+
+    from backends.fsdp.options import FSDPOptions
+    from engine_api.config import BackendOptions, options_of
+
+    assert typing.get_type_hints(EngineConfig)["backend"] == BackendOptions | None
+    assert "__getattr__" not in vars(EngineConfig)
+    cfg = load_config(None, ["strategy=megatron", "world_size=2", "megatron.tensor_model_parallel_size=2"])
+    assert isinstance(cfg.backend, BackendOptions) and options_of(cfg, MegatronOptions).tensor_model_parallel_size == 2
+    assert options_of(cfg, FSDPOptions) == FSDPOptions()  # another backend's options: its defaults
+    with pytest.raises(AttributeError):
+        cfg.megatron  # noqa: B018  # the section name is YAML / override syntax only
+
+
+@pytest.mark.parametrize(
+    ("backend", "world", "expected"),
+    [
+        (
+            MegatronOptions(tensor_model_parallel_size=3),
+            2,
+            ["megatron.tensor_model_parallel_size = 3: TP x PP x CP = 3 does not divide the world size 2"],
+        ),
+        (
+            MegatronOptions(tensor_model_parallel_size=3, expert_model_parallel_size=3),
+            2,
+            [
+                "megatron.tensor_model_parallel_size = 3: TP x PP x CP = 3 does not divide the world size 2",
+                "megatron.expert_model_parallel_size = 3: EP x expert-TP x PP = 9 does not divide the world size 2",
+            ],
+        ),
+        (MegatronOptions(tensor_model_parallel_size=2), 4, []),
+        (MegatronOptions(pipeline_model_parallel_size=0), 4, []),  # size 0: the option's own check reports it
+    ],
+)
+def test_backend_world_divisors_are_checked_against_the_world_size(backend, world, expected):
+    """``BackendOptions.world_divisors`` replaces the backends' own world-size hooks: the engine
+    config checks them, with the messages those hooks had."""
+    from engine_api.config import problems_of
+
+    problems = [p for p in problems_of(EngineConfig(strategy="megatron", world_size=world, backend=backend)) if "world size" in p]
+    assert [p.split("; fix:")[0] for p in problems] == expected
+
+
+def test_fsdp_size_must_divide_the_world_size():
+    from backends.fsdp.options import FSDPOptions
+    from engine_api.config import problems_of
+
+    assert problems_of(EngineConfig(world_size=4, backend=FSDPOptions(fsdp_size=3))) == [
+        "fsdp.fsdp_size = 3: does not divide the world size 4; fix: use -1 or a divisor of the world size"
+    ]
+    assert problems_of(EngineConfig(world_size=4, backend=FSDPOptions(fsdp_size=-1))) == []
+    with pytest.raises(ValueError, match=r"fsdp\.fsdp_size = 3: does not divide the world size 4"):
+        load_config(None, ["fsdp.fsdp_size=3", "world_size=4"])

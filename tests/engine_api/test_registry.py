@@ -10,6 +10,7 @@ from engine_api import BaseEngine, available_engines, build_engine, load_config,
 from engine_api.registry import get_engine_class
 from tests.reference_engine import ReferenceEngine, register
 
+# The public contract: templates BaseEngine implements once (the bookkeeping) ...
 CONTRACT = [
     "init_model",
     "train_mode",
@@ -22,6 +23,15 @@ CONTRACT = [
     "save_checkpoint",
     "load_checkpoint",
     "export_weights",
+]
+# ... over the hooks a backend must fill in (docs/adding-a-backend.md lists them).
+HOOKS = [
+    "_build_model",
+    "_modules",
+    "_step_spec",
+    "_save_checkpoint",
+    "_load_checkpoint",
+    "_export_weights",
     "dp_rank",
     "dp_size",
     "dp_group",
@@ -29,7 +39,8 @@ CONTRACT = [
 
 
 def test_base_engine_is_abstract_with_the_design_methods():
-    assert set(BaseEngine.__abstractmethods__) == set(CONTRACT)
+    assert set(BaseEngine.__abstractmethods__) == set(HOOKS)
+    assert all(callable(getattr(BaseEngine, name)) for name in CONTRACT)
     with pytest.raises(TypeError):
         BaseEngine(load_config())  # type: ignore[abstract]
     params = list(inspect.signature(BaseEngine.forward_backward_step).parameters)
@@ -49,10 +60,10 @@ def test_base_engine_is_abstract_with_the_design_methods():
 
 def test_an_incomplete_backend_cannot_be_instantiated():
     class Half(BaseEngine):
-        def init_model(self):
+        def _build_model(self):
             pass
 
-    with pytest.raises(TypeError, match="forward_backward_step"):
+    with pytest.raises(TypeError, match="_step_spec"):
         Half(load_config())
 
 
@@ -92,10 +103,11 @@ def _write_module(tmp_path, monkeypatch, name: str, body: str) -> str:
 PLUGIN = """
 from dataclasses import dataclass
 from typing import ClassVar
+from engine_api import BackendOptions
 from tests.reference_engine import ReferenceEngine
 
 @dataclass(frozen=True)
-class Opts:
+class Opts(BackendOptions):
     config_section: ClassVar[str] = "plug"
     width: int = 3
 
@@ -111,6 +123,20 @@ class Loose:
 
 class LooseEngine(ReferenceEngine):
     options_class = Loose
+
+@dataclass(frozen=True)
+class Plain:  # frozen, but not a BackendOptions: EngineConfig.backend could not hold it
+    config_section: ClassVar[str] = "plain"
+
+class PlainEngine(ReferenceEngine):
+    options_class = Plain
+
+class Undecorated(Opts):  # inherits the dataclass machinery but declares no fields of its own
+    config_section: ClassVar[str] = "undecorated"
+    extra: int = 1
+
+class UndecoratedEngine(ReferenceEngine):
+    options_class = Undecorated
 """
 
 
@@ -118,7 +144,9 @@ def test_import_path_strategy_is_imported_registered_and_owns_its_section(tmp_pa
     mod = _write_module(tmp_path, monkeypatch, "plugin_mod_a", PLUGIN)
     try:
         cfg = load_config(None, [f"strategy={mod}:Plug", "plug.width=5"])
-        assert cfg.backend.width == 5 and cfg.plug is cfg.backend
+        assert cfg.backend.width == 5
+        with pytest.raises(AttributeError):
+            cfg.plug  # noqa: B018  # the section is read as config.backend (or options_of)
         engine = build_engine(cfg)
         assert type(engine).__name__ == "Plug" and f"{mod}:Plug" in available_engines()
         # Defaults are filled in when the section is absent.
@@ -151,6 +179,8 @@ def test_bad_import_paths_and_classes_name_the_fix(tmp_path, monkeypatch):
         f"{mod}:Missing": "has no attribute 'Missing'",
         f"{mod}:NotAnEngine": "needs a BaseEngine subclass",
         f"{mod}:LooseEngine": "is not a frozen dataclass",
+        f"{mod}:PlainEngine": "is not a frozen dataclass subclassing engine_api.kit.BackendOptions",
+        f"{mod}:UndecoratedEngine": "is not a frozen dataclass subclassing",
         "nope": "is not a registered engine",
     }
     for strategy, needle in cases.items():

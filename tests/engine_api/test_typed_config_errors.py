@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from engine_api.config import load_config
+from backends.megatron.options import MegatronOptions
+from engine_api import EngineConfig, load_config
 from engine_api.typed_config import load_typed
 
 
@@ -45,3 +46,41 @@ def test_scalar_as_list_is_opt_in_per_field():
     assert load_typed(_Files, {"paths": "a.jsonl"}).paths == ["a.jsonl"]
     with pytest.raises(ValueError, match=r"other = 'a.jsonl'"):
         load_typed(_Files, {"other": "a.jsonl"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """A recipe-style config holding an engine config (as SFTConfig / PPOConfig do)."""
+
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    steps: int = 1
+
+
+def test_a_nested_engine_config_gets_its_backend_section_and_strategy_resolved():
+    """The loader's section resolver applies wherever an EngineConfig sits, not only at the top."""
+    cfg = load_typed(_Recipe, {"engine": {"strategy": "megatron", "world_size": 2, "megatron": {"tensor_model_parallel_size": 2}}})
+    assert cfg.engine.backend == MegatronOptions(tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"engine\.strategy = 'fsdpp' is not a registered engine") as err:
+        load_typed(_Recipe, None, ["engine.strategy=fsdpp", "steps=2"])
+    assert str(err.value).startswith("1 config problem(s)")
+    with pytest.raises(
+        ValueError, match=r"engine\.megatron\.tensor_paralel_size: .*did you mean 'engine\.megatron\.tensor_model_parallel_size'"
+    ):
+        load_typed(_Recipe, None, ["engine.strategy=megatron", "engine.megatron.tensor_paralel_size=2"])
+    with pytest.raises(ValueError, match=r"engine\.megatron\.tensor_model_parallel_size: belongs to backend 'megatron'"):
+        load_typed(_Recipe, None, ["engine.megatron.tensor_model_parallel_size=2"])
+
+
+def test_a_misspelt_strategy_is_reported_once_even_with_section_keys():
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["strategy=fsdpp", "fsdp.fsdp_size=2"])
+    assert str(err.value).count("strategy = 'fsdpp' is not a registered engine") == 1, str(err.value)
+    with pytest.raises(ValueError, match=r"strategy = '': empty; fix: name a registered engine"):
+        load_config({"strategy": ""})
+
+
+def test_section_resolvers_can_be_given_per_call():
+    """``sections`` replaces the registered table: with none, a backend section is an unknown key."""
+    with pytest.raises(ValueError, match=r"engine\.megatron\.tensor_model_parallel_size: unknown key 'megatron' at engine"):
+        load_typed(_Recipe, None, ["engine.strategy=megatron", "engine.megatron.tensor_model_parallel_size=2"], sections={})
+    assert load_typed(_Recipe, None, ["engine.strategy=fsdpp"], sections={}).engine.strategy == "fsdpp"  # nothing resolves it

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.backends.hf_utils import make_model, make_test_batch, pg_loss
-from tests.dist_harness import run_distributed
+from tests.support.hf_utils import make_model, make_test_batch, pg_loss
+from tests.support.launch import run_distributed
 
 # AdamW's eps comparable to the gradients, so a gradient scale error also moves the weights
 # (Adam alone is nearly scale-invariant); a clip below the grad norm, so clipping acts.
@@ -22,7 +22,7 @@ OVERRIDES = ["optim.lr=0.01", "optim.eps=1e-2", "optim.clip_grad=0.5", "micro_ba
 
 
 def _legacy_step(rank: int, world: int, model_dir: str, mode: str) -> dict:
-    from engine_api.config import load_config
+    from engine_api import load_config
     from roles.legacy.worker import FSDPWorker
 
     torch.set_num_threads(1)

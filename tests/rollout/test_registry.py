@@ -74,10 +74,10 @@ def test_engine_api_imports_no_inference_library():
 
 
 def test_sampling_params_name_every_bad_field():
-    problems = SamplingParams(n=0, temperature=0.0, top_p=1.5, top_k=0, max_tokens=0, stop_token_ids=(-1,), stop=("",)).problems()
+    problems = SamplingParams(n=0, temperature=0.0, top_p=1.5, top_k=0, max_tokens=0, stop_token_ids=(-1,), stop=("",))._problems()
     for field in ("n = 0", "temperature = 0.0", "top_p = 1.5", "top_k = 0", "max_tokens = 0", "stop_token_ids", "stop = "):
         assert any(p.startswith(field) and "fix:" in p for p in problems), (field, problems)
-    assert SamplingParams().problems() == []
+    assert SamplingParams()._problems() == []
 
 
 def test_sample_seeds_are_stable_and_distinct():
