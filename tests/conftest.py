@@ -1,6 +1,9 @@
-"""Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA."""
+"""Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA, and no test leaves
+the megatron CPU compat layer (``backends.megatron.cpu_compat``) switched on in this process."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -13,3 +16,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_compat_left_behind():
+    """Fail a test that leaves megatron's CPU compat layer (``backends/megatron/cpu_compat.py``)
+    on, or any of its globals patched, in the pytest process: it rewrites every torch call of
+    the process, so the tests after it would run under it. Cheap and import-free: it looks only
+    when the module is already imported (most megatron tests run in spawned processes)."""
+    yield
+    compat = sys.modules.get("backends.megatron.cpu_compat")
+    left = compat.leftovers() if compat is not None else []
+    if left:
+        compat.release_all()  # so the tests after this one run without it
+        pytest.fail(f"the test left megatron's CPU compat layer in place: {left}; fix: cpu_compat.disable() / `with cpu_compat.active():`")

@@ -1,9 +1,28 @@
 """Let real megatron-core run on CPU (gloo) where CUDA is unavailable. Test infrastructure for
 CPU CI; never active on a CUDA machine (``enable()`` returns False there and changes nothing).
 
-Switched on explicitly, and only, by the megatron engine when it runs on the CPU
-(``backends.megatron.model.init_parallel``), which says so once per process on stderr.
-Importing this module or ``backends.megatron``, or running another engine, changes nothing.
+A reversible, explicit, reference-counted switch:
+
+* :func:`enable` takes a reference and installs the layer on the first one; :func:`disable`
+  drops a reference and, on the last one, restores every patched global to the exact object
+  it replaced (identity; an attribute the layer added is deleted again) and pops the
+  ``TorchFunctionMode``. :func:`active` is the context-manager form (restores on exception).
+  Nested users compose: the layer stays on until the last of them lets go.
+* The megatron engine takes one reference when it runs on the CPU
+  (``backends.megatron.model.init_parallel``) and never gives it back while the process runs:
+  megatron's parallel state and buffers outlive the engine object, and there is no engine
+  ``close()``. Whatever is still held is released at interpreter exit (:func:`release_all`,
+  registered with ``atexit`` on the first switch-on of the process).
+* Importing this module or ``backends.megatron``, or running another engine, changes nothing.
+  The first switch-on of a process says so once on stderr.
+* All patched globals live in one table (:func:`targets` names them, :func:`originals` holds
+  what the last switch-on replaced), built by one function for both directions, so switching
+  on and off cannot drift apart; :func:`leftovers` lists whatever is still patched
+  (``tests/conftest.py`` fails a test that leaves any).
+
+The mode must be popped by the thread that pushed it, from the top of that thread's mode stack
+(torch's mode stack is thread-local and ``TorchFunctionMode.__exit__`` pops whatever is on top):
+:func:`disable` refuses, changing nothing, when either does not hold.
 
 megatron-core 0.16 hard-codes CUDA in a few places on the paths the engine uses (measured;
 ``docs/design.md``, the megatron-core on CPU section): factory calls with ``device="cuda"`` / ``torch.cuda.current_device()``
@@ -41,15 +60,18 @@ are ``torch.cuda.FloatTensor``. :func:`enable` installs:
   runs with the mode entered again.
 
 Every redirected call site (file:function) is recorded in :data:`SITES`, so
-``tests/backends/test_megatron.py::test_compat_layer_sees_only_known_cuda_call_sites`` fails when a megatron-core upgrade adds a new
+``tests/backends/test_megatron.py::test_compat_layer_sees_only_known_cuda_call_sites`` (its list is
+``KNOWN_CUDA_SITES`` in ``tests/support/megatron_workers.py``) fails when a megatron-core upgrade adds a new
 hard-coded CUDA call on a path we use.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
+import threading
 from collections import Counter
 
 import torch
@@ -58,58 +80,202 @@ from torch.overrides import TorchFunctionMode
 
 # (file basename, function) -> how often the compat layer redirected a CUDA use there.
 SITES: Counter = Counter()
-_ACTIVE: list[TorchFunctionMode] = []
 _MEGATRON_ROOT = os.sep + "megatron" + os.sep
+_LINE = (
+    "[enginekit] megatron on CPU: compatibility layer on (CUDA device arguments of torch calls go to the CPU, "
+    "torch.cuda RNG/sync calls use CPU stand-ins; backends/megatron/cpu_compat.py)"
+)
+# Stands for "the attribute did not exist": restoring it means deleting the attribute again.
+MISSING = object()
+
+
+class _Switch:
+    """The process's switch state (one instance, :data:`_SWITCH`)."""
+
+    def __init__(self) -> None:
+        self.references = 0  # enable() calls not yet matched by disable()
+        self.mode: _CudaToCpu | None = None  # the pushed mode while on
+        self.thread: int | None = None  # the thread whose mode stack holds it
+        # name -> (owner, attribute, original raw value) of the current or last switch-on;
+        # kept after switching off so leftovers() can tell a global that was not put back.
+        self.originals: dict[str, tuple[object, str, object]] = {}
+        self.announced = False
+        self.exit_hook = False
+
+
+_SWITCH = _Switch()
+
+
+def _table(mode: TorchFunctionMode) -> dict[str, tuple[object, str, object]]:
+    """Everything the layer patches: dotted name -> (owner, attribute, replacement).
+
+    The one list of patched globals: switching on installs exactly these, switching off puts
+    back exactly what was there before, and :func:`targets` / :func:`leftovers` read the same
+    names. Building it has no side effect beyond importing the megatron modules it patches.
+    """
+    import megatron.core.tensor_parallel.mappings as mappings
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    cuda = torch.cuda
+    table = {
+        "torch.cuda.current_device": (cuda, "current_device", _stand_in("current_device", lambda: 0)),
+        "torch.cuda.synchronize": (cuda, "synchronize", _stand_in("synchronize", lambda *a, **k: None)),
+        "torch.cuda.get_rng_state": (cuda, "get_rng_state", _stand_in("get_rng_state", lambda *a, **k: torch.get_rng_state())),
+        "torch.cuda.set_rng_state": (
+            cuda,
+            "set_rng_state",
+            _stand_in("set_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        ),
+        "torch.cuda.manual_seed": (cuda, "manual_seed", _stand_in("manual_seed", lambda seed: torch.manual_seed(seed))),
+        f"{mrandom.__name__}._get_cuda_rng_state": (
+            mrandom,
+            "_get_cuda_rng_state",
+            _stand_in("_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        ),
+        f"{mrandom.__name__}._set_cuda_rng_state": (
+            mrandom,
+            "_set_cuda_rng_state",
+            _stand_in("_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        ),
+        "torch.cuda.Stream": (cuda, "Stream", _CpuStream),
+        "torch.cuda.Event": (cuda, "Event", _CpuEvent),
+        "torch.cuda.current_stream": (cuda, "current_stream", _stand_in("current_stream", lambda *a, **k: _CpuStream.current)),
+        "torch.cuda.stream": (cuda, "stream", _stand_in("stream", lambda *a, **k: contextlib.nullcontext())),
+        f"{token_dispatcher.__name__}.maybe_move_tensor_to_cpu": (
+            token_dispatcher,
+            "maybe_move_tensor_to_cpu",
+            _host_copy(token_dispatcher.maybe_move_tensor_to_cpu),
+        ),
+        "torch.distributed.all_gather": (dist, "all_gather", _uneven_all_gather(dist.all_gather)),
+    }
+    if "te_general_gemm" not in vars(moe_utils):  # bound by megatron only when TE imports
+        table[f"{moe_utils.__name__}.te_general_gemm"] = (moe_utils, "te_general_gemm", None)
+    for module in (mappings, moe_utils):
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
+                backward = vars(value)["backward"].__func__
+                table[f"{module.__name__}.{value.__name__}.backward"] = (value, "backward", staticmethod(_under_mode(backward, mode)))
+    return table
+
+
+def targets() -> dict[str, tuple[object, str]]:
+    """The globals :func:`enable` patches: dotted name -> (owner, attribute). Patches nothing
+    (imports megatron-core's patched modules)."""
+    if _SWITCH.references:  # on: what was patched (the table would no longer see te_general_gemm as absent)
+        return {name: (owner, attr) for name, (owner, attr, _) in _SWITCH.originals.items()}
+    return {name: (owner, attr) for name, (owner, attr, _) in _table(_CudaToCpu()).items()}
+
+
+def originals() -> dict[str, object]:
+    """What the current (or last) switch-on replaced: dotted name -> the original raw value
+    (``vars(owner)[attr]``; :data:`MISSING` where the layer added the attribute). Empty before
+    the first switch-on."""
+    return {name: original for name, (_, _, original) in _SWITCH.originals.items()}
 
 
 def enable() -> bool:
-    """Install the redirections (idempotent). Returns whether the layer is active."""
+    """Take a reference on the layer, installing it on the first one. Returns whether the layer
+    is active (False on a CUDA machine, where nothing is changed and nothing is counted)."""
     if torch.cuda.is_available():
         return False
-    if _ACTIVE:
+    if _SWITCH.references:
+        _SWITCH.references += 1
         return True
-    import megatron.core.tensor_parallel.random as mrandom
-
-    torch.cuda.current_device = _stand_in("current_device", lambda: 0)
-    torch.cuda.synchronize = _stand_in("synchronize", lambda *a, **k: None)
-    torch.cuda.get_rng_state = _stand_in("get_rng_state", lambda *a, **k: torch.get_rng_state())
-    torch.cuda.set_rng_state = _stand_in("set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
-    torch.cuda.manual_seed = _stand_in("manual_seed", lambda seed: torch.manual_seed(seed))
-    mrandom._get_cuda_rng_state = _stand_in("_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    mrandom._set_cuda_rng_state = _stand_in("_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.Event = _CpuEvent
-    torch.cuda.current_stream = _stand_in("current_stream", lambda *a, **k: _CpuStream.current)
-    torch.cuda.stream = _stand_in("stream", lambda *a, **k: contextlib.nullcontext())
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-
-    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy(token_dispatcher.maybe_move_tensor_to_cpu)
     mode = _CudaToCpu()
-    mode.__enter__()  # process-wide for this (main) thread (not inside custom Functions' backward: see below)
-    _ACTIVE.append(mode)
-    dist.all_gather = _uneven_all_gather(dist.all_gather)
-    import megatron.core.tensor_parallel.mappings as mappings
-
-    for module in (mappings, moe_utils):
-        for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
-                value.backward = staticmethod(_under_mode(vars(value)["backward"].__func__, mode))
-    print(
-        "[enginekit] megatron on CPU: compatibility layer on (CUDA device arguments of torch calls go to the CPU, "
-        "torch.cuda RNG/sync calls use CPU stand-ins; backends/megatron/cpu_compat.py)",
-        file=sys.stderr,
-        flush=True,
-    )
+    table = _table(mode)
+    _SWITCH.originals = {name: (owner, attr, vars(owner).get(attr, MISSING)) for name, (owner, attr, _) in table.items()}
+    for owner, attr, replacement in table.values():
+        setattr(owner, attr, replacement)
+    mode.__enter__()  # process-wide for this (main) thread (not inside custom Functions' backward: see above)
+    _SWITCH.mode, _SWITCH.thread, _SWITCH.references = mode, threading.get_ident(), 1
+    if not _SWITCH.exit_hook:
+        atexit.register(release_all)
+        _SWITCH.exit_hook = True
+    if not _SWITCH.announced:
+        print(_LINE, file=sys.stderr, flush=True)
+        _SWITCH.announced = True
     return True
 
 
+def disable() -> bool:
+    """Drop a reference taken by :func:`enable`; the last one restores every patched global to
+    its original object and pops the mode. Returns whether the layer is still active.
+
+    A no-op on a CUDA machine. Raises ``RuntimeError`` (changing nothing) without a matching
+    :func:`enable`, or when the last reference is dropped from another thread than the one that
+    switched the layer on, or while another torch-function mode sits above the layer's.
+    """
+    if not _SWITCH.references:
+        if torch.cuda.is_available():
+            return False
+        raise RuntimeError("cpu_compat.disable() without a matching enable(): the compat layer is off")
+    if _SWITCH.references > 1:
+        _SWITCH.references -= 1
+        return True
+    if threading.get_ident() != _SWITCH.thread:
+        raise RuntimeError("cpu_compat.disable(): the layer's mode lives on the thread that called enable(); switch it off there")
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not stack or stack[-1] is not _SWITCH.mode:
+        raise RuntimeError(
+            f"cpu_compat.disable(): another torch-function mode is above the compat layer's ({stack[-1] if stack else None!r}); "
+            "leave that mode first"
+        )
+    _switch_off(pop_mode=True)
+    return False
+
+
+@contextlib.contextmanager
+def active():
+    """``with cpu_compat.active() as on:`` -- the layer is on inside (``on`` is :func:`enable`'s
+    result) and this reference is dropped on the way out, exception or not."""
+    on = enable()
+    try:
+        yield on
+    finally:
+        if on:
+            disable()
+
+
 def is_active() -> bool:
-    """Whether :func:`enable` installed the layer in this process."""
-    return bool(_ACTIVE)
+    """Whether the layer is installed in this process (some :func:`enable` not yet undone)."""
+    return _SWITCH.references > 0
+
+
+def leftovers() -> list[str]:
+    """What of the layer is still in place: the names of globals that differ from what the last
+    switch-on replaced, a held reference, a compat mode on this thread's mode stack. Empty when
+    the layer is fully off (or was never on)."""
+    left = [name for name, (owner, attr, original) in _SWITCH.originals.items() if vars(owner).get(attr, MISSING) is not original]
+    if _SWITCH.references:
+        left.append(f"<{_SWITCH.references} reference(s) held: enable() without disable()>")
+    if any(isinstance(m, _CudaToCpu) for m in torch.overrides._get_current_function_mode_stack()):
+        left.append("<the compat TorchFunctionMode is on the mode stack>")
+    return left
+
+
+def _switch_off(pop_mode: bool) -> None:
+    """Put every original back (reverse order of installation) and pop the mode."""
+    if pop_mode:
+        _SWITCH.mode.__exit__(None, None, None)
+    for owner, attr, original in reversed(list(_SWITCH.originals.values())):
+        if original is MISSING:
+            if attr in vars(owner):
+                delattr(owner, attr)
+        elif vars(owner).get(attr, MISSING) is not original:
+            setattr(owner, attr, original)
+    _SWITCH.mode, _SWITCH.thread, _SWITCH.references = None, None, 0
+
+
+def release_all() -> None:
+    """Switch the layer fully off now, whatever references are held: the interpreter-exit hook
+    (the engine's reference), and tests' cleanup. Puts back every global of the last switch-on
+    that is not its original. The mode is popped only where that is safe (this thread pushed it
+    and it is on top); otherwise it dies with its thread's state."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    pop = _SWITCH.mode is not None and threading.get_ident() == _SWITCH.thread and bool(stack) and stack[-1] is _SWITCH.mode
+    _switch_off(pop_mode=pop)
 
 
 def _record() -> None:

@@ -44,9 +44,7 @@ from backends.megatron.convert import (
     unconsumed_problems,
 )
 from backends.megatron.options import MegatronOptions
-from engine_api.config import EngineConfig, format_problem, options_of
-from engine_api.dist import compute_device, ensure_process_group, process_group_timeout
-from engine_api.moe import RouterSpec
+from engine_api.kit import EngineConfig, RouterSpec, compute_device, ensure_process_group, format_problem, options_of, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,7 +60,9 @@ def init_parallel(config: EngineConfig) -> torch.device:
     device = compute_device()
     if device.type == "cpu":
         # megatron-core hard-codes CUDA on paths the engine uses: the compat layer is switched
-        # on here, explicitly, by the engine that needs it (never by an import).
+        # on here, explicitly, by the engine that needs it (never by an import). The engine's
+        # reference is held for the rest of the process (megatron's parallel state and buffers
+        # outlive the engine object) and released at interpreter exit (cpu_compat's atexit).
         cpu_compat.enable()
     ensure_process_group("nccl" if device.type == "cuda" else "gloo", config.dist_timeout_s)
     m = options_of(config, MegatronOptions)
