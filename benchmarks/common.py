@@ -27,7 +27,7 @@ import torch
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Dimensions of a Llama-style model built from a config (``recipes.tiny_model``)."""
+    """Dimensions of a Llama-style model built from a config (``posttrain.tiny_model``)."""
 
     vocab_size: int = 2048
     hidden_size: int = 256
@@ -52,7 +52,7 @@ class ModelSpec:
 
 def build_model(path: str, spec: ModelSpec, seed: int = 0) -> str:
     """Build the model from its config with a fixed seed and ``save_pretrained`` it to ``path``."""
-    from recipes.tiny_model import build_tiny_model
+    from posttrain.tiny_model import build_tiny_model
 
     return build_tiny_model(
         path,

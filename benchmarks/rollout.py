@@ -27,7 +27,7 @@ CASES = ((64, 64), (256, 128))  # (prompts, new tokens)
 
 
 def _model(path: str, hidden: int, layers: int, vocab: int) -> str:
-    from recipes.tiny_model import build_tiny_model
+    from posttrain.tiny_model import build_tiny_model
 
     return build_tiny_model(
         path,

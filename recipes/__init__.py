@@ -1,1 +1,2 @@
-"""Training loops (SFT, PPO/GRPO) that consume the engine contract."""
+"""Training scripts (SFT, PPO/GRPO): config, wiring and the loop, on the engine contract and the
+``posttrain`` library. They never import ``backends``."""

@@ -1,8 +1,6 @@
-"""Recipe setup that SFT and RL (``recipes.sft``, ``recipes.ppo``) share: the ``tiny_model`` and
-``trainer`` config sections, joining the launcher's process group, and building the tiny model
-when ``engine.model.path`` is null.
-
-(The loop pieces they share are in ``recipes.trainer_utils``.)
+"""Recipe wiring that SFT and RL (``recipes.sft``, ``recipes.ppo``) share: the ``tiny_model``
+and ``trainer`` config sections, the checks across sections, and building the tiny model when
+``engine.model.path`` is null. Everything reusable is in the ``posttrain`` library.
 """
 
 from __future__ import annotations
@@ -11,20 +9,20 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-from engine_api.dist import all_reduce, comm_device, ensure_process_group, is_initialized, launcher_world
-from recipes import data as task
-from recipes.tiny_model import FAMILIES, build_tiny_model
+from engine_api.dist import is_initialized
+from posttrain import sort_task as task
+from posttrain.dist import rank
+from posttrain.tiny_model import FAMILIES, build_tiny_model
 
-__all__ = ["TinyModelConfig", "TrainerConfig", "data_model_problems", "init_distributed", "rank", "save_hf", "with_model_path"]
+__all__ = ["TinyModelConfig", "TrainerConfig", "data_model_problems", "with_model_path"]
 
 
 # ---------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """The model built when ``engine.model.path`` is null (see ``recipes.tiny_model``).
+    """The model built when ``engine.model.path`` is null (see ``posttrain.tiny_model``).
 
     Attributes:
         family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
@@ -77,7 +75,7 @@ class TrainerConfig:
             optimizer step was skipped (non-finite loss or gradients); 0: never stop.
         val_every: score the validation data every this many steps (0: only at the end).
         save_hf: at the end, write the trained model as an HF directory (weights, config,
-            tokenizer, generation config) to ``<output_dir>/hf`` (``recipes.common.save_hf``).
+            tokenizer, generation config) to ``<output_dir>/hf`` (``posttrain.export.save_hf``).
         save_hf_format: ``merged`` (full weights; with LoRA the adapters merged in) or
             ``adapter`` (a peft adapter directory; needs ``engine.model.lora.rank > 0``).
     """
@@ -133,34 +131,12 @@ def data_model_problems(cfg) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- setup
-def init_distributed(timeout_s: float | None = None) -> bool:
-    """Join the launcher's process group (torchrun) with the collective timeout ``timeout_s``
-    (``engine.dist_timeout_s``); return whether this call created it, so the recipe tears
-    down only what it set up.
-
-    Single-process runs create nothing here; the engine makes its own 1-rank group.
-    """
-    if is_initialized() or launcher_world() is None:
-        return False
-    backend = "gloo"
-    if torch.cuda.is_available():
-        # One GPU per process; NCCL collectives run on the current device.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    ensure_process_group(backend, timeout_s)
-    return True
-
-
-def rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
-
-
 def with_model_path(cfg):
     """``cfg`` unchanged when ``engine.model.path`` is set; otherwise build the tiny model
     into ``<output_dir>/tiny_model`` (rank 0 writes, the others wait) and point at it.
 
     Works for any recipe config with ``engine``, ``tiny_model``, ``data`` (a
-    ``recipes.data.DataConfig``) and ``trainer`` fields (SFT and PPO).
+    ``posttrain.sort_task.DataConfig``) and ``trainer`` fields (SFT and PPO).
     """
     if cfg.engine.model.path is not None:
         return cfg
@@ -188,120 +164,3 @@ def with_model_path(cfg):
         dist.barrier()
     model = dataclasses.replace(cfg.engine.model, path=path)
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=model))
-
-
-# ---------------------------------------------------------------------------------- export
-def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
-    """Write the trained model of ``source`` (an engine or a role) as an HF directory.
-    Collective: every rank drains the export; rank 0 writes; every rank returns once the
-    directory is complete.
-
-    ``fmt``:
-        * ``merged``: the weights ``source.export_weights()`` yields (with LoRA: merged, in the
-          compute dtype of the engine's mixed-precision policy) as float32 safetensors, with the config, generation
-          config and tokenizer of ``engine_config.model.path`` (the tokenizer only when that
-          directory has one); rank 0 assembles the model in CPU memory.
-        * ``adapter``: a peft adapter directory (``adapter_config.json``,
-          ``adapter_model.safetensors``) from ``source.export_adapter_weights()``, plus the
-          tokenizer; load it with ``PeftModel.from_pretrained(base, out_dir)``.
-
-    The directory appears whole or not at all (written next to ``out_dir``, then renamed), and a
-    previous ``out_dir`` is replaced only after the new one is complete.
-
-    Raises:
-        ValueError: (rank 0) an exported name is not a parameter of the HF model, a shape
-            differs, or a parameter received no value; nothing is written then.
-    """
-    from transformers import AutoModelForCausalLM
-
-    model_path = engine_config.model.path
-    rank0 = rank() == 0
-    problems, written, model, state = [], set(), None, {}
-    if rank0:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            state = model.state_dict()
-        except (OSError, ValueError) as exc:  # still drain the export below: it is collective
-            problems.append(f"cannot load the HF model to write into: {exc}")
-    if fmt == "adapter":
-        adapters = {name: tensor for name, tensor in source.export_adapter_weights()}  # collective
-        if model is not None:
-            model = _peft_model_with(model, engine_config, adapters, problems)
-    else:
-        with torch.no_grad():
-            for name, tensor in source.export_weights():  # drained on every rank: it is collective
-                if model is None:
-                    continue
-                if name not in state or state[name].shape != tensor.shape:
-                    got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
-                    problems.append(f"{name}: {got}")
-                    continue
-                state[name].copy_(tensor.to(torch.float32))
-                written.add(state[name].data_ptr())
-        problems += [f"{n}: no exported value" for n, t in state.items() if t.data_ptr() not in written]  # tied names share storage
-    failed = torch.tensor([float(bool(problems))])
-    if is_initialized():  # every rank learns whether rank 0 may write (none waits on a failed peer)
-        failed = all_reduce(failed.to(comm_device(None)), "sum", None).cpu()
-    if problems:
-        raise ValueError(f"trainer.save_hf: the export does not match the HF model of {model_path!r}: " + "; ".join(problems[:5]))
-    if failed.item():
-        raise RuntimeError("trainer.save_hf: rank 0 found the export does not match the HF model (its error says how); nothing written")
-    if rank0:
-        _write_dir(out_dir, model, model_path)
-    if is_initialized():
-        dist.barrier()
-    return out_dir
-
-
-def _peft_model_with(model, engine_config, adapters: dict, problems: list[str]):
-    """peft's model on ``model`` with the engine's LoRA settings and ``adapters`` loaded."""
-    import peft
-
-    from backends.fsdp.lora import peft_config  # the adapter format is peft's, whichever backend trained it
-
-    wrapped = peft.get_peft_model(model, peft_config(engine_config.model.lora, engine_config.model.head))
-    expected = set(peft.get_peft_model_state_dict(wrapped))
-    try:
-        result = peft.set_peft_model_state_dict(wrapped, adapters)
-    except (RuntimeError, ValueError, KeyError) as exc:  # e.g. a shape mismatch; the other ranks must still learn of it
-        problems.append(f"the adapters do not load into peft's model: {exc}")
-        return wrapped
-    problems += [f"{k}: not an adapter of the peft model" for k in result.unexpected_keys]
-    problems += [f"{k}: no exported value" for k in sorted(expected - set(adapters))]
-    return wrapped
-
-
-def _write_dir(out_dir: str, model, model_path: str) -> None:
-    """``model.save_pretrained`` + the tokenizer of ``model_path`` into ``out_dir``, atomically.
-
-    An ``out_dir`` that is a symbolic link (an export directory placed on another disk) is
-    replaced where it points, so the link stays valid; a leftover ``.tmp`` / ``.old`` that is a
-    link is unlinked, never followed."""
-    if os.path.islink(out_dir):
-        out_dir = os.path.realpath(out_dir)
-    tmp, old = f"{out_dir}.tmp", f"{out_dir}.old"
-    _delete(tmp)
-    model.save_pretrained(tmp)
-    try:
-        from recipes.text_data import load_tokenizer
-
-        load_tokenizer(model_path).save_pretrained(tmp)
-    except ValueError:
-        pass  # a model directory without a tokenizer (the built tiny model): weights + config only
-    if os.path.lexists(out_dir):  # lexists: a broken link is in the way of the rename too
-        _delete(old)
-        os.replace(out_dir, old)  # renames a link itself, never its target
-    os.replace(tmp, out_dir)
-    _delete(old)
-
-
-def _delete(path: str) -> None:
-    """Remove ``path`` if present: a symbolic link (broken or not) or a file is unlinked, never
-    followed (``shutil.rmtree`` refuses a link, and with ``ignore_errors`` silently left it in the
-    way of the next export's rename); a directory tree is removed best-effort."""
-    import shutil
-
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)

@@ -6,10 +6,10 @@ Run: ``python -m recipes.ppo --config configs/ppo_tiny.yaml [key=value ...]`` (o
 ``configs/grpo_tiny.yaml``); ``engine.strategy=megatron`` switches backend; under
 ``torchrun --nproc-per-node N`` all roles run colocated on every rank. Own data:
 ``engine.model.path=DIR data.train_files=[p.parquet] reward.function=rw.py:score``
-(``recipes.text_data``, ``recipes.rewards``).
+(``posttrain.text_data``, ``posttrain.rewards``).
 
 One step: the prompts of the step (a pure function of ``data.seed`` and the step,
-``recipes.rl_tasks``) -> ``Rollout`` (weights synced from the actor) samples ``algo.n_samples``
+``posttrain.tasks``) -> ``Rollout`` (weights synced from the actor) samples ``algo.n_samples``
 responses per prompt, each ending at an EOS id, a stop string or the length limit -> rewards
 (the sorting task's partial credit, or ``reward.function`` on the decoded text) -> reference
 log-probs (when ``actor.kl_coef > 0``) -> old log-probs (actor) -> values and GAE (PPO) or
@@ -39,11 +39,13 @@ from engine_api.dist import is_initialized
 from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, init_distributed, save_hf, with_model_path
-from recipes.rewards import RewardConfig, sort_task_score
-from recipes.rl_tasks import build_task, sort_prompts_at
-from recipes.text_data import DataConfig
-from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
+from posttrain.dist import init_distributed
+from posttrain.export import save_hf
+from posttrain.rewards import RewardConfig
+from posttrain.tasks import build_task
+from posttrain.text_data import DataConfig
+from posttrain.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, with_model_path
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
@@ -151,11 +153,6 @@ class PPOConfig:
         if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
             out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
         return out
-
-
-# The sorting task's prompts and scorer, under their historical names.
-prompts_at = sort_prompts_at
-score = sort_task_score
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -295,7 +292,7 @@ def _responses(batch) -> list[torch.Tensor]:
 def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source=None) -> dict[str, Any]:
     """One RL step (see the module docstring) on any role implementation; returns its metrics.
 
-    ``source``: the prompts and rewards (``recipes.rl_tasks.build_task(cfg)``; None builds it)."""
+    ``source``: the prompts and rewards (``posttrain.tasks.build_task(cfg)``; None builds it)."""
     source = source if source is not None else build_task(cfg)
     timings, t0 = {}, time.perf_counter()
     prompts, metas = source.prompts_at(step)
@@ -390,7 +387,7 @@ def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
     """Load the newest step that every role checkpointed completely and that verifies for
     every role; 0 when there is none (a save killed between the actor's and the critic's
     checkpoint leaves the actor a step ahead; a step that fails verification is skipped
-    loudly, ``recipes.trainer_utils.load_newest_valid``)."""
+    loudly, ``posttrain.trainer_utils.load_newest_valid``)."""
     roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     roots = {name: os.path.join(ckpt_dir, name) for name in roles}
     latest = ckpt_layout.latest_checkpoint(roots["actor"])

@@ -5,10 +5,10 @@ Run it as ``python -m recipes.sft --config configs/sft_tiny.yaml [key=value ...]
 overrides, e.g. ``engine.micro_batch_size=2``), or under
 ``torchrun --nproc-per-node N -m recipes.sft ...`` for N data-parallel ranks. ``make sft``
 is the first form with the defaults. Own data: ``engine.model.path=DIR
-data.train_files=[a.jsonl] [data.val_files=[b.jsonl]]`` (formats: ``recipes.text_data``).
+data.train_files=[a.jsonl] [data.val_files=[b.jsonl]]`` (formats: ``posttrain.text_data``).
 
-Per step: the global batch of that step (``recipes.data.batch_at``, or the step's samples of
-the files, ``recipes.text_data.StepOrder``) -> this rank's shard -> ``engine.train_batch``;
+Per step: the global batch of that step (``posttrain.sort_task.batch_at``, or the step's samples of
+the files, ``posttrain.text_data.StepOrder``) -> this rank's shard -> ``engine.train_batch``;
 rank 0 appends one JSON line to ``<output_dir>/metrics.jsonl``. Every ``trainer.val_every``
 steps and at the end the validation data (held-out task batches, or ``data.val_files``) is
 scored under ``eval_mode`` (loss and token accuracy of the response). :func:`main` returns the
@@ -34,17 +34,19 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout, make_batch
 from engine_api.dist import all_reduce, comm_device, is_initialized
 from engine_api.typed_config import load_typed
-from recipes import data as task
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, init_distributed, rank, save_hf, with_model_path
-from recipes.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts
-from recipes.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
+from posttrain import sort_task as task
+from posttrain.dist import init_distributed, rank
+from posttrain.export import save_hf
+from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts
+from posttrain.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, with_model_path
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
 
 
 # ---------------------------------------------------------------------------------- config
-# The ``tiny_model`` and ``trainer`` sections (TinyModelConfig, TrainerConfig), init_distributed
-# and with_model_path are shared with recipes.ppo and live in recipes.common.
+# The ``tiny_model`` and ``trainer`` sections (TinyModelConfig, TrainerConfig) and
+# with_model_path are shared with recipes.ppo and live in recipes.common.
 @dataclass(frozen=True)
 class SFTConfig:
     """Everything ``recipes.sft`` reads; ``configs/sft_tiny.yaml`` documents each key.
@@ -52,7 +54,7 @@ class SFTConfig:
     Attributes:
         engine: the engine (``engine.strategy`` picks the backend).
         tiny_model: the model built when ``engine.model.path`` is null.
-        data: the sorting task, or the user's files (``recipes.text_data.DataConfig``).
+        data: the sorting task, or the user's files (``posttrain.text_data.DataConfig``).
         trainer: the loop.
     """
 
@@ -166,7 +168,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
 
 class SFTData:
-    """The batches of a run: the sorting task's, or the user's files' (``recipes.text_data``)."""
+    """The batches of a run: the sorting task's, or the user's files' (``posttrain.text_data``)."""
 
     def __init__(self, cfg: DataConfig, model_path: str) -> None:
         self.cfg = cfg
@@ -345,7 +347,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
-    resuming (``recipes.trainer_utils.load_newest_valid``)."""
+    resuming (``posttrain.trainer_utils.load_newest_valid``)."""
     if not cfg.trainer.resume:
         return 0
     candidates = ckpt_layout.candidates(ckpt_dir)

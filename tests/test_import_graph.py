@@ -4,19 +4,22 @@
 * The graph of *module-level* imports (the imports a module executes when it is imported: its
   top-level statements and those nested in top-level ``if`` / ``try`` / ``with`` / ``for`` /
   class bodies, but not function bodies, nor ``if TYPE_CHECKING:`` blocks) of ``engine_api``,
-  ``backends``, ``roles``, ``recipes`` and ``benchmarks`` has no cycle. ``from pkg import name``
+  ``backends``, ``roles``, ``posttrain``, ``recipes`` and ``benchmarks`` has no cycle. ``from pkg import name``
   where ``pkg.name`` is a module is an edge to that module, otherwise an edge to ``pkg``; a
   package's ``__init__`` is the module ``pkg``. The implicit import of a module's parent
   packages is not an edge (else every ``__init__`` that re-exports a submodule would close a
   cycle with it).
-* Nor has that graph plus the function-level (lazy) imports from one package into another: a
-  lazy import breaks a cycle at import time but not the dependency between the two packages
-  (``roles.factory`` imports ``roles.legacy`` lazily, so ``roles.legacy`` may not import
-  ``roles.factory``). A lazy import between modules of the same package (e.g. to defer a
-  sibling until it is needed) is an implementation detail of that package and not counted.
-* ``engine_api`` imports nothing from ``backends``, ``roles`` or ``recipes``, not even inside a
-  function. (``engine_api.registry`` loads the built-in backends by module-name *string* through
-  ``importlib``, which is not an import statement.)
+* Nor has that graph plus the function-level (lazy) imports: a lazy import breaks a cycle at
+  import time but not the dependency between the two modules (``roles.factory`` imports
+  ``roles.legacy`` lazily, so ``roles.legacy`` may not import ``roles.factory``). That holds
+  inside one package too: ``engine_api.config`` once reached back to ``engine_api.registry``
+  lazily, and now the loader (``engine_api.loader``) is what joins the two.
+* ``engine_api`` imports nothing from ``backends``, ``roles``, ``posttrain`` or ``recipes``, not
+  even inside a function. (``engine_api.registry`` loads the built-in backends by module-name
+  *string* through ``importlib``, which is not an import statement.)
+* ``recipes`` and the ``posttrain`` library import nothing from ``backends`` (they reach a backend
+  through the ``engine_api`` contract only), and ``posttrain`` nothing from ``recipes``, not even
+  inside a function.
 
 Modules are discovered from the file tree, so new modules and subpackages are covered as they
 appear.
@@ -32,8 +35,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine_api", "backends", "roles", "recipes", "benchmarks")
-ENGINE_API_MAY_NOT_IMPORT = ("backends", "roles", "recipes")
+PACKAGES = ("engine_api", "backends", "roles", "posttrain", "recipes", "benchmarks")
+ENGINE_API_MAY_NOT_IMPORT = ("backends", "roles", "posttrain", "recipes")
+# package -> the packages it may not import, function bodies included.
+MAY_NOT_IMPORT = {"recipes": ("backends",), "posttrain": ("backends", "recipes")}
 
 Graph = dict[str, dict[str, int]]  # module -> {imported module: line of the first such import}
 
@@ -99,14 +104,9 @@ def resolve(name: str, modules: Iterable[str]) -> str | None:
     return None
 
 
-def package_of(module: str, modules: dict[str, Path]) -> str:
-    """The package a module belongs to: itself for a package's ``__init__``, else its parent."""
-    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
-
-
 def import_graph(modules: dict[str, Path], lazy: bool = False) -> Graph:
     """Edges between project modules: the module-level imports, plus (``lazy``) the
-    function-level ones whose target is in another package."""
+    function-level ones."""
     graph: Graph = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -123,7 +123,7 @@ def import_graph(modules: dict[str, Path], lazy: bool = False) -> Graph:
             else:
                 targets = names
             for target in filter(None, (resolve(t, modules) for t in targets)):
-                if target == module or (node in function_level and package_of(target, modules) == package_of(module, modules)):
+                if target == module:
                     continue
                 edges.setdefault(target, node.lineno)
     return graph
@@ -238,6 +238,33 @@ def test_engine_api_imports_no_backend_role_or_recipe():
     assert not offending, "engine_api must not depend on backends/roles/recipes:\n" + "\n".join(offending)
 
 
+def forbidden_imports(root: Path, rules: dict[str, tuple[str, ...]]) -> list[str]:
+    """Every import (function bodies included) of a module of a package in ``rules`` from one of
+    the packages ``rules`` forbids it."""
+    offending = set()
+    for package, forbidden in rules.items():
+        for module, path in discover(root, (package,)).items():
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in all_imports(tree):
+                for name in imported_names(node, module, path.name == "__init__.py"):
+                    if name.split(".")[0] in forbidden:
+                        offending.add(f"{path.relative_to(root)}:{node.lineno}: {module} imports {name}")
+    return sorted(offending)
+
+
+def test_recipes_and_posttrain_import_no_backend():
+    """The scripts and their library reach a backend through ``engine_api`` only (the adapter
+    export builds peft's config from the engine config, ``posttrain.export``)."""
+    offending = forbidden_imports(ROOT, {package: ("backends",) for package in MAY_NOT_IMPORT})
+    assert not offending, "recipes and posttrain must not import backends:\n" + "\n".join(offending)
+
+
+def test_posttrain_imports_no_recipe():
+    """``posttrain`` is the library the recipes are built from, never the other way round."""
+    offending = forbidden_imports(ROOT, {"posttrain": ("recipes",)})
+    assert not offending, "posttrain must not import recipes:\n" + "\n".join(offending)
+
+
 # ---------------------------------------------------------------------------------- the checker itself
 def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     for name, text in files.items():
@@ -271,8 +298,8 @@ def test_checker_sees_module_level_cycles_and_not_lazy_imports(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
     assert graph["pkg.x"] == {}
     lazy = import_graph(modules, lazy=True)
-    assert lazy["pkg.c"] == {"pkg.a": 1}  # a lazy import inside one package (pkg.c -> pkg.d -> pkg.c) is not counted
-    assert lazy["pkg.x"] == {"pkg.sub.y": 2}  # one into another package is
+    assert lazy["pkg.c"] == {"pkg.a": 1, "pkg.d": 4}  # a lazy import counts, inside one package too
+    assert lazy["pkg.x"] == {"pkg.sub.y": 2}
     assert cycles(lazy) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"], ["pkg.sub.y", "pkg.x", "pkg.sub.y"]]
     assert "pkg.sub.b" in describe(cycles(graph)[0], graph, modules, tmp_path)
 
@@ -302,4 +329,21 @@ def test_checker_sees_engine_api_importing_a_backend_inside_a_function(tmp_path)
         "engine_api/bad.py:2: engine_api.bad imports backends.fsdp",
         "engine_api/bad.py:2: engine_api.bad imports backends.fsdp.engine",
         "engine_api/bad.py:3: engine_api.bad imports roles",
+    ]
+
+
+def test_checker_sees_a_lazy_backend_import_from_the_library(tmp_path):
+    files = {
+        "posttrain/__init__.py": "",
+        "posttrain/ok.py": "from engine_api.config import LoraConfig\nimport peft\n",
+        "posttrain/bad.py": "def f():\n    from backends.fsdp.lora import peft_config\n    import recipes.common\n",
+        "recipes/__init__.py": "",
+        "recipes/run.py": "from posttrain import ok\n\ndef g():\n    import backends\n",
+    }
+    _tree(tmp_path, files)
+    assert forbidden_imports(tmp_path, MAY_NOT_IMPORT) == [
+        "posttrain/bad.py:2: posttrain.bad imports backends.fsdp.lora",
+        "posttrain/bad.py:2: posttrain.bad imports backends.fsdp.lora.peft_config",
+        "posttrain/bad.py:3: posttrain.bad imports recipes.common",
+        "recipes/run.py:4: recipes.run imports backends",
     ]

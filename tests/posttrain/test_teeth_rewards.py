@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes import rewards
+from posttrain import rewards
 
 CASES = [
     # the last \boxed counts, wherever the others are

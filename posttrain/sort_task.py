@@ -1,9 +1,11 @@
-"""A synthetic, learnable SFT task: sort a few digits.
+"""A synthetic, learnable task: sort a few digits (the recipes' default, for SFT and RL).
 
 A sample is ``BOS d1 .. dk SEP s1 .. sk EOS`` where ``d`` are random digits and ``s`` the
 same digits sorted ascending. The prompt is ``BOS d1 .. dk SEP``; the response (the loss
 tokens) is ``s1 .. sk EOS``. ``k`` varies per sample in ``[min_digits, max_digits]``, so
-batches are genuinely jagged.
+batches are genuinely jagged. SFT trains on whole samples (:func:`batch_at`); RL samples a
+response to each prompt of :func:`prompts_at` and scores it against the target
+(``posttrain.rewards.sort_task_score``).
 
 Determinism: the batch of a step depends only on ``(seed, step)`` (its own seeded
 ``torch.Generator``), never on what came before, so a resumed run sees exactly the batches
@@ -116,6 +118,19 @@ def iter_batches(cfg: DataConfig, start_step: int = 0, total_steps: int | None =
 def eval_batch(cfg: DataConfig, index: int) -> TensorDict:
     """Held-out batch ``index`` (drawn from steps no training run reaches)."""
     return batch_at(cfg, _EVAL_STEP_OFFSET + index)
+
+
+def prompts_at(cfg: DataConfig, step: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The RL prompts of ``step`` and their target responses (sorted digits + EOS), a pure
+    function of ``cfg`` and ``step``; held-out prompts use a step past ``_EVAL_STEP_OFFSET``."""
+    gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step))
+    prompts, targets = [], []
+    for _ in range(cfg.batch_size):
+        k = int(torch.randint(cfg.min_digits, cfg.max_digits + 1, (1,), generator=gen))
+        digits = torch.randint(0, NUM_DIGITS, (k,), generator=gen).tolist()
+        prompts.append(torch.tensor([BOS, *(FIRST_DIGIT + d for d in digits), SEP]))
+        targets.append([*(FIRST_DIGIT + d for d in sorted(digits)), EOS])
+    return prompts, targets
 
 
 def _step_seed(seed: int, step: int) -> int:

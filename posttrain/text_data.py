@@ -55,7 +55,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import make_batch
-from recipes import data as task
+from posttrain import sort_task as task
 
 FORMATS = ("messages", "prompt_response")
 OVERLONG = ("truncate", "drop", "error")
@@ -71,7 +71,7 @@ _GLOB_CHARS = "*?["
 # ---------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class DataConfig(task.DataConfig):
-    """The ``data`` section of both recipes: the built-in sorting task (``recipes.data``) when
+    """The ``data`` section of both recipes: the built-in sorting task (``posttrain.sort_task``) when
     ``train_files`` is empty, the user's files otherwise (the task's digit keys are then unused).
 
     Attributes:

@@ -1,6 +1,6 @@
 """Where the RL recipe's prompts and rewards come from: the built-in sorting task (token ids,
-its own scorer) or the user's prompt files with a reward function (``recipes.text_data``,
-``recipes.rewards``). Both give the prompts of a step as a pure function of the config and the
+its own scorer) or the user's prompt files with a reward function (``posttrain.text_data``,
+``posttrain.rewards``). Both give the prompts of a step as a pure function of the config and the
 step, so a resumed run replays the uninterrupted one."""
 
 from __future__ import annotations
@@ -9,22 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-from recipes import data as task
-from recipes.common import rank
-from recipes.rewards import DEFAULT_TIMEOUT_S, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
-from recipes.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
-
-
-def sort_prompts_at(cfg: task.DataConfig, step: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The sorting task's prompts of ``step`` and their target responses (sorted digits + EOS)."""
-    gen = torch.Generator().manual_seed(task._step_seed(cfg.seed, step))
-    prompts, targets = [], []
-    for _ in range(cfg.batch_size):
-        k = int(torch.randint(cfg.min_digits, cfg.max_digits + 1, (1,), generator=gen))
-        digits = torch.randint(0, task.NUM_DIGITS, (k,), generator=gen).tolist()
-        prompts.append(torch.tensor([task.BOS, *(task.FIRST_DIGIT + d for d in digits), task.SEP]))
-        targets.append([*(task.FIRST_DIGIT + d for d in sorted(digits)), task.EOS])
-    return prompts, targets
+from posttrain import sort_task as task
+from posttrain.dist import rank
+from posttrain.rewards import DEFAULT_TIMEOUT_S, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
+from posttrain.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 
 
 class SortTask:
@@ -39,11 +27,11 @@ class SortTask:
 
     def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:
         """``(prompt ids, per-prompt metadata)`` of training step ``step``."""
-        return sort_prompts_at(self.cfg, step)
+        return task.prompts_at(self.cfg, step)
 
     def val_prompts(self) -> tuple[list[torch.Tensor], list]:
         """Held-out prompts (from a step no run reaches)."""
-        return sort_prompts_at(self.cfg, task._EVAL_STEP_OFFSET)
+        return task.prompts_at(self.cfg, task._EVAL_STEP_OFFSET)
 
     def score(self, responses: Sequence[torch.Tensor], metas: Sequence) -> torch.Tensor:
         return torch.tensor([sort_task_score(r.tolist(), target) for r, target in zip(responses, metas, strict=True)])
@@ -93,7 +81,9 @@ class FileTask:
 
 
 def build_task(cfg) -> SortTask | FileTask:
-    """The task of a loaded RL config (``recipes.ppo.PPOConfig``)."""
+    """The task of a loaded RL config: one with ``data`` (``posttrain.text_data.DataConfig``),
+    ``engine.model.path`` and ``reward`` (``posttrain.rewards.RewardConfig``) sections, such as
+    ``recipes.ppo.PPOConfig``."""
     if not cfg.data.from_files:
         return SortTask(cfg.data)
     return FileTask(cfg.data, cfg.engine.model.path, cfg.reward.function, cfg.reward.batched, cfg.reward.timeout_s)
