@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from tests.backends.hf_utils import engine_for, make_test_batch
+from tests.support.hf_utils import engine_for, make_test_batch
 
 
 def main(argv: list[str]) -> None:

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from engine_api.conformance.fixtures import TINY_DIMS, save_model
-from tests.backends.hf_utils import EPS, make_test_batch
+from tests.support.hf_utils import EPS, make_test_batch
 
 # Larger weights than HF's 0.02 so routing and attention move the outputs well beyond the
 # tolerances (at 0.02 the tiny model's outputs are nearly uniform and the router near a tie).

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config
 
 from engine_api import build_engine, load_config
 from engine_api.conformance.fixtures import save_model
-from tests.backends.hf_utils import engine_for, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
+from tests.support.hf_utils import engine_for, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
 
 TOL = 1e-5
 

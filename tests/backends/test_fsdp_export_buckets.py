@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.backends.hf_utils import engine_for, make_model
-from tests.dist_harness import run_distributed
+from tests.support.hf_utils import engine_for, make_model
+from tests.support.launch import run_distributed
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.backends.hf_utils import engine_for, hf_log_probs, make_model, make_test_batch
+from tests.support.hf_utils import engine_for, hf_log_probs, make_model, make_test_batch
 
 pytestmark = pytest.mark.gpu
 

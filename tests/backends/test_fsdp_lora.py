@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_api import build_engine, load_config
-from tests.backends.hf_utils import EPS, engine_for, hf_log_probs, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
-from tests.dist_harness import run_distributed
+from tests.support.hf_utils import EPS, engine_for, hf_log_probs, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
+from tests.support.launch import run_distributed
 
 RANK, ALPHA = 4, 8.0
 LORA = [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}"]

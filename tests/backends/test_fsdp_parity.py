@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.hf_utils import engine_for, hf_log_probs, make_model, make_test_batch, max_abs_diff
-from tests.dist_harness import run_distributed
+from tests.support.hf_utils import engine_for, hf_log_probs, make_model, make_test_batch, max_abs_diff
+from tests.support.launch import run_distributed
 
 TOL = 1e-5
 

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from tests.backends.hf_utils import engine_for, full_params, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
+from tests.support.hf_utils import engine_for, full_params, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
 
 
 @pytest.fixture(scope="module")

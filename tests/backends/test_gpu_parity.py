@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.backends.hf_utils import make_model
+from tests.support.hf_utils import make_model
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -3,7 +3,7 @@ layouts, offload, frozen engines, error handling, and the CPU compat layer's cal
 (Micro-batching / split-call invariance, resume and the non-finite skip of every layout are
 the conformance kit's: tests/conformance/test_kit.py.)
 
-All megatron work runs in spawned ranks (``tests/backends/megatron_workers.py``): one run on 1
+All megatron work runs in spawned ranks (``tests/support/megatron_workers.py``): one run on 1
 rank and one on 2 ranks, shared by the tests below. References are computed here, in the
 parent, with HF (fp32, per sequence) and with the FSDP engine.
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import (
+from tests.support import megatron_workers as W
+from tests.support.hf_utils import (
     engine_for,
     hf_log_probs,
     hf_values,
@@ -32,7 +32,8 @@ from tests.backends.hf_utils import (
     one_step,
     rel,
 )
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
+from tests.support.megatron_workers import KNOWN_CUDA_SITES
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 TOL = 1e-5
@@ -135,35 +136,6 @@ def test_bad_batch_raises_before_state_changes(single):
     r = single["bad_batch"]
     assert r["error"] and "token id 64" in r["error"]
     assert r["unchanged"] and r["global_step"] == 0
-
-
-# Where megatron-core 0.16 hard-codes CUDA on the paths the engine uses (file, function). A new
-# entry means a megatron-core upgrade added one: review it, then extend the list.
-KNOWN_CUDA_SITES = {
-    ("clip_grads.py", "get_grad_norm_fp32"),
-    ("clip_grads.py", "clip_grad_by_total_norm_fp32"),
-    ("optimizer.py", "__init__"),
-    ("param_and_grad_buffer.py", "__init__"),
-    ("random.py", "add"),
-    ("random.py", "fork"),
-    ("random.py", "model_parallel_cuda_manual_seed"),
-    ("random.py", "get_states"),
-    ("random.py", "set_states"),
-    ("rotary_pos_embedding.py", "get_emb"),
-    ("schedules.py", "forward_backward_no_pipelining"),
-    ("schedules.py", "forward_backward_pipelining_without_interleaving"),
-    ("utils.py", "get_default_causal_mask"),
-    ("utils.py", "get_tensor"),
-    ("utils.py", "local_multi_tensor_l2_norm"),
-    ("utils.py", "local_multi_tensor_scale"),
-    ("p2p_communication.py", "_communicate"),
-    ("p2p_communication.py", "_communicate_shapes"),
-    ("distrib_optimizer.py", "__init__"),
-    ("mappings.py", "_gather_along_first_dim"),
-    # dist_checkpointing save: staging tensors for the writer and the final all-reduce of results.
-    ("filesystem_async.py", "preload_tensors"),
-    ("state_dict_saver.py", "save_state_dict_async_finalize"),
-}
 
 
 def test_compat_layer_sees_only_known_cuda_call_sites(single):

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from tests.backends.hf_utils import engine_for, make_model
-from tests.dist_harness import run_distributed
-from tests.reliability.test_no_pickled_collectives import no_object_collectives
+from tests.support.hf_utils import engine_for, make_model
+from tests.support.launch import run_distributed
+from tests.support.object_collectives import no_object_collectives
 
 LAYOUTS = {
     "tp2": ("qwen2", ["megatron.tensor_model_parallel_size=2"]),

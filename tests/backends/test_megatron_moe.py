@@ -32,8 +32,9 @@ from transformers import AutoModelForCausalLM
 
 from engine_api import build_engine, load_config, make_batch
 from engine_api.conformance import fixtures
-from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import (
+from tests.backends.moe_utils import build_moe_models, hf_aux_step, hf_router_counts
+from tests.support import megatron_workers as W
+from tests.support.hf_utils import (
     assert_same,
     engine_for,
     full_params,
@@ -43,8 +44,7 @@ from tests.backends.hf_utils import (
     max_abs_diff,
     one_step,
 )
-from tests.backends.moe_utils import build_moe_models, hf_aux_step, hf_router_counts
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
 
 TOL = 1e-5
 FAMILIES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
@@ -318,7 +318,7 @@ MOE_CUDA_SITES = {
 
 
 def test_compat_layer_sees_only_known_cuda_call_sites(single):
-    from tests.backends.test_megatron import KNOWN_CUDA_SITES
+    from tests.support.megatron_workers import KNOWN_CUDA_SITES
 
     unknown = sorted(set(single["sites"]) - KNOWN_CUDA_SITES - MOE_CUDA_SITES)
     assert not unknown, f"megatron-core hard-codes CUDA at new places on the MoE path: {unknown}"

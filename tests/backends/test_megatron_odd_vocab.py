@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine_api.conformance import fixtures
-from recipes.tiny_model import build_tiny_model
-from tests.backends.hf_utils import LENGTHS, RESPONSE, engine_for, hf_log_probs, max_abs_diff, one_step, rel
-from tests.dist_harness import run_distributed
+from posttrain.tiny_model import build_tiny_model
+from tests.support.hf_utils import LENGTHS, RESPONSE, engine_for, hf_log_probs, max_abs_diff, one_step, rel
+from tests.support.launch import run_distributed
 
 ODD_VOCAB = 63
 TOL = 1e-5

@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3C
 
 from engine_api import build_engine, load_config, make_batch
 from engine_api.conformance.fixtures import TINY_DIMS, save_model
-from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import VOCAB, assert_same, full_params, hf_log_probs, make_test_batch, max_abs_diff, one_step
-from tests.dist_harness import run_distributed
+from tests.support import megatron_workers as W
+from tests.support.hf_utils import VOCAB, assert_same, full_params, hf_log_probs, make_test_batch, max_abs_diff, one_step
+from tests.support.launch import run_distributed
 
 TOL = 1e-5  # as for the default-RoPE families (the issue asks <= 1e-4); measured ~5e-7
 # Larger weights than HF's 0.02 so that attention, and with it RoPE, moves the log-probs well

@@ -27,8 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Phi3Conf
 
 from engine_api import build_engine, load_config
 from engine_api.conformance.fixtures import TINY_DIMS, save_model
-from tests.backends import megatron_workers as W
-from tests.backends.hf_utils import (
+from tests.support import megatron_workers as W
+from tests.support.hf_utils import (
     assert_same,
     engine_for,
     full_params,
@@ -38,7 +38,7 @@ from tests.backends.hf_utils import (
     max_abs_diff,
     one_step,
 )
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
 
 TOL = 1e-5  # the project's HF parity tolerance in fp32
 # Larger weights than HF's 0.02 so that every projection moves the log-probs well beyond TOL.

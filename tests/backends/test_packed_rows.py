@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import backends.fsdp.forward as fwd
-from tests.backends.hf_utils import (
+from tests.support.hf_utils import (
     LENGTHS,
     assert_same,
     engine_for,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.backends.hf_utils import engine_for, make_model
+from tests.support.hf_utils import engine_for, make_model
 
 
 class _RunsCode:

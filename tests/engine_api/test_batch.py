@@ -22,7 +22,7 @@ from engine_api.batch import (
     validate_batch,
 )
 from engine_api.microbatch import make_micro_batches
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
 
 
 def _seqs(lengths=(3, 5, 2, 4), seed=0):

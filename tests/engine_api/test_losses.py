@@ -17,7 +17,7 @@ from engine_api.losses import (
     backward_scale,
     build_norm_context,
 )
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
 
 C = 5.0
 

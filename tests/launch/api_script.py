@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine_api import build_engine, load_config
-from tests.backends.hf_utils import EPS, make_test_batch, pg_loss
+from tests.support.hf_utils import EPS, make_test_batch, pg_loss
 
 out_dir, model_dir, strategy, *overrides = sys.argv[1:]
 torch.set_num_threads(1)

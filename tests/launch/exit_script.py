@@ -24,7 +24,7 @@ def _record() -> None:
 atexit.register(_record)
 
 from engine_api import build_engine, load_config  # noqa: E402 - after the handler, on purpose
-from tests.backends.hf_utils import make_test_batch, pg_loss  # noqa: E402
+from tests.support.hf_utils import make_test_batch, pg_loss  # noqa: E402
 
 torch.set_num_threads(1)
 engine = build_engine(load_config(f"configs/engine/{strategy}.yaml", [f"model.path={model_dir}", "optim.lr=1e-2"]))

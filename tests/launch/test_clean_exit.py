@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from tests.backends.hf_utils import make_model
-from tests.launch import launcher
+from tests.support import launch
+from tests.support.hf_utils import make_model
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_a_finished_script_exits_zero_on_every_rank(strategy, model_dir, tmp_pat
     for run in range(RUNS):
         out = tmp_path / f"run{run}"
         out.mkdir()
-        proc = launcher.torchrun([SCRIPT, str(out), model_dir, strategy], nproc=2)
+        proc = launch.torchrun([SCRIPT, str(out), model_dir, strategy], nproc=2)
         assert proc.returncode == 0, f"run {run}: rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         assert "done rank 0" in proc.stdout and "done rank 1" in proc.stdout
         for rank in (0, 1):
@@ -50,14 +50,7 @@ def test_a_single_process_run_removes_its_rendezvous_file(model_dir, tmp_path):
     tmp.mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    proc = launcher.subprocess.run(
-        [launcher.sys.executable, SCRIPT, str(out), model_dir, "fsdp"],
-        cwd=launcher.REPO,
-        env=launcher.env(TMPDIR=str(tmp)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = launch.python([SCRIPT, str(out), model_dir, "fsdp"], timeout=300, env={"TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "exit0.txt").read_text().strip() == "group_alive=False"
     assert glob.glob(str(tmp / "enginekit_pg_*")) == []

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.backends.hf_utils import make_model, rel
-from tests.launch import launcher
+from tests.support import launch
+from tests.support.hf_utils import make_model, rel
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,7 @@ def single_process(model_dir, tmp_path_factory):
     out = {}
     for strategy in ("fsdp", "megatron"):
         run_dir = tmp_path_factory.mktemp(f"single_{strategy}")
-        _check(launcher.python([SCRIPT, str(run_dir), model_dir, strategy]))
+        _check(launch.python([SCRIPT, str(run_dir), model_dir, strategy]))
         out[strategy] = torch.load(run_dir / "rank0.pt")
         assert out[strategy]["world_size"] == 1 and out[strategy]["dp_size"] == 1
     return out
@@ -59,7 +58,7 @@ def single_process(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_torchrun_ranks_train_one_model_together(layout, model_dir, single_process, tmp_path):
     strategy, overrides, dp = LAYOUTS[layout]
-    _check(launcher.torchrun([SCRIPT, str(tmp_path), model_dir, strategy, *overrides], nproc=2))
+    _check(launch.torchrun([SCRIPT, str(tmp_path), model_dir, strategy, *overrides], nproc=2))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert [r["dp_size"] for r in ranks] == [dp, dp]
@@ -74,9 +73,7 @@ def test_torchrun_ranks_train_one_model_together(layout, model_dir, single_proce
 
 
 def _python_c(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=launcher.REPO, env=launcher.env(**env), capture_output=True, text=True, timeout=120
-    )
+    return launch.python(["-c", code], timeout=120, env=env)
 
 
 def test_a_one_rank_group_under_a_larger_launcher_world_is_an_error(tmp_path):
@@ -116,8 +113,8 @@ def test_two_torchrun_agents_as_two_nodes_match_one_agent_with_two_processes(tmp
     common = ["-m", "recipes.sft", "--config", "configs/sft_tiny.yaml", "trainer.total_steps=4", "trainer.progress_bar=false"]
     common += ["data.eval_batches=1"]
     one, two = tmp_path / "one_agent", tmp_path / "two_agents"
-    _check(launcher.torchrun([*common, f"trainer.output_dir={one}"], nproc=2))
-    agents = launcher.torchrun_nodes([*common, f"trainer.output_dir={two}"], nnodes=2)
+    _check(launch.torchrun([*common, f"trainer.output_dir={one}"], nproc=2))
+    agents = launch.torchrun_nodes([*common, f"trainer.output_dir={two}"], nnodes=2)
     for proc in agents:
         _check(proc)
     assert "on 2 rank(s)" in agents[0].stdout + agents[1].stdout

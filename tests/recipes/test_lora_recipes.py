@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.text_data import DataConfig, SFTDataset, load_tokenizer
-from tests.recipes import user_data as ud
+from posttrain.text_data import DataConfig, SFTDataset, load_tokenizer
+from tests.support import user_data as ud
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ["engine.model.lora.rank=8", "engine.model.lora.alpha=16", "engine.optim.lr=5e-3"]

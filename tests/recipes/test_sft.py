@@ -1,10 +1,9 @@
-"""The SFT recipe: its config, the sorting task, the tiny model builder, and real runs on the
-FSDP backend (in-process, and 2 ranks under torchrun)."""
+"""The SFT recipe: its config, its loss, and real runs on the FSDP backend (in-process, and 2
+ranks under torchrun). The sorting task and the tiny model builder: ``tests/posttrain/``."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,9 @@ import pytest
 import torch
 
 from engine_api.losses import build_norm_context
-from recipes import data as task
+from posttrain import sort_task as task
 from recipes.sft import SFTConfig, load_sft_config, sft_loss
-from recipes.tiny_model import build_tiny_model
+from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "sft_tiny.yaml"
@@ -54,36 +53,7 @@ def test_misspelt_key_and_bad_values_are_reported_together():
     assert "max_digits = 1" in msg and "lr = -1" in msg and "family = 'gpt'" in msg
 
 
-# ---------------------------------------------------------------------------------- data
-def test_loss_mask_covers_exactly_the_sorted_response():
-    cfg = task.DataConfig(batch_size=16, min_digits=2, max_digits=7, seed=3)
-    lengths = set()
-    for step in range(3):
-        batch = task.batch_at(cfg, step)
-        for ids, mask in zip(batch["input_ids"].unbind(), batch["loss_mask"].unbind(), strict=True):
-            ids, mask = ids.tolist(), mask.tolist()
-            sep = ids.index(task.SEP)
-            digits, response = ids[1:sep], ids[sep + 1 :]
-            assert ids[0] == task.BOS and cfg.min_digits <= len(digits) <= cfg.max_digits
-            assert response == [*sorted(digits), task.EOS]
-            assert mask == [0.0] * (sep + 1) + [1.0] * len(response)  # response only; position 0 never
-            lengths.add(len(ids))
-    assert len(lengths) > 1  # genuinely jagged
-
-
-def test_batches_are_a_pure_function_of_seed_and_step():
-    cfg = task.DataConfig(batch_size=8, seed=11)
-    same = task.batch_at(cfg, 5)["input_ids"].values()
-    assert torch.equal(task.batch_at(cfg, 5)["input_ids"].values(), same)
-    assert not torch.equal(task.batch_at(cfg, 6)["input_ids"].values()[:20], same[:20])
-    # Resuming at step 3 replays exactly the batches an uninterrupted run sees from step 3 on.
-    resumed = [(s, b["input_ids"].values()) for s, b in task.iter_batches(cfg, start_step=3, total_steps=5)]
-    assert [s for s, _ in resumed] == [3, 4]
-    assert torch.equal(resumed[0][1], task.batch_at(cfg, 3)["input_ids"].values())
-    other_seed = task.batch_at(task.DataConfig(batch_size=8, seed=12), 5)["input_ids"].values()
-    assert not torch.equal(other_seed[:20], same[:20])
-
-
+# ---------------------------------------------------------------------------------- loss
 def test_sft_loss_is_masked_token_mean_nll():
     batch = task.batch_at(task.DataConfig(batch_size=4), 0)
     log_probs = -1.0 - torch.rand(batch["input_ids"].values().shape[0])  # every p < 0.5
@@ -95,30 +65,6 @@ def test_sft_loss_is_masked_token_mean_nll():
     assert metrics == {"token_acc": 0.0}
     outputs = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.zeros_like(log_probs), batch["input_ids"].offsets())}
     assert sft_loss(batch, outputs, norm)[1] == {"token_acc": 1.0}
-
-
-# ---------------------------------------------------------------------------------- model
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tiny_model_is_seeded_and_has_the_family_layout(tmp_path, family):
-    from transformers import AutoModelForCausalLM
-
-    a = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "a", family=family, seed=1))
-    b = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "b", family=family, seed=1))
-    assert (tmp_path / "a" / "model.safetensors").is_file()
-    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(pa, pb), name
-    attn = a.model.layers[0].self_attn
-    tied = a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()
-    if family == "qwen2":
-        assert tied and attn.q_proj.bias is not None
-    else:
-        assert not tied and attn.q_proj.bias is None
-        assert a.config.num_key_value_heads < a.config.num_attention_heads  # GQA
-
-
-def test_tiny_model_rejects_bad_dims(tmp_path):
-    with pytest.raises(ValueError, match="num_kv_heads = 3"):
-        build_tiny_model(tmp_path, num_heads=4, num_kv_heads=3)
 
 
 # ---------------------------------------------------------------------------------- runs
@@ -150,10 +96,8 @@ def test_short_run_learns_and_logs_every_step(tmp_path, own_process_group):
 
 @pytest.mark.slow
 def test_two_rank_torchrun(tmp_path):
-    # One thread per rank: 2 ranks on a small CPU machine would otherwise oversubscribe it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "recipes.sft"]
-    proc = subprocess.run([*cmd, *_run_args(tmp_path, 3)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    # One thread per rank (the launcher's environment): 2 ranks would oversubscribe a small CPU machine.
+    proc = launch.torchrun(["-m", "recipes.sft", *_run_args(tmp_path, 3)], nproc=2, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 rank(s)" in proc.stdout
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

@@ -1,7 +1,7 @@
 """The recipes on a user's model directory and data files (issue 16): tokenizer and chat
 template, the SFT loss mask, file formats, overlong policies, sample order, reward functions,
 the text sampler's stop rules, validation, HF export, and real runs on both backends and under
-torchrun. Everything is built locally (``tests/recipes/user_data.py``)."""
+torchrun. Everything is built locally (``tests/support/user_data.py``)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from recipes import rewards
-from recipes.text_data import ChatEncoder, DataConfig, PromptDataset, SFTDataset, StepOrder, load_tokenizer, read_rows, stop_token_ids
-from tests.recipes import user_data as ud
+from posttrain import rewards
+from posttrain.text_data import ChatEncoder, DataConfig, PromptDataset, SFTDataset, StepOrder, load_tokenizer, read_rows, stop_token_ids
+from tests.support import launch
+from tests.support import user_data as ud
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,7 +208,7 @@ def _load_error(recipe: str, overrides: list[str], create: Path | None = None) -
 def test_reward_functions_load_by_path_module_and_name(files):
     by_path = rewards.load_reward_fn(f"{files['reward']}:score")
     assert by_path("p", "12x", answer=12) == pytest.approx(1.0 - 0.1)
-    assert rewards.load_reward_fn("recipes.rewards:exact_match") is rewards.exact_match
+    assert rewards.load_reward_fn("posttrain.rewards:exact_match") is rewards.exact_match
     assert rewards.load_reward_fn("math_answer") is rewards.math_answer
     for spec, match in (
         ("nope.py:f", "cannot load"),
@@ -374,15 +374,7 @@ def test_sft_on_a_messages_file_lowers_validation_loss_and_saves_an_hf_model(fil
 
 
 def _run(module: str, args: list[str], nproc: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    proc = subprocess.run(
-        [*launch, "-m", module, *args],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = launch.run_script(["-m", module, *args], nproc=nproc, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

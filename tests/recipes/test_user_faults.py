@@ -2,12 +2,11 @@
 ``BaseException`` or hangs stops the run on every rank, promptly and non-zero, naming it;
 message content that is not text, runaway JSON lines, a directory given as a data file, and
 ``data.*_files`` given as one string or a glob pattern. Model and files are built locally
-(``tests/recipes/user_data.py``)."""
+(``tests/support/user_data.py``)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from engine_api.typed_config import load_typed
-from recipes import rewards
+from posttrain import rewards
+from posttrain.text_data import DataConfig, PromptDataset, SFTDataset, load_tokenizer, read_rows
 from recipes.ppo import PPOConfig
 from recipes.sft import SFTConfig
-from recipes.text_data import DataConfig, PromptDataset, SFTDataset, load_tokenizer, read_rows
-from tests.recipes import user_data as ud
+from tests.support import launch
+from tests.support import user_data as ud
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,11 +125,8 @@ def _grpo(files, out: Path, reward: str, nproc: int, *extra: str, timeout: float
         "engine.dist_timeout_s=120",
         *extra,
     ]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [*launch, *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout
-    )
+    proc = launch.run_script(args, nproc=nproc, timeout=timeout)
     return proc, time.perf_counter() - t0
 
 

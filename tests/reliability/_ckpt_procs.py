@@ -1,6 +1,6 @@
 """Rank processes a test can watch, stop at a chosen point, and SIGKILL.
 
-``tests.dist_harness.run_distributed`` kills every rank as soon as one fails, which is right
+``tests.support.launch.run_distributed`` kills every rank as soon as one fails, which is right
 for ordinary tests and exactly wrong here: the crash tests kill a saving process on purpose,
 and the rank-failure tests must see whether the *surviving* ranks exit by themselves. So each
 rank here is a plain process (forked from the harness's preloaded forkserver) that
@@ -22,7 +22,7 @@ import signal as _signal
 import time
 from collections.abc import Callable
 
-from tests.dist_harness import mp_context
+from tests.support.launch import mp_context
 
 
 class RankGroup:

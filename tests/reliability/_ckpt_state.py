@@ -12,8 +12,8 @@ import random
 import numpy as np
 import torch
 
-from tests.backends.hf_utils import make_test_batch
 from tests.reliability._step_common import snapshot, snapshot_diff
+from tests.support.hf_utils import make_test_batch
 
 # Settings every checkpoint test adds to _step_common.COMMON: two micro-batches per rank, so
 # the loop and the DP/TP reductions all take part.

@@ -22,10 +22,10 @@ from functools import partial
 import torch
 
 from engine_api import ckpt_layout
-from tests.backends.hf_utils import full_params, pg_loss
 from tests.reliability._ckpt_procs import signal
 from tests.reliability._ckpt_state import OVERRIDES, full_state, seed_all, train_steps
 from tests.reliability._step_common import new_engine, reset_layout
+from tests.support.hf_utils import full_params, pg_loss
 
 K_STEPS, N_STEPS = 2, 2  # steps before the checkpoint, and after it
 

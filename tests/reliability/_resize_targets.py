@@ -11,9 +11,9 @@ import os
 
 import torch
 
-from tests.backends.hf_utils import full_params, make_test_batch
 from tests.reliability._ckpt_state import OVERRIDES
 from tests.reliability._step_common import new_engine
+from tests.support.hf_utils import full_params, make_test_batch
 
 K_STEPS, N_STEPS = 2, 2
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from tests.backends.hf_utils import VOCAB, make_test_batch
+from tests.support.hf_utils import VOCAB, make_test_batch
 
-# The model max positions of hf_utils.make_model (recipes.tiny_model's default) and the
+# The model max positions of hf_utils.make_model (posttrain.tiny_model's default) and the
 # dynamic-batching budget the "over budget" case runs under.
 MAX_POSITIONS = 64
 TOKEN_BUDGET = 16

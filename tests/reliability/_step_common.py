@@ -1,7 +1,7 @@
 """Shared pieces of the reliability suite (issue 6): the backends it covers, engines, training
 windows, and bit-exact snapshots of an engine's training state.
 
-Every scenario runs in spawned ranks (``tests.dist_harness``) for every backend in
+Every scenario runs in spawned ranks (``tests.support.launch``) for every backend in
 ``BACKENDS``: megatron's parallel state is process-global, and spawning keeps the FSDP runs
 and the memory measurements out of the pytest process as well. A backend added to the
 registry's built-ins is covered by the whole suite without edits here (give it a 2-rank
@@ -17,8 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine_api.registry import builtin_engines
-from tests.backends.hf_utils import engine_for, full_params, make_test_batch
-from tests.dist_harness import run_distributed
+from tests.support.hf_utils import engine_for, full_params, make_test_batch
+from tests.support.launch import run_distributed
 
 BACKENDS = tuple(builtin_engines())
 

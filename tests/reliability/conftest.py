@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.hf_utils import make_model
 from tests.reliability._step_common import BACKENDS
+from tests.support.hf_utils import make_model
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import math
 import pytest
 
 from engine_api import AGG_MODES
-from tests.backends.hf_utils import pg_loss
 from tests.reliability._step_common import (
     local_batch,
     new_engine,
@@ -37,6 +36,7 @@ from tests.reliability._step_common import (
     two_rank_layouts,
     worker_setup,
 )
+from tests.support.hf_utils import pg_loss
 
 RTOL = 1e-6
 CONSTANT = 8.0  # C of seq-mean-token-sum-norm

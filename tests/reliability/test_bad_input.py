@@ -32,7 +32,6 @@ from omegaconf import OmegaConf
 from engine_api import build_engine
 from engine_api.config import EngineConfig
 from engine_api.registry import get_engine_class
-from tests.backends.hf_utils import pg_loss
 from tests.reliability import _step_bad_batches as bad
 from tests.reliability._step_common import (
     local_batch,
@@ -45,6 +44,7 @@ from tests.reliability._step_common import (
     two_rank_layouts,
     worker_setup,
 )
+from tests.support.hf_utils import pg_loss
 
 CUDA = torch.cuda.is_available()
 

@@ -23,30 +23,18 @@ import torch
 
 from engine_api import ckpt_layout
 from engine_api.ckpt_integrity import MANIFEST
-from tests.backends.hf_utils import make_model
-from tests.dist_harness import run_distributed
 from tests.reliability import _ckpt_targets as T
 from tests.reliability._ckpt_procs import RankGroup, wait_for
 from tests.reliability._step_common import BACKENDS
+from tests.support.ckpt_protocol import latest_name as _latest
+from tests.support.ckpt_protocol import save_stand_in as _save
+from tests.support.hf_utils import make_model
+from tests.support.launch import run_distributed
 
 START_TIMEOUT_S = 240  # several ranks start at once on a loaded 2-core machine
 
 
 # ----------------------------------------------------------------------------- protocol alone
-def _save(root: str, step: int, keep: int | None = None, remote: str | None = None) -> str:
-    """A checkpoint through the real protocol, with a stand-in for the backend's files."""
-    tmp = ckpt_layout.begin(root, step)
-    with open(os.path.join(tmp, "__0_0.distcp"), "w") as f:
-        f.write(f"shard of step {step}")
-    ckpt_layout.save_extra(tmp, {"global_step": step})
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": "test"})
-
-
-def _latest(root) -> str | None:
-    found = ckpt_layout.latest_checkpoint(str(root))
-    return os.path.basename(found) if found else None
-
-
 def test_a_root_resolves_to_latest_if_complete_else_the_newest_complete_before_it(tmp_path):
     root = str(tmp_path)
     assert _latest(root) is None

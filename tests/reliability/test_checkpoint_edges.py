@@ -34,11 +34,12 @@ import pytest
 import torch
 
 from engine_api import ckpt_layout
-from recipes.tiny_model import build_tiny_model
+from posttrain.tiny_model import build_tiny_model
 from tests.reliability._ckpt_state import OVERRIDES, full_state, seed_all, state_diff, train_steps
 from tests.reliability._ckpt_targets import _on_fsync
 from tests.reliability._step_common import BACKENDS, new_engine, reset_layout, run
-from tests.reliability.test_checkpoint_crash import _latest, _save
+from tests.support.ckpt_protocol import latest_name as _latest
+from tests.support.ckpt_protocol import save_stand_in as _save
 
 STEP2 = f"{ckpt_layout.PREFIX}2"
 
@@ -113,7 +114,7 @@ def test_a_retention_failure_names_the_checkpoint_and_keeps_the_published_save(t
 
 
 class _StandInModel:
-    """What ``recipes.common._write_dir`` needs of an HF model: ``save_pretrained``."""
+    """What ``posttrain.export._write_dir`` needs of an HF model: ``save_pretrained``."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -125,7 +126,7 @@ class _StandInModel:
 
 
 def test_save_hf_into_a_symlinked_output_directory_replaces_the_export_where_it_points(tmp_path):
-    from recipes.common import _write_dir
+    from posttrain.export import _write_dir
 
     out, disk = str(tmp_path / "hf"), tmp_path / "other_disk"
     elsewhere = str(disk / "hf")

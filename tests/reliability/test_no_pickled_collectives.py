@@ -10,36 +10,12 @@ construction and checkpoints may still use them (once per run, not per step).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch.distributed as dist
 
 from roles.common import infer_global
-from tests.backends.hf_utils import make_test_batch
 from tests.reliability._step_common import BACKENDS, new_engine, run, two_rank_layouts, worker_setup
-
-OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-
-
-@contextlib.contextmanager
-def no_object_collectives():
-    """Every object collective of ``torch.distributed`` raises inside the block."""
-    saved = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
-
-    def refuse(name):
-        def call(*args, **kwargs):
-            raise AssertionError(f"torch.distributed.{name} (a pickled collective) called on a per-step path")
-
-        return call
-
-    for name in OBJECT_COLLECTIVES:
-        setattr(dist, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+from tests.support.hf_utils import make_test_batch
+from tests.support.object_collectives import no_object_collectives
 
 
 def _tag(mb, out, ctx):

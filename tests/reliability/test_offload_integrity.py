@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.tiny_model import build_tiny_model
-from tests.backends.hf_utils import VOCAB
+from posttrain.tiny_model import build_tiny_model
 from tests.reliability._step_common import local_batch, new_engine, run, snapshot, worker_setup
 from tests.reliability._step_memory import cuda_bytes, freeze_heap, growth, rss_bytes
+from tests.support.hf_utils import VOCAB
 
 CYCLES = 50
 WARMUP = 10  # allocator pools, lazily built caches and Adam state reach their size by then

@@ -33,11 +33,11 @@ import pytest
 import torch.distributed as dist
 
 from engine_api.dist import TIMEOUT_ENV, init_process_group, process_group_timeout
-from tests.backends.hf_utils import make_model
-from tests.dist_harness import run_distributed
 from tests.reliability import _ckpt_targets as T
 from tests.reliability._ckpt_procs import RankGroup
 from tests.reliability._step_common import BACKENDS
+from tests.support.hf_utils import make_model
+from tests.support.launch import run_distributed
 
 START_TIMEOUT_S = 240  # until the failure is injected (16 ranks start at once on 2 cores)
 BOUND_S = 30.0  # from the failure to every survivor's exit (measured: under 2 s)

@@ -21,12 +21,12 @@ import shutil
 
 import pytest
 
-from tests.backends.hf_utils import make_model
-from tests.backends.megatron_workers import LAYOUTS as MEGATRON_LAYOUTS
-from tests.dist_harness import run_distributed
 from tests.reliability import _ckpt_targets as T
 from tests.reliability._ckpt_state import state_diff
 from tests.reliability._step_common import BACKENDS, two_rank_layouts
+from tests.support.hf_utils import make_model
+from tests.support.launch import run_distributed
+from tests.support.megatron_workers import LAYOUTS as MEGATRON_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

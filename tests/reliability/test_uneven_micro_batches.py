@@ -20,8 +20,8 @@ import torch
 
 from engine_api.batch import make_batch
 from engine_api.partition import partition_balanced
-from tests.backends.hf_utils import VOCAB, make_model, one_step, rel
 from tests.reliability._step_common import BACKENDS, run
+from tests.support.hf_utils import VOCAB, make_model, one_step, rel
 
 LENGTHS = (3, 4, 5, 15, 14, 13)  # rank 0: 3 + 4 + 5 = 12 tokens; rank 1: 15 + 14 + 13 = 42
 BUDGET = 16

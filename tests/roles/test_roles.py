@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_api import build_engine, load_config
 from engine_api.batch import unpack
 from roles.actor import Actor, ActorConfig
 from roles.critic import Critic, CriticConfig
 from roles.reference import Reference
-from tests.backends.hf_utils import make_model, make_test_batch
+from tests.support.hf_utils import make_model, make_test_batch
+from tests.support.role_engines import fsdp_engine as _engine
+from tests.support.role_engines import with_old_log_probs as _with_old_log_probs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,20 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
-
-
-def _engine(model_dir, *overrides):
-    engine = build_engine(
-        load_config(None, ["strategy=fsdp", f"model.path={model_dir}", "optim.lr=0.01", "micro_batch_size=2", *overrides])
-    )
-    engine.init_model()
-    return engine
-
-
-def _with_old_log_probs(actor, batch, name="old_log_probs"):
-    lp = actor.compute_log_probs(batch)["log_probs"]
-    batch.set(name, unpack(lp.values(), batch["input_ids"]))
-    return batch
 
 
 def test_first_epoch_ratio_is_one_and_loss_is_minus_mean_advantage(model_dir):

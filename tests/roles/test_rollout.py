@@ -11,8 +11,9 @@ from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout
 from roles.actor import Actor, ActorConfig
 from roles.rollout import Rollout, RolloutConfig
-from tests.backends.hf_utils import make_model, make_test_batch, max_abs_diff
-from tests.roles.test_roles import _engine, _with_old_log_probs
+from tests.support.hf_utils import make_model, make_test_batch, max_abs_diff
+from tests.support.role_engines import fsdp_engine as _engine
+from tests.support.role_engines import with_old_log_probs as _with_old_log_probs
 
 # Lengths 3, 2, 4, 1, 3, 2, 3: the hf backend decodes equal-length prompts as one batch.
 PROMPTS = [torch.tensor(p) for p in ([1, 5, 9], [2, 7], [3, 3, 4, 8], [6], [4, 4, 2], [9, 1], [7, 7, 7])]
@@ -97,17 +98,6 @@ class _Recording:
         pass
 
 
-class _OldSource:
-    """A weight source written before ``bucket_mb`` existed (no such parameter)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, 0
-
-    def export_weights(self):
-        self.calls += 1
-        return self.engine.export_weights()
-
-
 def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkeypatch):
     actor = _trained_actor(make_model(tmp_path / "llama", "llama"))
     seen = []
@@ -130,20 +120,6 @@ def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkey
     for mb in (0.01, 512.0):
         assert [n for n, _ in loaded[mb]] == [n for n, _ in loaded[None]]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded[mb], loaded[None], strict=True))
-    # A source without bucket_mb still syncs (per tensor), with a warning that names the fix.
-    old = _OldSource(actor.engine)
-    with pytest.warns(UserWarning, match=r"rollout.sync_bucket_mb = 512.0: _OldSource.export_weights takes no bucket_mb.*fix:"):
-        rollout = Rollout(old, _Recording(), RolloutConfig())
-        rollout.sync_weights()
-    assert old.calls == 1 and len(rollout.engine.loaded) == len(loaded[None])
-    # The same through a role (what the recipes pass): Actor over an engine without bucket_mb.
-    from roles.common import TrainableRole
-
-    role = TrainableRole()
-    role.engine = _OldSource(actor.engine)
-    with pytest.warns(UserWarning, match=r"_OldSource.export_weights takes no bucket_mb.*fix:"):
-        Rollout(role, engine := _Recording(), RolloutConfig()).sync_weights()
-    assert role.engine.calls == 1 and [n for n, _ in engine.loaded] == [n for n, _ in loaded[None]]
     problems = RolloutConfig(sync_bucket_mb=0)._problems()
     assert any("sync_bucket_mb = 0: must be a number > 0 of MB or null; fix:" in p for p in problems), problems
 

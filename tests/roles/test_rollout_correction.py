@@ -309,7 +309,7 @@ def test_update_without_rollout_log_probs_raises_naming_the_field(mode):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.backends.hf_utils import make_model
+    from tests.support.hf_utils import make_model
 
     return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
 
@@ -325,7 +325,7 @@ def _actor(model_dir, correction: RolloutCorrectionConfig) -> Actor:
 def _engine_batch(actor):
     """The backend tests' 6-sequence batch with old log-probs from the actor and rollout log-probs
     shifted from them by a fixed pattern of log ratios in [-1.2, 1.2]."""
-    from tests.backends.hf_utils import make_test_batch
+    from tests.support.hf_utils import make_test_batch
 
     batch = make_test_batch()
     old = actor.compute_log_probs(batch)["log_probs"].values()

@@ -15,7 +15,7 @@ import torch
 from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout, rollout_installed
 from roles.rollout import Rollout, RolloutConfig
-from tests.dist_harness import RankError, run_distributed
+from tests.support.launch import RankError, run_distributed
 
 # 13 prompts of 1-9 tokens: 2 ranks get blocks of 7 and 6, with unequal lengths in each.
 PROMPTS = [
@@ -26,7 +26,7 @@ CONFIG = RolloutConfig(max_new_tokens=6, temperature=0.9, seed=11)
 
 
 def _model(root) -> str:
-    from recipes.tiny_model import build_tiny_model
+    from posttrain.tiny_model import build_tiny_model
 
     # head_dim 32 (vLLM's CPU kernel needs >= 32); qwen2: biases, tied embeddings.
     return build_tiny_model(root, family="qwen2", vocab_size=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=64)

@@ -15,7 +15,7 @@ import torch
 
 from engine_api.rollout import RolloutEngineConfig, SamplingParams
 from engine_api.rollout_registry import build_rollout
-from tests.recipes import user_data as ud
+from tests.support import user_data as ud
 
 MAX_TOKENS = 24
 

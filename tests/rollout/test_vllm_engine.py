@@ -9,13 +9,13 @@ import torch
 
 from engine_api.rollout import RolloutEngineConfig, SamplingParams
 from engine_api.rollout_registry import build_rollout, rollout_installed
-from tests.dist_harness import run_distributed
+from tests.support.launch import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not rollout_installed("vllm"), reason="vllm not installed (make test installs it)")]
 
 
 def _model(root) -> str:
-    from recipes.tiny_model import build_tiny_model
+    from posttrain.tiny_model import build_tiny_model
 
     return build_tiny_model(root, family="qwen2", vocab_size=32, hidden_size=64, num_heads=2, num_kv_heads=1, max_position_embeddings=64)
 

@@ -17,7 +17,7 @@ def test_sleep_frees_memory_and_a_synced_engine_matches_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from engine_api.rollout_registry import build_rollout
-    from recipes.tiny_model import build_tiny_model
+    from posttrain.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", family="qwen2", vocab_size=256, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
     engine = build_rollout("vllm", RolloutEngineConfig(model_path=path, dtype="float32", options={"gpu_memory_utilization": 0.2}))

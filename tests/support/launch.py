@@ -1,4 +1,6 @@
-"""Run a function on N spawned gloo ranks, for tests.
+"""Start ranks for tests, both ways the suite needs, with one environment and one port helper.
+
+In-process functions on spawned ranks (:func:`run_distributed`):
 
 * Rendezvous through a fresh ``file://`` in a temporary directory, so concurrent tests never
   collide on a port.
@@ -12,6 +14,13 @@
   transformers and both backends once (:data:`FORKSERVER_PRELOAD`): a rank starts in about a
   second instead of 5-10 s of imports. The ranks are still fresh processes as far as training
   state goes (the server only imported modules: no engine, process group or RNG use).
+
+Scripts the way users start them (:func:`python`, :func:`torchrun`, :func:`run_script`,
+:func:`torchrun_nodes`): plain ``python``, ``torchrun`` with one agent, or several torchrun
+agents that rendezvous like the nodes of a multi-node job (c10d on localhost).
+
+Both get their environment from :func:`launch_env`, so a rank sees the same variables however it
+was started.
 """
 
 from __future__ import annotations
@@ -20,22 +29,55 @@ import os
 import pickle
 import queue
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Set by launchers; a test process may carry them (e.g. from a fixture's own group), and a
+# launched process must see only the ones its own launcher sets.
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A launched job's collective timeout: a hung rank fails in 2 minutes, not torch's 30.
+DIST_TIMEOUT_S = "120"
 
 # After one rank fails, the others get this long to report their own error before being killed.
 _GRACE_S = 5.0
 # After every rank reported, they get this long to exit by themselves before being killed.
 _EXIT_S = 30.0
 # What the forkserver imports before forking ranks (a module that fails to import is skipped).
-FORKSERVER_PRELOAD = ["tests.backends.hf_utils", "backends.fsdp", "backends.megatron", "torch.distributed.checkpoint", "recipes.ppo"]
+FORKSERVER_PRELOAD = ["tests.support.hf_utils", "backends.fsdp", "backends.megatron", "torch.distributed.checkpoint", "recipes.ppo"]
 
 
+# ----------------------------------------------------------------------------- shared pieces
+def launch_env(**extra: str) -> dict:
+    """The environment of a launched process or rank: this process's, without launcher
+    variables, with the repo importable, one OpenMP thread (several ranks share a small
+    machine), :data:`DIST_TIMEOUT_S` as ``$ENGINEKIT_DIST_TIMEOUT_S``; ``extra`` wins over all.
+
+    A spawned rank has imported torch before it applies this, so its own intra-op thread count
+    is unchanged (workers call ``torch.set_num_threads``); processes it starts get one thread.
+    """
+    out = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    out.update({"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "ENGINEKIT_DIST_TIMEOUT_S": DIST_TIMEOUT_S, **extra})
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now (for a c10d rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- functions on ranks
 def mp_context(start_method: str = "spawn"):
     """The multiprocessing context for ranks; the forkserver preloads :data:`FORKSERVER_PRELOAD`."""
     ctx = mp.get_context(start_method)
@@ -60,12 +102,14 @@ def run_distributed(
 
     ``fn`` must be importable (a module-level function) and its arguments and return value
     picklable. ``torch.distributed`` is initialised in each rank before ``fn`` runs and
-    destroyed after. ``env`` adds environment variables to every rank.
+    destroyed after. Each rank's environment is :func:`launch_env` with ``env`` added, plus its
+    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
     ``start_method``: ``spawn`` or ``forkserver`` (see the module docstring).
 
     Raises:
         RankError: with the failing rank's traceback, or which ranks hung on timeout.
     """
+    rank_env = launch_env(**(env or {}))
     ctx = mp_context(start_method)
     results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ek_rdzv_") as tmp:
@@ -73,7 +117,7 @@ def run_distributed(
         procs = [
             # Not daemonic, like torchrun's ranks: megatron's checkpoint writer starts helper
             # processes, which daemons may not. The finally below kills every rank regardless.
-            ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, results, args, env or {}), daemon=False)
+            ctx.Process(target=_worker, args=(fn, rank, world_size, init_method, results, args, rank_env), daemon=False)
             for rank in range(world_size)
         ]
         for p in procs:
@@ -136,11 +180,15 @@ def _fmt(errors: dict[int, str]) -> str:
     return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
 
 
-def _worker(fn, rank, world_size, init_method, results, args, env) -> None:
+def _worker(fn, rank, world_size, init_method, results, args, rank_env) -> None:
     import torch.distributed as dist
 
     os.setsid()  # a process group of its own, so _stop can kill the helpers a rank starts too
-    os.environ.update(env)
+    # The launcher variables a forkserver may carry must not reach the rank; whatever its
+    # preloaded imports set is kept (they ran once, in the server).
+    for name in LAUNCHER_VARS:
+        os.environ.pop(name, None)
+    os.environ.update(rank_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
@@ -152,3 +200,57 @@ def _worker(fn, rank, world_size, init_method, results, args, env) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- scripts
+def python(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` (one process, no launcher) in the repo, output captured;
+    ``env`` adds to :func:`launch_env`."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(args: list[str], nproc: int, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC ARGS`` (one agent); ``env`` adds to :func:`launch_env`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(args: list[str], nproc: int = 1, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``ARGS`` on ``nproc`` processes: :func:`python` for one, :func:`torchrun` for more (so a
+    one-process run has no launcher, as a user's plain run)."""
+    if nproc == 1:
+        return python(args, timeout=timeout, env=env)
+    return torchrun(args, nproc=nproc, timeout=timeout, env=env)
+
+
+def torchrun_nodes(args: list[str], nnodes: int, timeout: float = 300, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """``nnodes`` torchrun agents, one process each, started as the nodes of one job:
+    ``--nnodes N --node-rank i --rdzv-backend c10d --rdzv-endpoint localhost:PORT``."""
+    port, job = free_port(), uuid.uuid4().hex[:8]
+    procs = []
+    for node in range(nnodes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{port}",
+            f"--rdzv-id={job}",
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=launch_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from recipes.tiny_model import build_tiny_model
+from posttrain.tiny_model import build_tiny_model
 
 SPECIALS = ["<pad>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHARS = list("0123456789+=?x ")

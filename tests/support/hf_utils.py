@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from engine_api import agg_loss, build_engine, load_config, make_batch
 from engine_api.conformance import fixtures
 from engine_api.conformance.fixtures import perturb_constants
-from recipes.tiny_model import build_tiny_model
+from posttrain.tiny_model import build_tiny_model
 
 VOCAB = 64
 # One optimizer step's variants that must all give the same update: (overrides, calls per step).
