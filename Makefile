@@ -36,8 +36,8 @@ sft: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
 
-# Benchmarks (engine vs hand-written baselines, as ratios): regenerates BENCHMARKS.md on CPU in
-# under 10 minutes; the GPU row runs when CUDA is present. Extra flags: make bench ARGS="--quick".
+# Benchmarks (engine vs hand-written baselines, as ratios): regenerates BENCHMARKS.md's tables on
+# CPU (slow; not in CI); the GPU row runs when CUDA is present. Extra flags: make bench ARGS="--quick".
 bench: install
 	$(PY) -m benchmarks.run_all $(ARGS)
 
@@ -52,6 +52,6 @@ gpu-wheels:
 
 # Mutation testing (mutmut) of the modules in pyproject.toml [tool.mutmut] against the fast tests;
 # slow, not part of `make test`. One module alone: MUTATE_ONLY="engine_api/batch.py" make mutate.
-# Results: docs/mutation-results.txt; survivors: docs/mutation.md.
+# Raw per-mutant results: outputs/mutation/results.txt (git-ignored); summary and survivors: docs/mutation.md.
 mutate: install
 	bash ci/mutate.sh $(VENV)

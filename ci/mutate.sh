@@ -6,17 +6,18 @@
 # per module to an hour for all of them on 2 cores), so not part of `make test`.
 #
 # Usage: bash ci/mutate.sh [VENV]                        (default .venv; installs mutmut there if missing)
-#        MUTATE_ONLY="engine_api/batch.py recipes/rewards.py" bash ci/mutate.sh   (score these modules alone)
+#        MUTATE_ONLY="engine_api/batch.py engine_api/losses.py" bash ci/mutate.sh   (score these modules alone)
 #        MUTATE_JOBS=N                                   (parallel mutant runs; default 2)
 #
-# Results: docs/mutation-results.txt, one line per mutant. A full run rewrites it; a MUTATE_ONLY
-# run replaces only the lines of the modules it ran and keeps the others (each module's lines
-# are from the last run that covered it; the header line lists when). docs/mutation.md explains
-# every survivor.
+# Results: outputs/mutation/results.txt (a run artefact; outputs/ is git-ignored), one line per
+# mutant. A full run rewrites it; a MUTATE_ONLY run replaces only the lines of the modules it ran
+# and keeps the others (each module's lines are from the last run that covered it; the header line
+# lists when). docs/mutation.md holds the human summary and explains every survivor.
 set -euo pipefail
 VENV=${1:-.venv}
 PY="$VENV/bin/python"
-RESULTS=docs/mutation-results.txt
+RESULTS=outputs/mutation/results.txt
+mkdir -p "$(dirname "$RESULTS")"
 "$PY" -c "import mutmut" 2>/dev/null || "$PY" -m pip install -q "mutmut>=3.8,<4"
 # engine_api/batch.py -> the mutant-name pattern engine_api.batch.* (mutmut matches with fnmatch)
 PATTERNS=()
