@@ -1,11 +1,5 @@
-"""``BaseEngine``: the contract every backend implements (docs/design.md, section 2).
-
-A template: the public methods do the contract's bookkeeping once (the frozen, broken and
-offloaded guards, the deferred-normalization window, the optimizer-step skeleton with its
-agreed skip and post-step finite check, step counting, the scheduler, offload placement) and
-call small backend hooks, the ``_``-prefixed methods a backend fills in
-(``docs/adding-a-backend.md`` lists them).
-"""
+"""``BaseEngine``: the contract every backend implements (docs/design.md, section 2): public
+template methods that do the contract's bookkeeping once, over small backend hooks."""
 
 from __future__ import annotations
 
@@ -26,13 +20,11 @@ from engine_api.ckpt_layout import apply_extra, make_extra
 from engine_api.config import EngineConfig
 from engine_api.losses import DeferredNormalizer, LossFn
 from engine_api.offload import Offloader, relocate_module, relocate_state
-from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite, skipped_norm
+from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite
 from engine_api.step import RETURN_PREDICTIONS, StepSpec, forward_backward_loop
 
 PreprocessFn = Callable[[TensorDict, dict], TensorDict]
 PostprocessFn = Callable[[TensorDict, TensorDict, dict], TensorDict]
-
-__all__ = ["RETURN_PREDICTIONS", "BaseEngine", "PostprocessFn", "PreprocessFn", "bucket_bytes"]
 
 
 def bucket_bytes(bucket_mb: float | None) -> int | None:
@@ -55,72 +47,47 @@ class BaseEngine(abc.ABC):
 
     Lifecycle: ``engine = build_engine(config)`` (cheap), ``engine.init_model()``, then
     ``with engine.train_mode(): engine.train_batch(batch)`` or
-    ``with engine.eval_mode(): engine.infer_batch(batch)``.
+    ``with engine.eval_mode(): engine.infer_batch(batch)``. Batches follow ``engine_api.batch``
+    (jagged TensorDicts); ``forward_backward_step`` takes this rank's DP shard
+    (:meth:`shard_data`) and returns per-token jagged fields aligned with ``input_ids`` in the
+    caller's row order. Bad input raises ``ValueError`` before any state changes, on every rank
+    (validation is agreed). Every collective says so; all ranks must call it together.
 
-    Data: batches follow ``engine_api.batch`` (jagged TensorDicts). ``forward_backward_step``
-    takes this rank's DP shard (see :meth:`shard_data`); outputs are per-token jagged fields
-    aligned with ``input_ids`` (``log_probs``, ``entropy`` when the batch's metadata
-    ``calculate_entropy`` is True, ``values`` for value heads) in the caller's row order.
+    **The public methods are templates** that do the bookkeeping once for every backend: the
+    frozen guard (``config.frozen``: training, saving and loading refused), the broken guard (a
+    step wrote non-finite weights: training, saving and exporting refused until a load), the
+    offloaded guard, loading on entering a mode and offloading by ``config.offload`` on leaving
+    it (one :class:`~engine_api.offload.Offloader`, also for saving, loading and exporting), the
+    deferred window (``self.deferred``), ``self.global_step``, the one optimizer-step skeleton
+    (finish grads, deferred scale, global norm, a skip agreed by every rank, clip, update, the
+    post-step finite check) and the LR scheduler.
 
-    Errors: bad input raises ``ValueError`` before any state (params, grads, optimizer state,
-    step counters) changes. Every method that is a collective says so; all ranks of the
-    engine must call it together.
+    **A backend fills in the hooks** (the ``_``-prefixed methods; ``docs/adding-a-backend.md``
+    has the table, ``engine_api.kit`` the pieces, ``python -m engine_api.conformance`` checks the
+    results). Its duties:
 
-    **What this class does for every backend** (the public methods are templates): refuse
-    training, saving and loading on a frozen engine (``config.frozen``), and training, saving
-    and exporting on a broken one (an optimizer step wrote non-finite weights, until a
-    checkpoint is loaded); refuse compute on an offloaded part; load on entering a mode and
-    offload by ``config.offload`` on leaving it, and load what saving, loading and exporting
-    need for the call (one :class:`~engine_api.offload.Offloader`); keep the deferred
-    normalization window (``self.deferred``) and the step counter (``self.global_step``); run
-    the one optimizer-step skeleton (finish grads, deferred scale, global norm, a skip agreed by
-    every rank when the norm or a loss of the window was not finite, clip, update, the
-    post-step finite check); step the LR scheduler.
-
-    **What a backend provides** (the conformance kit, ``python -m engine_api.conformance``,
-    checks the results; ``engine_api.kit`` holds the pieces, see ``docs/adding-a-backend.md``):
-
-    * **Settings.** :attr:`options_class` (a frozen dataclass with a ``config_section``), read
-      with ``kit.options_of``; problems only the backend can see come from
-      :meth:`check_config`, so ``build_engine`` refuses them before anything is built.
-    * **Build** (:meth:`_build_model`): join the launcher's world when there is one and a
-      1-rank group for plain python (``kit.ensure_process_group``); set ``self.device`` and
-      build the model, and unless frozen ``self.optimizer`` and ``self.scheduler`` (None when
-      frozen: no optimizer, no gradient memory).
-    * **Outputs** (:meth:`_step_spec`, and the forward it names). ``log_probs[i]`` is
-      log p(token i | tokens < i) with 0 at position 0, of the logits divided by the batch
-      metadata ``temperature`` (default 1.0); ``entropy`` (same alignment, same temperature)
-      only when ``calculate_entropy`` is True; ``model.head: value`` gives ``values[i]``
-      predicted from the prefix before token i (0 at position 0), its new head seeded by
-      ``config.seed`` identically on every rank.
-    * **The update.** One step's loss, gradient and update do not depend on micro-batching,
-      dynamic batching, packing vs padding, splitting over calls (``deferred_normalization``)
-      or the DP size: the shared loop (``kit.forward_backward_loop``, the default
-      :meth:`_forward_backward`) guarantees it when the backend declares how it reduces
-      gradients (``StepSpec.grads_averaged_over_dp``). The optimizer hooks default to plain
-      torch (``.grad`` of :meth:`_trainable_parameters`, ``self.optimizer.step()``); a backend
-      with its own gradient buffers or optimizer overrides them.
-    * **Offload** (:meth:`_move`): an offload releases the compute-device storage of every
-      tensor of the part and keeps the values in a host copy, on a CPU-only machine too (the
-      default copies: ``kit.relocate_module`` / ``relocate_state``); :meth:`state_tensors` is
-      how the conformance kit looks. Training with offload is bit-identical to training without.
-    * **Checkpoints** (:meth:`_save_checkpoint`, :meth:`_load_checkpoint`): the directory
-      protocol of ``engine_api.ckpt_layout`` (write into ``begin``'s temporary directory, then
-      ``commit``; load through ``open_checkpoint``, tensors with ``weights_only``, state changed
-      only after everything is read, never code from a checkpoint, another backend's checkpoint
-      refused with a ``ValueError``). Resume in a fresh process is bit-exact (model, optimizer,
-      scheduler, RNG, step: ``make_extra`` / ``apply_extra``).
-    * **Export** (:meth:`_export_weights`): every weight by its HF name, in HF layout.
-    * **LoRA** (only a backend that sets :attr:`supports_lora`; ``build_engine`` refuses
-      ``model.lora.rank > 0`` for the others): adapters on ``model.lora.target_modules``, only
-      they trained and checkpointed; batch metadata ``disable_adapters=True`` makes a
-      forward-only call use the base weights; :meth:`export_weights` yields the merged weights
-      and :meth:`_export_adapter_weights` the adapters alone.
-    * **Collectives.** ``init_model``, ``forward_backward_step``, ``optimizer_step``,
-      ``unshard_data``, ``save_checkpoint``, ``load_checkpoint``, ``export_weights`` and
-      ``export_adapter_weights`` are collective over every rank of the engine; so are
-      ``train_mode`` / ``eval_mode`` when loading or offloading communicates. A bad batch on
-      one rank raises on every rank (validation is agreed), so no rank is left waiting.
+    * settings: :attr:`options_class`, read with ``kit.options_of``; what only the backend can
+      see comes from :meth:`check_config`, so ``build_engine`` refuses it before any build;
+    * :meth:`_build_model`: join the launcher's world, or a 1-rank group for plain python
+      (``kit.ensure_process_group``); set ``self.device``, the model, and unless frozen
+      ``self.optimizer`` and ``self.scheduler`` (frozen: no optimizer, no gradient memory);
+    * outputs (the forward :meth:`_step_spec` names): ``log_probs[i]`` = log p(token i | tokens
+      < i), 0 at position 0, of the logits divided by the metadata ``temperature``; ``entropy``
+      (same alignment) only when ``calculate_entropy``; ``model.head: value`` gives ``values[i]``
+      from the prefix before token i, the new head seeded by ``config.seed`` on every rank;
+    * the update does not depend on micro-batching, dynamic batching, packing, splitting over
+      calls or the DP size: the shared loop (the default :meth:`_forward_backward`) ensures it
+      when ``StepSpec.grads_averaged_over_dp`` says how gradients reduce;
+    * offload (:meth:`_move`) releases the loaded storage and keeps a host copy, on a CPU-only
+      machine too (:meth:`state_tensors` is where the kit looks); training with offload is
+      bit-identical to training without;
+    * checkpoints in the ``ckpt_layout`` protocol: manifest verified before anything is
+      unpickled, tensors read with ``weights_only``, state changed only after everything is
+      read, another backend's checkpoint refused; resume in a fresh process is bit-exact;
+    * :meth:`_export_weights`: every weight by its HF name, in HF layout;
+    * LoRA (only with :attr:`supports_lora`): only the adapters trained and checkpointed;
+      metadata ``disable_adapters`` selects the base weights in a forward-only call; export
+      merged weights, and the adapters alone (:meth:`_export_adapter_weights`).
     """
 
     #: The backend's own settings: a frozen dataclass with a ``config_section: ClassVar[str]``
@@ -202,11 +169,10 @@ class BaseEngine(abc.ABC):
 
         Args:
             batch: this rank's shard of the global batch.
-            ctx: a dict passed to the hooks and returned; the engine adds ``ctx["norm"]``
-                (the call's ``NormContext``, training only) and ``ctx["metrics"]`` (per key, a
-                list with one value per micro-batch, from the loss function). A training
-                call with ``ctx[RETURN_PREDICTIONS] = False`` may skip assembling the
-                predictions and return None for them (``train_batch`` does this).
+            ctx: a dict passed to the hooks and returned, with ``ctx["norm"]`` (the call's
+                ``NormContext``, training) and ``ctx["metrics"]`` (per key, one value per
+                micro-batch); ``ctx[RETURN_PREDICTIONS] = False`` lets a training call return
+                None for the predictions (``train_batch`` does this).
             forward_only: no backward, no loss; gradients untouched.
             preprocess_fn: ``fn(micro_batch, ctx) -> micro_batch`` before each forward.
             postprocess_fn: ``fn(micro_batch, outputs, ctx) -> outputs`` after each forward,
@@ -214,10 +180,9 @@ class BaseEngine(abc.ABC):
 
         Returns:
             ``(predictions, ctx)`` if ``forward_only`` else ``(predictions, loss, ctx)``:
-            ``predictions`` is a TensorDict of this rank's rows in ``batch``'s order, on
-            ranks where :attr:`is_output_rank` is True (None elsewhere); ``loss`` is the
-            call's global loss (sum of micro-batch contributions over all DP ranks), the
-            same float on every rank. Collective over all ranks of the engine.
+            ``predictions`` is a TensorDict of this rank's rows in ``batch``'s order (None
+            where :attr:`is_output_rank` is False); ``loss`` is the call's global loss, the
+            same float on every rank. Collective.
 
         Raises:
             ValueError: a malformed batch, or no loss function set for a training call;
@@ -230,13 +195,10 @@ class BaseEngine(abc.ABC):
         return self._forward_backward(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
 
     def optimizer_zero_grad(self) -> None:
-        """Clear gradients (and backend grad buffers) and the accumulation window (deferred
-        counts, recorded losses). Calling it between ``forward_backward_step`` calls aborts
-        that window without a trace: params, optimizer state, step counter and LR are as
-        before the window, and the next window equals one on an engine that never saw the
-        aborted data. Also the way to recover after a ``forward_backward_step`` that raised
-        part-way (e.g. in the loss function). Refused while the model or the optimizer is
-        :attr:`offloaded` (call it inside ``train_mode``), before anything changes."""
+        """Clear gradients and the accumulation window. Between ``forward_backward_step`` calls it
+        aborts the window without a trace (the next window equals one on an engine that never
+        saw the aborted data); also the recovery after a call that raised part-way. Refused
+        while the model or the optimizer is :attr:`offloaded` (call it inside ``train_mode``)."""
         self._refuse_if_frozen("optimizer_zero_grad")
         self._offloader.require_loaded(model=True, optimizer=True)
         self._zero_grad()
@@ -246,18 +208,14 @@ class BaseEngine(abc.ABC):
         """Finish the gradient sync, apply deferred normalization, clip, and step.
 
         Returns:
-            The global gradient norm before clipping (the same on every rank). If the norm,
-            or the loss of any call since the last step, is not finite on *any* rank, the
-            step is skipped on *every* rank (the decision is agreed collectively over the
-            engine's world: model-parallel peers compute the loss separately, so a non-finite
-            loss can be rank-local): params, optimizer state and the step counter are
-            untouched, the window is reset, and a non-finite value is returned (the norm
-            itself, or NaN when only a loss was not finite). Collective.
+            The global pre-clip gradient norm (the same on every rank). If it, or a loss of the
+            window, is not finite on *any* rank, every rank skips the step (agreed over the
+            world: model-parallel peers compute the loss separately): state untouched, window
+            reset, and a non-finite value returned (NaN when only a loss was). Collective.
 
         Raises:
-            engine_api.optim.NonFiniteUpdateError: the step ran and left a parameter NaN or
-                inf (on every rank, naming the step). The engine then refuses to train, save
-                or export until a checkpoint is loaded.
+            engine_api.optim.NonFiniteUpdateError: the step ran and left a parameter NaN or inf
+                (on every rank); the engine refuses to train, save or export until a load.
         """
         self._refuse_if_frozen("optimizer_step")
         self._offloader.require_loaded(model=True, optimizer=True)
@@ -270,7 +228,7 @@ class BaseEngine(abc.ABC):
         # Sharded grads give a partial norm; full_tensor() all-reduces it into the global one.
         norm = float(measured.full_tensor() if isinstance(measured, DTensor) else measured)
         if agree_to_skip(norm, nonfinite_loss, None):
-            return skipped_norm(norm)
+            return norm if not math.isfinite(norm) else math.nan  # non-finite either way: callers test it
         if self.config.optim.clip_grad is not None:
             self._clip_grads(self.config.optim.clip_grad, measured)
         self._apply_update()
@@ -324,10 +282,8 @@ class BaseEngine(abc.ABC):
     # ------------------------------------------------------------------ placement
     @property
     def offloaded(self) -> dict[str, bool]:
-        """Which parts are offloaded now: ``{"model": bool, "optimizer": bool}`` ("model" is
-        params and grads). True from an offload (a mode's exit under ``config.offload``, or
-        :meth:`to` the CPU) until the part is loaded again. The engine's record, not a guess
-        from tensor devices: the same on CPU-only and GPU machines (``engine_api.offload``)."""
+        """Which parts are offloaded now, ``{"model": bool, "optimizer": bool}``: the engine's
+        record (``engine_api.offload``), the same on CPU-only and GPU machines."""
         return self._offloader.offloaded
 
     @property
@@ -336,23 +292,15 @@ class BaseEngine(abc.ABC):
         return {kind: torch.device("cpu") if off else torch.device(self.device) for kind, off in self.offloaded.items()}
 
     def to(self, device: str | torch.device, model: bool = True, optimizer: bool = True) -> None:
-        """Load (the compute device) or offload (the CPU) the model (params and grads) and/or
-        the optimizer state by hand (``train_mode`` / ``eval_mode`` do it by policy). On a
-        CPU-only machine ``"cpu"`` is the compute device, so it loads. Any other device raises
-        ``ValueError`` with nothing moved."""
+        """Load (the compute device; on a CPU-only machine that is ``"cpu"``) or offload (the
+        CPU) the model and/or the optimizer state by hand; another device raises ``ValueError``."""
         self._offloader.to(device, self.device, model=model, optimizer=optimizer)
 
     def state_tensors(self, kind: str) -> Iterator[torch.Tensor]:
-        """The tensors an offload of ``kind`` must move: ``"model"``, the parameters and their
-        gradients; ``"optimizer"``, the optimizer state (not the step counters, which AdamW
-        keeps on the CPU anyway). DTensors are given as their local shards.
-
-        Read by the conformance kit's ``offload`` check, which looks at their storage: while
-        loaded they live on the compute device; after an offload, each storage seen while
-        loaded must be released (freed, or resized to 0 bytes in place), on a CPU-only machine
-        too. Default: the parameters (and ``.grad``) of :meth:`_modules` and the state of
-        ``self.optimizer``. Override it when the engine keeps them elsewhere (megatron's
-        gradient buffers and optimizer wrapper)."""
+        """The tensors an offload of ``kind`` must release: ``"model"``, parameters and gradients;
+        ``"optimizer"``, the optimizer state but its step counters (local shards of DTensors).
+        The conformance kit's ``offload`` check watches their storage. Default: the parameters
+        of :meth:`_modules` and the state of ``self.optimizer``; megatron overrides it."""
         if kind not in ("model", "optimizer"):
             raise ValueError(f"state_tensors({kind!r}): kind must be 'model' or 'optimizer'")
         found: list[torch.Tensor] = []
@@ -413,15 +361,12 @@ class BaseEngine(abc.ABC):
         return self.global_step
 
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` for every weight, in HF naming and layout, for
-        weight sync into a rollout/inference model or HF export (with LoRA: the base weights
-        with the adapters merged in). Collective: every rank must drain the generator.
+        """Yield ``(hf_name, full_tensor)`` for every weight in HF naming and layout (with LoRA,
+        merged), for a rollout sync or HF export. Collective: every rank drains the generator.
 
-        ``bucket_mb``: a transfer hint. ``None`` moves one tensor per collective; a size in MB
-        asks the backend to gather consecutive tensors in flat buckets of about that size (one
-        collective per bucket). The names, order and values are the same either way
-        (bit-identical); a backend that cannot bucket ignores it. A bad size raises here, at
-        the call, not at the first ``next``; so does a broken engine."""
+        ``bucket_mb``: a transfer hint: gather consecutive tensors in flat buckets of about that
+        many MB, one collective each (``None``: one tensor each); names, order and values are
+        bit-identical either way. A bad size, or a broken engine, raises at the call."""
         self._refuse_if_broken("export_weights")
         return self._exporting(self._export_weights, bucket_bytes(bucket_mb))
 
@@ -506,8 +451,7 @@ class BaseEngine(abc.ABC):
     @abc.abstractmethod
     def _build_model(self) -> None:
         """Join or create the process group, set ``self.device``, build the model from
-        ``config.model.path``, and unless ``config.frozen`` ``self.optimizer`` and
-        ``self.scheduler`` (a frozen model's parameters need no gradients). Collective."""
+        ``config.model.path`` and, unless frozen, ``self.optimizer`` and ``self.scheduler``."""
 
     @abc.abstractmethod
     def _modules(self) -> list[torch.nn.Module]:
@@ -520,9 +464,8 @@ class BaseEngine(abc.ABC):
         the DP group, how gradients reduce over DP, the vocabulary and position limits."""
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
-        """One ``forward_backward_step`` after the guards: the shared loop over
-        :meth:`_step_spec`. A backend with its own micro-batch schedule passes it as the
-        loop's ``runner``; one with per-call cleanup wraps this."""
+        """``forward_backward_step`` after the guards: the shared loop over :meth:`_step_spec`
+        (override to pass your own micro-batch ``runner``, or to clean up per call)."""
         return forward_backward_loop(
             self._step_spec(), batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn
         )
@@ -570,12 +513,9 @@ class BaseEngine(abc.ABC):
         return ((n, p) for module in self._modules() for n, p in module.named_parameters() if p.requires_grad)
 
     def _move(self, kind: str, load: bool) -> None:
-        """Load (``load``: onto the compute device) or offload (to the CPU) one part,
-        ``"model"`` or ``"optimizer"``. A flag, not a device: on a CPU-only machine both
-        directions are "cpu", and a backend that frees storage (megatron) must still know
-        which one it is. Default: copies (:func:`~engine_api.offload.relocate_module`,
-        :func:`~engine_api.offload.relocate_state`), which release the old storage on a
-        CPU-only machine too."""
+        """Load (``load``) or offload one part, ``"model"`` or ``"optimizer"`` (a flag, not a
+        device: on a CPU-only machine both directions are "cpu"). Default: copies
+        (``relocate_module`` / ``relocate_state``), which release the old storage there too."""
         device = self.device if load else torch.device("cpu")
         if kind == "model":
             for module in self._modules():

@@ -32,11 +32,8 @@ def _p(field_name: str, value: object, problem: str, fix: str) -> str:
 
 @dataclass(frozen=True)
 class WorldDivisor:
-    """A group of ranks that a backend option sets up, whose size must divide the world size.
-
-    Backends declare them (:meth:`BackendOptions.world_divisors`) instead of checking the world
-    size themselves: the world size is an engine setting (``world_size``, else ``WORLD_SIZE``),
-    so :class:`EngineConfig` checks them when the config loads.
+    """A group of ranks a backend option sets up, whose size must divide the world size; declared
+    by :meth:`BackendOptions.world_divisors`, checked by :class:`EngineConfig` at load.
 
     Attributes:
         option: the option the problem is reported under (its value is shown).
@@ -58,11 +55,9 @@ class BackendOptions:
     whose keys sit under the engine-config section ``config_section`` (``engine.fsdp.*``,
     ``engine.megatron.*``, a plug-in's ``engine.mine.*``).
 
-    A subclass declares ``config_section: ClassVar[str]`` (an identifier that is not an
-    :class:`EngineConfig` field, by convention the backend's name), its fields with defaults,
-    and optionally ``_problems(self) -> list[str]`` (its own value checks, like every config
-    dataclass) and :meth:`world_divisors`. The loader validates the section's keys against it;
-    a backend reads its instance with :func:`options_of`.
+    A subclass declares ``config_section: ClassVar[str]`` (an identifier, not an
+    :class:`EngineConfig` field), its fields with defaults, optionally ``_problems(self)`` and
+    :meth:`world_divisors`. A backend reads its instance with :func:`options_of`.
     """
 
     config_section: ClassVar[str]
@@ -94,6 +89,25 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    def to_peft(self, head: str):
+        """These settings as ``peft.LoraConfig`` for a model with ``head`` (``lm`` or
+        ``value``): what a backend trains with and what ``adapter_config.json`` records (the
+        adapter format is peft's, whichever backend trained). peft is imported here, lazily."""
+        import peft
+
+        targets = "all-linear" if list(self.target_modules) == ["all-linear"] else list(self.target_modules)
+        # A value head's new ``score`` layer is trained in full (peft's token-classification
+        # task keeps a trainable copy of it), never given adapters of its own.
+        return peft.LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=targets,
+            bias="none",
+            task_type="CAUSAL_LM" if head == "lm" else "TOKEN_CLS",
+            exclude_modules=None if head == "lm" else ["score"],
+        )
 
     def _problems(self) -> list[str]:
         out = []

@@ -1,38 +1,25 @@
 """The backend kit: everything a backend builds on, in one declared module.
 
 A backend (in this repository or outside it) imports from here and nowhere else in
-``engine_api`` (``tests/test_import_graph.py`` enforces it for ``backends/`` and the reference
-engine), so the pieces that make the contract's invariances hold by construction are one
-documented surface. See ``docs/adding-a-backend.md`` for the walk-through and
-``engine_api/base.py`` for the hooks a backend fills in.
+``engine_api`` (``tests/engine_api/test_backends_use_the_kit.py``), so the pieces that make the
+contract's invariances hold by construction are one documented surface; ``docs/adding-a-backend.md``
+walks through them. Groups:
 
-Groups:
-
-* the engine and its settings: ``BaseEngine`` (subclass it and fill in its hooks),
-  ``register_engine``, ``BackendOptions`` (subclass it for your ``options_class``; declare
-  ``WorldDivisor``s for groups whose size must divide the world), ``EngineConfig`` and its
-  sections (``LoraConfig``, ``DTYPES``), ``options_of`` (a backend's typed options from the
-  config), ``format_problem`` (the house format of a config error for ``check_config`` and an
-  options class's ``_problems``);
-* the step: ``StepSpec`` (what ``BaseEngine._step_spec`` returns) and, for a backend that
-  drives its own schedule, ``forward_backward_loop`` with a ``runner`` over ``CallState``; the
-  pieces (``validate_call``, ``make_micro_batches``, ``build_norm_context``,
-  ``backward_scale``, ``DeferredNormalizer``);
-* the optimizer: ``build_adamw``, ``build_lr_scheduler`` (the step itself is
-  ``BaseEngine.optimizer_step``; a backend overrides its small hooks);
-* the data protocol: ``pack`` / ``unpack`` / ``pad`` / ``unpad``, ``relayout``,
-  ``to_device``, ``token_log_probs``, ``token_entropy``, ``align_to_tokens``,
-  ``temperature_of`` / ``wants_entropy`` (batch metadata);
-* MoE routing: ``RouterSpec`` (an HF config's router settings) and ``RoutingRecorder`` (the
-  load-balancing loss and expert-load metrics the loop reports);
-* processes and placement: ``compute_device`` (``cuda:$LOCAL_RANK`` or the CPU),
-  ``ensure_process_group`` (join torchrun's world, or a 1-rank group for plain python),
+* the engine and its settings: ``BaseEngine`` (fill in its hooks), ``register_engine``,
+  ``BackendOptions`` (with ``WorldDivisor``), ``EngineConfig``, ``LoraConfig``, ``DTYPES``,
+  ``options_of``, ``format_problem`` (the house format of a config error);
+* the step: ``StepSpec``; ``forward_backward_loop`` with a ``runner`` over ``CallState`` for a
+  backend with its own schedule; the pieces ``validate_call``, ``make_micro_batches``,
+  ``build_norm_context``, ``backward_scale``, ``DeferredNormalizer``; ``build_adamw``,
+  ``build_lr_scheduler``;
+* the data protocol: ``pack`` / ``unpack`` / ``pad`` / ``unpad``, ``relayout``, ``to_device``,
+  ``token_log_probs``, ``token_entropy``, ``align_to_tokens``, ``temperature_of`` /
+  ``wants_entropy``; MoE routing: ``RouterSpec``, ``RoutingRecorder``;
+* processes and placement: ``compute_device``, ``ensure_process_group``,
   ``process_group_timeout``, ``group_rank`` / ``group_size``, ``all_reduce``, ``barrier``,
-  ``broadcast_tensors`` (named tensors plus a JSON header from one rank, tensor collectives
-  only); offload moves that copy, ``relocate_module`` / ``relocate_state``;
-* checkpoints: ``ckpt_layout`` (``begin`` -> write your files + ``save_extra`` -> ``commit``;
-  ``open_checkpoint`` -> ``reading`` -> ``load_extra`` -> ``finish_load``),
-  ``CorruptCheckpointError``;
+  ``broadcast_tensors`` (tensor collectives only); ``relocate_module`` / ``relocate_state``;
+* checkpoints: ``ckpt_layout`` (``begin`` -> your files + ``save_extra`` -> ``commit``;
+  ``open_checkpoint`` -> ``reading`` -> ``load_extra`` -> ``finish_load``), ``CorruptCheckpointError``;
 * rollout backends: ``BaseRollout``, ``RolloutEngineConfig``, ``SamplingParams``, ``Sample``,
   ``sample_seed``, ``register_rollout``.
 """
@@ -81,61 +68,18 @@ def wants_entropy(micro_batch: TensorDict) -> bool:
     return bool(micro_batch.get_non_tensor("calculate_entropy", False))
 
 
+# Grouped as in the module docstring (one group per line: the surface reads as a table).
+# fmt: off
 __all__ = [
-    "DTYPES",
-    "RETURN_PREDICTIONS",
-    "BackendOptions",
-    "BaseEngine",
-    "BaseRollout",
-    "CallState",
-    "CorruptCheckpointError",
-    "DeferredNormalizer",
-    "EngineConfig",
-    "LoraConfig",
-    "RolloutEngineConfig",
-    "RouterSpec",
-    "RoutingRecorder",
-    "Sample",
-    "SamplingParams",
-    "StepSpec",
-    "WorldDivisor",
-    "align_to_tokens",
-    "all_reduce",
-    "backward_scale",
-    "barrier",
-    "broadcast_tensors",
-    "build_adamw",
-    "build_lr_scheduler",
-    "build_norm_context",
-    "ckpt_layout",
-    "compute_device",
-    "ensure_process_group",
-    "format_problem",
-    "forward_backward_loop",
-    "group_rank",
-    "group_size",
-    "is_initialized",
-    "loss_mask_of",
-    "make_batch",
-    "make_micro_batches",
-    "options_of",
-    "pack",
-    "pad",
-    "process_group_timeout",
-    "register_engine",
-    "register_rollout",
-    "relayout",
-    "relocate_module",
-    "relocate_state",
-    "sample_seed",
-    "temperature_of",
-    "to_device",
-    "token_entropy",
-    "token_log_probs",
-    "unpack",
-    "unpad",
-    "unregister_engine",
-    "validate_batch",
-    "validate_call",
-    "wants_entropy",
+    "BaseEngine", "register_engine", "unregister_engine", "BackendOptions", "WorldDivisor", "EngineConfig", "LoraConfig", "DTYPES",
+    "options_of", "format_problem",
+    "StepSpec", "CallState", "forward_backward_loop", "validate_call", "make_micro_batches", "build_norm_context", "backward_scale",
+    "DeferredNormalizer", "RETURN_PREDICTIONS", "build_adamw", "build_lr_scheduler",
+    "pack", "unpack", "pad", "unpad", "relayout", "to_device", "make_batch", "validate_batch", "loss_mask_of", "token_log_probs",
+    "token_entropy", "align_to_tokens", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
+    "compute_device", "ensure_process_group", "process_group_timeout", "is_initialized", "group_rank", "group_size", "all_reduce",
+    "barrier", "broadcast_tensors", "relocate_module", "relocate_state",
+    "ckpt_layout", "CorruptCheckpointError",
+    "BaseRollout", "RolloutEngineConfig", "SamplingParams", "Sample", "sample_seed", "register_rollout",
 ]
+# fmt: on

@@ -1,12 +1,9 @@
-"""The engine-config loader: :func:`load_config`, and the resolver of the backend sections.
+"""The engine-config loader: :func:`load_config` and the resolver of the backend sections.
 
-``engine_api.config`` declares the dataclasses and knows no backend; ``engine_api.registry``
-knows which class a strategy names. This module joins the two for the generic loader
-(``engine_api.typed_config``): it registers :func:`engine_sections` for ``EngineConfig``, so
-every ``load_typed`` call resolves the engine's backend section and its strategy, whether the
-``EngineConfig`` is loaded alone (:func:`load_config`) or nested in a recipe's config
-(``engine.*``). The ``engine_api`` package imports this module, so the registration is in place
-before anything can load a config.
+It joins ``engine_api.config`` (no backend knowledge) and ``engine_api.registry`` (which class a
+strategy names): :func:`engine_sections` is registered for ``EngineConfig`` with the generic
+loader, so an ``EngineConfig`` alone or nested in a recipe's config (``engine.*``) resolves its
+section. The ``engine_api`` package imports this module, so the registration is always in place.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""Offload as one component: which parts of an engine are offloaded, and the moves that change it.
+"""Offload as one component: the record of which parts of an engine are offloaded (``"model"``:
+parameters and gradients; ``"optimizer"``: its state), and the moves that change it.
 
-An engine has two parts that can leave the compute device: ``"model"`` (parameters and
-gradients) and ``"optimizer"`` (optimizer state). :class:`Offloader` keeps the record of which
-are offloaded and calls the backend's ``move(kind, load)`` to change it; ``BaseEngine`` owns one
-and routes ``train_mode`` / ``eval_mode`` (load on enter, offload by ``config.offload`` on exit),
-``to``, and the temporary loads of saving, loading and exporting through it.
-
-The record, not the tensors' devices, is the truth: on a CPU-only machine the compute device
-*is* the CPU, so no device shows an offload, yet the bytes still move (into a host copy, the
-loaded storage released: :func:`relocate_module`, :func:`relocate_state`) and the record
-changes exactly as on a GPU. Compute on an offloaded part is refused (:meth:`Offloader.require_loaded`),
-so a mode that forgot to load something fails on every machine, not only where the bytes are missing.
+``BaseEngine`` owns one :class:`Offloader` and routes the modes, ``to`` and the temporary loads
+of saving, loading and exporting through it. The record, not tensor devices, is the truth: on a
+CPU-only machine the compute device *is* the CPU, yet the bytes still move (into a host copy,
+the loaded storage released: :func:`relocate_module`) and the record changes as on a GPU.
 """
 
 from __future__ import annotations
@@ -26,11 +20,10 @@ MoveFn = Callable[[str, bool], None]
 
 
 def relocate_module(module: torch.nn.Module, device: str | torch.device) -> None:
-    """Move ``module``'s parameters, gradients and buffers to ``device`` as new copies (in
-    place: the ``Parameter`` objects stay, so an optimizer keeps them), releasing the old
-    storage. Unlike ``module.to(device)``, which returns the very same tensors when they are
-    already there, this also works on a CPU-only machine, where loading and offloading are
-    both "cpu". An FSDP2 module re-registers its shards itself (``FSDPModule._apply``)."""
+    """Move ``module``'s parameters, gradients and buffers to ``device`` as new copies, in place
+    (the ``Parameter`` objects stay, so an optimizer keeps them), releasing the old storage;
+    ``module.to`` would keep the very same tensors when they are already there (a CPU-only
+    machine). An FSDP2 module re-registers its shards itself (``FSDPModule._apply``)."""
     module._apply(lambda t: t.to(device, copy=True))
 
 
@@ -45,14 +38,8 @@ def relocate_state(optimizer: torch.optim.Optimizer, device: str | torch.device)
 
 
 class Offloader:
-    """The offload record of one engine and the moves that keep it true.
-
-    Args:
-        move: ``move(kind, load)``, the backend's move of one part (``BaseEngine._move``).
-
-    Every method moves only what the record says must move: loading a loaded part or
-    offloading an offloaded one does nothing, so the calls nest freely.
-    """
+    """The offload record of one engine; ``move(kind, load)`` is the backend's move of one part
+    (``BaseEngine._move``). Only what the record says must move is moved, so calls nest freely."""
 
     def __init__(self, move: MoveFn) -> None:
         self._move = move
@@ -81,10 +68,8 @@ class Offloader:
 
     @contextlib.contextmanager
     def loaded(self, optimizer: bool = True) -> Iterator[None]:
-        """The model (and, when ``optimizer``, the optimizer state) on the compute device for
-        the duration: saving and loading need both, exporting only the model (a rollout sync
-        should not bring the Adam moments onto the GPU). What was offloaded before is
-        offloaded again after, also when the body raises."""
+        """The model (and, when ``optimizer``, the optimizer state) on the compute device for the
+        duration; what was offloaded before is offloaded again after, also when the body raises."""
         before = dict(self._offloaded)
         self.load(model=True, optimizer=optimizer)
         try:
@@ -103,9 +88,8 @@ class Offloader:
                 )
 
     def to(self, device: str | torch.device, compute: str | torch.device, model: bool, optimizer: bool) -> None:
-        """``engine.to(device)``: the compute device (``"cuda"`` matches ``cuda:<index>``) loads,
-        the CPU offloads; on a CPU-only machine ``"cpu"`` is the compute device, so it loads.
-        Any other device is refused (``ValueError``, nothing moved)."""
+        """``engine.to(device)``: the compute device (``"cuda"`` matches ``cuda:<index>``; on a
+        CPU-only machine ``"cpu"``) loads, the CPU offloads, another device is refused."""
         device, compute = torch.device(device), torch.device(compute)
         if device.type == compute.type and device.index in (None, compute.index):
             self.load(model=model, optimizer=optimizer)

@@ -36,12 +36,6 @@ def agree_to_skip(grad_norm: float, nonfinite_loss: bool, group: dist.ProcessGro
     return bool(all_reduce(flag, "max", group).item())
 
 
-def skipped_norm(grad_norm: float) -> float:
-    """The value ``optimizer_step`` returns for a skipped step: always non-finite (callers
-    test ``math.isfinite``), the norm itself when it was the cause, else NaN."""
-    return grad_norm if not math.isfinite(grad_norm) else math.nan
-
-
 class NonFiniteUpdateError(RuntimeError):
     """An optimizer step wrote NaN or inf into the parameters (raised on every rank)."""
 

@@ -19,13 +19,11 @@ them, e.g. ``fsdp.*``); the config loader (``engine_api.loader``) reads that sec
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.metadata
-import importlib.util
 from collections.abc import Callable
 
 from engine_api.base import BaseEngine
 from engine_api.config import BackendOptions, EngineConfig, format_problem, problems_of
+from engine_api.plugins import import_class, is_import_path, known_specs, module_exists
 
 ENTRY_POINT_GROUP = "enginekit.backends"
 # The backends shipped in this repository: name -> "module:Class" (imported on first use).
@@ -101,12 +99,6 @@ def builtin_engines() -> list[str]:
     return sorted(n for n, spec in _BUILTINS.items() if module_exists(spec.partition(":")[0]))
 
 
-def is_import_path(strategy: str) -> bool:
-    """Whether ``strategy`` has the ``package.module:ClassName`` form."""
-    module, sep, name = strategy.partition(":")
-    return bool(sep) and all(p.isidentifier() for p in module.split(".")) and name.isidentifier()
-
-
 def strategy_problem(strategy: str) -> str | None:
     """Why ``strategy`` cannot name an engine, found without importing any backend (None when
     it can): empty, not registered, not an installed built-in or entry point, and not an import
@@ -144,29 +136,10 @@ def get_engine_class(strategy: str) -> type[BaseEngine]:
     spec = specs.get(strategy) or (strategy if is_import_path(strategy) else None)
     if spec is None:
         raise ValueError(_unknown_strategy(strategy))
-    cls = _import_class(strategy, spec)
+    cls = import_class("strategy", strategy, spec, check_engine_class)
     if strategy not in _REGISTRY:  # importing the module may have registered it already
         register_engine(strategy)(cls)
     return _REGISTRY[strategy]
-
-
-def _import_class(strategy: str, spec: str) -> type[BaseEngine]:
-    module_name, _, class_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"strategy = {strategy!r}: cannot import module {module_name!r} ({exc}); "
-            "fix: install the package that provides it or put its directory on PYTHONPATH"
-        ) from exc
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise ValueError(f"strategy = {strategy!r}: module {module_name!r} has no attribute {class_name!r}; fix: name the engine class")
-    try:
-        check_engine_class(cls, f"strategy = {strategy!r}")
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
-    return cls
 
 
 def section_of(name: str) -> str:
@@ -220,14 +193,4 @@ def build_engine(config: EngineConfig) -> BaseEngine:
 
 def _known_specs() -> dict[str, str]:
     """name -> "module:Class" for installed built-ins and entry points (nothing imported)."""
-    specs = {n: spec for n, spec in _BUILTINS.items() if module_exists(spec.partition(":")[0])}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        specs.setdefault(ep.name, ep.value)
-    return specs
-
-
-def module_exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ModuleNotFoundError, ValueError):
-        return False
+    return known_specs({n: spec for n, spec in _BUILTINS.items() if module_exists(spec.partition(":")[0])}, ENTRY_POINT_GROUP)

@@ -12,11 +12,9 @@ A backend is one of, as for training engines (``engine_api.registry``):
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 from collections.abc import Callable
 
-from engine_api.registry import is_import_path, module_exists
+from engine_api.plugins import import_class, is_import_path, known_specs, module_exists
 from engine_api.rollout import BaseRollout, RolloutEngineConfig
 
 ENTRY_POINT_GROUP = "enginekit.rollouts"
@@ -58,9 +56,7 @@ def unregister_rollout(name: str) -> None:
 def available_rollouts() -> list[str]:
     """Names ``build_rollout`` accepts without an import path (built-ins whose extra is missing
     are listed too: asking for one names the extra to install)."""
-    names = set(_REGISTRY) | set(_BUILTINS)
-    names |= {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    return sorted(names)
+    return sorted(set(_REGISTRY) | set(known_specs(_BUILTINS, ENTRY_POINT_GROUP)))
 
 
 def rollout_installed(name: str) -> bool:
@@ -86,26 +82,12 @@ def get_rollout_class(backend: str) -> type[BaseRollout]:
         return _REGISTRY[backend]
     if not rollout_installed(backend):
         raise ValueError(f"rollout.backend = {backend!r}: {missing_extra(backend)}")
-    specs = dict(_BUILTINS)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        specs.setdefault(ep.name, ep.value)
-    spec = specs.get(backend) or (backend if is_import_path(backend) else None)
+    spec = known_specs(_BUILTINS, ENTRY_POINT_GROUP).get(backend) or (backend if is_import_path(backend) else None)
     if spec is None:
         raise ValueError(
             f"rollout.backend = {backend!r} is not a registered rollout backend; available: {', '.join(available_rollouts())}; {_HOW}"
         )
-    module_name, _, class_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"rollout.backend = {backend!r}: cannot import module {module_name!r} ({exc}); fix: install the package that provides it"
-        ) from exc
-    cls = getattr(module, class_name, None)
-    try:
-        _check_class(cls, f"rollout.backend = {backend!r}")
-    except TypeError as exc:
-        raise ValueError(str(exc)) from None
+    cls = import_class("rollout.backend", backend, spec, _check_class)
     return register_rollout(backend)(cls) if backend not in _REGISTRY else _REGISTRY[backend]
 
 

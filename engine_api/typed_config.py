@@ -12,10 +12,8 @@ A scalar given for a section (``engine.optim=5``) is reported as such, with an e
 inside it. A list field whose ``dataclasses.field`` metadata has ``scalar_as_list: True`` also
 takes a single string, read as a one-element list (``data.train_files=x.jsonl``).
 
-Plug-in sections (a backend's options under ``EngineConfig``) are read by a *section resolver*
-registered for the dataclass that holds them (:func:`register_sections`; ``engine_api.loader``
-registers ``EngineConfig``'s), wherever that dataclass is nested. This module imports nothing
-else from ``engine_api``.
+Plug-in sections (a backend's options) are read by a *section resolver* registered for the
+dataclass that holds them (:func:`register_sections`), wherever it is nested.
 """
 
 from __future__ import annotations

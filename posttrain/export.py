@@ -10,12 +10,11 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from engine_api.config import LoraConfig
 from engine_api.dist import all_reduce, comm_device, is_initialized
 from posttrain.dist import rank
 from posttrain.text_data import load_tokenizer
 
-__all__ = ["peft_lora_config", "save_hf"]
+__all__ = ["save_hf"]
 
 
 def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
@@ -80,36 +79,11 @@ def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
     return out_dir
 
 
-def peft_lora_config(lora: LoraConfig, head: str):
-    """The ``peft.LoraConfig`` of the engine's ``model.lora`` section for a model with ``head``
-    (``lm`` or ``value``): the settings the adapters were trained with, which peft writes to
-    ``adapter_config.json``.
-
-    Built here from the engine config alone, not taken from a backend: the adapter format is
-    peft's whichever backend trained the model. It must stay the config the FSDP backend trains
-    with (``backends/fsdp/lora.py``); ``tests/posttrain/test_export.py`` compares the two.
-    """
-    import peft
-
-    targets = "all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules)
-    return peft.LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM" if head == "lm" else "TOKEN_CLS",
-        # A value head's ``score`` layer is trained in full (peft's token-classification task
-        # keeps a trainable copy of it), never given adapters of its own.
-        exclude_modules=None if head == "lm" else ["score"],
-    )
-
-
 def _peft_model_with(model, engine_config, adapters: dict, problems: list[str]):
     """peft's model on ``model`` with the engine's LoRA settings and ``adapters`` loaded."""
     import peft
 
-    wrapped = peft.get_peft_model(model, peft_lora_config(engine_config.model.lora, engine_config.model.head))
+    wrapped = peft.get_peft_model(model, engine_config.model.lora.to_peft(engine_config.model.head))
     expected = set(peft.get_peft_model_state_dict(wrapped))
     try:
         result = peft.set_peft_model_state_dict(wrapped, adapters)

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from engine_api import make_batch
 from engine_api.base import bucket_bytes
 from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
-from engine_api.registry import is_import_path
+from engine_api.plugins import is_import_path
 from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
 from engine_api.rollout_registry import available_rollouts, missing_extra, rollout_installed
 

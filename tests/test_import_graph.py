@@ -336,14 +336,14 @@ def test_checker_sees_a_lazy_backend_import_from_the_library(tmp_path):
     files = {
         "posttrain/__init__.py": "",
         "posttrain/ok.py": "from engine_api.config import LoraConfig\nimport peft\n",
-        "posttrain/bad.py": "def f():\n    from backends.fsdp.lora import peft_config\n    import recipes.common\n",
+        "posttrain/bad.py": "def f():\n    from backends.fsdp.lora import apply_lora\n    import recipes.common\n",
         "recipes/__init__.py": "",
         "recipes/run.py": "from posttrain import ok\n\ndef g():\n    import backends\n",
     }
     _tree(tmp_path, files)
     assert forbidden_imports(tmp_path, MAY_NOT_IMPORT) == [
         "posttrain/bad.py:2: posttrain.bad imports backends.fsdp.lora",
-        "posttrain/bad.py:2: posttrain.bad imports backends.fsdp.lora.peft_config",
+        "posttrain/bad.py:2: posttrain.bad imports backends.fsdp.lora.apply_lora",
         "posttrain/bad.py:3: posttrain.bad imports recipes.common",
         "recipes/run.py:4: recipes.run imports backends",
     ]

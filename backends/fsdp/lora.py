@@ -27,24 +27,6 @@ from engine_api.kit import LoraConfig
 ADAPTER = "default"  # peft's name for the one adapter
 
 
-def peft_config(cfg: LoraConfig, head: str):
-    """The ``peft.LoraConfig`` of the engine's ``model.lora`` section."""
-    import peft
-
-    targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
-    return peft.LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM" if head == "lm" else "TOKEN_CLS",
-        # A value head's new ``score`` layer is trained in full (peft's token-classification
-        # task keeps a trainable copy of it), never given adapters of its own.
-        exclude_modules=None if head == "lm" else ["score"],
-    )
-
-
 def apply_lora(model: nn.Module, cfg: LoraConfig, head: str, seed: int) -> nn.Module:
     """``model`` wrapped by peft with adapters on ``cfg.target_modules``; the adapters are
     initialised under ``torch.manual_seed(seed)`` (the same on every rank: FSDP shards each
@@ -61,7 +43,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, head: str, seed: int) -> nn.Mo
             # peft reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning
             # per engine that says nothing about this run).
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, peft_config(cfg, head))
+            return peft.get_peft_model(model, cfg.to_peft(head))
     except ValueError as exc:
         raise ValueError(
             f"model.lora.target_modules = {list(cfg.target_modules)}: {str(exc).splitlines()[0]}; fix: name modules of "

@@ -99,6 +99,10 @@ class _Switch:
         # name -> (owner, attribute, original raw value) of the current or last switch-on;
         # kept after switching off so leftovers() can tell a global that was not put back.
         self.originals: dict[str, tuple[object, str, object]] = {}
+        # name -> the object the layer put there: only where it is still that object is the layer
+        # in place (another library may replace the same global later, e.g. vLLM's CPU platform
+        # its torch.cuda.Stream stand-in: that is not ours to report or to undo).
+        self.installed: dict[str, object] = {}
         self.announced = False
         self.exit_hook = False
 
@@ -186,6 +190,7 @@ def enable() -> bool:
     mode = _CudaToCpu()
     table = _table(mode)
     _SWITCH.originals = {name: (owner, attr, vars(owner).get(attr, MISSING)) for name, (owner, attr, _) in table.items()}
+    _SWITCH.installed = {name: replacement for name, (_, _, replacement) in table.items()}
     for owner, attr, replacement in table.values():
         setattr(owner, attr, replacement)
     mode.__enter__()  # process-wide for this (main) thread (not inside custom Functions' backward: see above)
@@ -244,10 +249,10 @@ def is_active() -> bool:
 
 
 def leftovers() -> list[str]:
-    """What of the layer is still in place: the names of globals that differ from what the last
-    switch-on replaced, a held reference, a compat mode on this thread's mode stack. Empty when
-    the layer is fully off (or was never on)."""
-    left = [name for name, (owner, attr, original) in _SWITCH.originals.items() if vars(owner).get(attr, MISSING) is not original]
+    """What of the layer is still in place: the globals that still hold the layer's own objects
+    (not ones another library put there since), a held reference, a compat mode on this
+    thread's mode stack. Empty when the layer is fully off (or was never on)."""
+    left = [name for name, (owner, attr, _) in _SWITCH.originals.items() if vars(owner).get(attr, MISSING) is _SWITCH.installed[name]]
     if _SWITCH.references:
         left.append(f"<{_SWITCH.references} reference(s) held: enable() without disable()>")
     if any(isinstance(m, _CudaToCpu) for m in torch.overrides._get_current_function_mode_stack()):
@@ -259,11 +264,12 @@ def _switch_off(pop_mode: bool) -> None:
     """Put every original back (reverse order of installation) and pop the mode."""
     if pop_mode:
         _SWITCH.mode.__exit__(None, None, None)
-    for owner, attr, original in reversed(list(_SWITCH.originals.values())):
+    for name, (owner, attr, original) in reversed(list(_SWITCH.originals.items())):
+        if vars(owner).get(attr, MISSING) is not _SWITCH.installed[name]:
+            continue  # replaced since by someone else: theirs now
         if original is MISSING:
-            if attr in vars(owner):
-                delattr(owner, attr)
-        elif vars(owner).get(attr, MISSING) is not original:
+            delattr(owner, attr)
+        else:
             setattr(owner, attr, original)
     _SWITCH.mode, _SWITCH.thread, _SWITCH.references = None, None, 0
 

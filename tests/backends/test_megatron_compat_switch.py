@@ -166,6 +166,20 @@ def test_leftovers_names_a_global_that_was_not_put_back(compat, monkeypatch):
     assert not compat.leftovers()
 
 
+def test_a_global_another_library_replaced_meanwhile_is_theirs(compat):
+    """vLLM's CPU platform puts its own ``torch.cuda.Stream`` stand-in in place (seen in the
+    suite): that is not the layer's, so ``leftovers`` does not report it, and a switch-off does not
+    overwrite it with the original the layer saw."""
+    original, theirs = torch.cuda.Stream, type("TheirStream", (), {})
+    compat.enable()
+    torch.cuda.Stream = theirs  # another library, while the layer is on
+    try:
+        compat.disable()
+        assert torch.cuda.Stream is theirs and not compat.leftovers()
+    finally:
+        torch.cuda.Stream = original
+
+
 # ----------------------------------------------------------------------------- a subprocess
 CODE = """
 import sys

@@ -1,9 +1,8 @@
-"""The adapter export (``posttrain.export``) writes the peft adapter directory the FSDP backend's
-own LoRA settings give, without importing ``backends`` itself.
+"""The adapter export (``posttrain.export``) writes the directory peft itself saves for the
+engine's LoRA settings, without importing ``backends`` (``tests/test_import_graph.py``).
 
-``posttrain.export.peft_lora_config`` rebuilds peft's ``LoraConfig`` from the engine config; the
-reference here is what the backend trains with (``backends.fsdp.lora.peft_config``): the tests
-may import a backend, the library may not (``tests/test_import_graph.py``).
+Both the FSDP backend and the export build peft's config from one place,
+``engine_api.config.LoraConfig.to_peft``; its fields are checked here against the settings.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ import peft
 import pytest
 import torch
 
-from backends.fsdp.lora import peft_config
 from engine_api.config import EngineConfig, LoraConfig, ModelConfig
-from posttrain.export import peft_lora_config, save_hf
+from posttrain.export import save_hf
 from posttrain.tiny_model import build_tiny_model
 
 LORAS = [
@@ -27,8 +25,13 @@ LORAS = [
 
 @pytest.mark.parametrize("head", ["lm", "value"])
 @pytest.mark.parametrize("lora", LORAS, ids=["all-linear", "named"])
-def test_the_peft_config_is_the_fsdp_backends(lora, head):
-    assert peft_lora_config(lora, head).to_dict() == peft_config(lora, head).to_dict()
+def test_the_peft_config_carries_every_lora_setting(lora, head):
+    got = lora.to_peft(head)
+    targets = {"all-linear"} if lora.target_modules == ["all-linear"] else set(lora.target_modules)
+    assert (got.r, got.lora_alpha, got.lora_dropout, got.bias) == (lora.rank, lora.alpha, lora.dropout, "none")
+    assert (got.target_modules if isinstance(got.target_modules, set) else {got.target_modules}) == targets
+    assert got.task_type == ("CAUSAL_LM" if head == "lm" else "TOKEN_CLS")
+    assert got.exclude_modules == (None if head == "lm" else {"score"})
 
 
 class _Trained:
@@ -48,7 +51,7 @@ def test_an_adapter_export_equals_the_directory_peft_saves(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
     lora = LORAS[1]
     torch.manual_seed(0)
-    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), peft_config(lora, "lm"))
+    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora.to_peft("lm"))
     with torch.no_grad():  # lora_B starts at zero; give the adapters values to compare
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
