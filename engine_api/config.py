@@ -268,6 +268,8 @@ class EngineConfig:
     Attributes:
         strategy: registered engine name (``fsdp``, ``megatron``, or a custom one).
         seed: seeds model init (value heads), data order and dropout.
+        model: the model to train (:class:`ModelConfig`).
+        optim: the optimizer and LR schedule (:class:`OptimConfig`).
         micro_batch_size: sequences per micro-batch; exclusive with
             ``max_token_len_per_micro_batch``. Neither set: one micro-batch per call.
         max_token_len_per_micro_batch: dynamic batching: real-token budget per micro-batch.
@@ -277,6 +279,8 @@ class EngineConfig:
         deferred_normalization: normalise at ``optimizer_step`` by the counts of every call
             since the last step, so a global batch may be split over several
             ``forward_backward_step`` calls (see ``engine_api.losses``).
+        offload: what stays on the CPU between train / eval phases (:class:`OffloadConfig`).
+        checkpoint: checkpoint retention and verification (:class:`CheckpointConfig`).
         frozen: inference only: no optimizer or LR schedule is built, parameters need no
             gradients, and training calls raise (a reference policy, a reward model).
         world_size: if set, checked against the model-parallel sizes at load time; None
