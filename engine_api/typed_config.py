@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
@@ -117,8 +117,15 @@ def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[
     skipped, so the result is well-formed and its values can be checked too). None when even
     that fails (e.g. a missing mandatory value)."""
     merged = OmegaConf.structured(schema)
+    required: set[str] = set()
     for layer in leaves:
         for key, value in layer:
+            # "???" (OmegaConf's mandatory marker) leaves a value to the user; merging it would
+            # silently keep the default, so it is tracked here until a later layer sets the key.
+            if value == MISSING:
+                required.add(key)
+                continue
+            required.discard(key)
             problem = _unknown_key(schema, key, prefix)
             if problem:
                 problems.append(problem)
@@ -133,6 +140,9 @@ def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[
                 merged = OmegaConf.merge(merged, _nest(key, value))
             except OmegaConfBaseException as exc:
                 problems.append(f"{prefix}{key} = {value!r}: {str(exc).splitlines()[0]}; fix: give a value of the declared type")
+    problems.extend(
+        f"{prefix}{key} = ???: a value this config leaves to you; fix: set it, e.g. {prefix}{key}=VALUE" for key in sorted(required)
+    )
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:  # e.g. a missing mandatory value or a bad interpolation

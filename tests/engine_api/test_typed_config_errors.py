@@ -84,3 +84,19 @@ def test_section_resolvers_can_be_given_per_call():
     with pytest.raises(ValueError, match=r"engine\.megatron\.tensor_model_parallel_size: unknown key 'megatron' at engine"):
         load_typed(_Recipe, None, ["engine.strategy=megatron", "engine.megatron.tensor_model_parallel_size=2"], sections={})
     assert load_typed(_Recipe, None, ["engine.strategy=fsdpp"], sections={}).engine.strategy == "fsdpp"  # nothing resolves it
+
+
+def test_a_value_left_as_mandatory_is_reported_unless_a_later_layer_sets_it(tmp_path):
+    """``???`` (OmegaConf's mandatory marker) in a config file names the key; OmegaConf's merge
+    alone would keep the default (null) and a recipe would then build its tiny demo model."""
+    from engine_api import EngineConfig
+    from engine_api.typed_config import load_typed
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: ???\nseed: ???\n")
+    with pytest.raises(ValueError) as err:
+        load_typed(EngineConfig, path)
+    assert "model.path = ???: a value this config leaves to you; fix: set it, e.g. model.path=VALUE" in str(err.value)
+    assert "seed = ???" in str(err.value)
+    cfg = load_typed(EngineConfig, path, [f"model.path={tmp_path}", "seed=3"])
+    assert (cfg.model.path, cfg.seed) == (str(tmp_path), 3)
