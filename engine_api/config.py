@@ -273,7 +273,10 @@ class EngineConfig:
         micro_batch_size: sequences per micro-batch; exclusive with
             ``max_token_len_per_micro_batch``. Neither set: one micro-batch per call.
         max_token_len_per_micro_batch: dynamic batching: real-token budget per micro-batch.
-        use_remove_padding: pack micro-batches (THD / varlen) instead of padding them.
+        use_remove_padding: pack micro-batches (THD / varlen) instead of padding them (the
+            outputs are the same either way; a backend may still run a micro-batch padded where
+            that is cheaper: megatron's local spec without pipelining, whose attention is dense
+            over a packed row).
         loss_agg_mode: one of ``engine_api.losses.AGG_MODES``.
         loss_agg_constant: C of ``seq-mean-token-sum-norm`` (required by that mode only).
         deferred_normalization: normalise at ``optimizer_step`` by the counts of every call

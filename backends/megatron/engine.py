@@ -11,7 +11,11 @@ optimizer's reduce-scatter too.
 Packed micro-batches (``use_remove_padding``) are one row with a block-diagonal causal attention
 mask on the local spec (its attention has no THD path); RoPE only sees relative positions inside
 a block, so this equals per-sequence attention. Padded micro-batches use the default causal
-mask (right padding never leaks into real tokens). With pipeline parallelism every micro-batch
+mask (right padding never leaks into real tokens). The local spec attends densely over the
+whole row, so a packed row of T tokens costs T^2 attention scores per head, against
+sum(B * L_max^2) padded: without pipelining each micro-batch takes the layout its estimated cost
+(:func:`_packed_is_cheaper`) favours (the outputs are the same either way; e.g. 64 sequences of
+~9 tokens: ~300k scores per head packed, ~5k padded). With pipeline parallelism every micro-batch
 of a call must have one shape (stages exchange fixed-shape tensors), so micro-batches are
 packed and padded to the call's longest row, whatever ``use_remove_padding`` says; outputs are
 the same either way. With the Transformer-Engine spec micro-batches run padded for now (THD with
@@ -251,14 +255,22 @@ class MegatronEngine(BaseEngine):
             model=self.model if n_chunks > 1 else self.model[0],
             num_microbatches=len(micro),
             seq_length=max(self._padded_len(mb) for mb in micro),
+            # Unused without pipelining (where micro-batches may differ in layout: _packs).
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
             forward_only=state.forward_only,
         )
         return self._collect(store, state.ctx, keep=state.keep)
 
+    def _packs(self, mb: TensorDict) -> bool:
+        """Whether ``mb`` runs as one packed row (else padded rows). Under PP the call's layout
+        (stages exchange one shape); otherwise the cheaper one by :func:`_packed_is_cheaper`."""
+        if not self.packed or self.fixed_shape:
+            return self.packed
+        return _packed_is_cheaper(mb["input_ids"].offsets().diff().tolist(), self.arch)
+
     def _row_len(self, mb: TensorDict) -> int:
         lengths = mb["input_ids"].offsets().diff()
-        n = int(lengths.sum()) if self.packed else int(lengths.max())
+        n = int(lengths.sum()) if self._packs(mb) else int(lengths.max())
         tp = self.tconfig.tensor_model_parallel_size
         return -(-n // tp) * tp if self.tconfig.sequence_parallel else n
 
@@ -270,7 +282,7 @@ class MegatronEngine(BaseEngine):
         """(input_ids [b, s], position_ids [b, s], attention_mask or None, real-token mask [b, s])."""
         ids = mb["input_ids"]
         s = self._padded_len(mb)
-        if self.packed:
+        if self._packs(mb):
             p = pack(ids)
             total = p.input_ids.shape[0]
             tokens = torch.zeros(1, s, dtype=torch.long, device=self.device)
@@ -285,6 +297,9 @@ class MegatronEngine(BaseEngine):
             real[0, :total] = True
             return tokens, positions, ~allowed[None, None], real  # megatron masks where True
         padded, real = pad(ids)
+        # pad() pads to the jagged tensor's cached max length, which a micro-batch split off a
+        # larger batch can inherit from it (wider than its own longest row): cut to the row length.
+        padded, real = padded[:, :s], real[:, :s]
         if padded.shape[1] < s:
             extra = s - padded.shape[1]
             padded = torch.nn.functional.pad(padded, (0, extra))
@@ -433,6 +448,29 @@ class MegatronEngine(BaseEngine):
         (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``; extra
         memory a few times one bucket); ``None``: one parameter at a time. Collective."""
         return export_hf(self.model, self.arch, size)
+
+
+# Cost of one attention score per head and layer (QK^T and PV: 2 x head_dim multiply-adds, plus
+# the dense softmax / mask / copy passes of the local spec's attention, forward and backward),
+# in units of one multiply-add of a linear layer. Measured on CPU (tiny GRPO demo, 64 x ~9
+# tokens): the elementwise passes over the [heads, T, T] scores dominate; only the order of
+# magnitude matters here (the two layouts differ by orders of magnitude where it matters).
+_SCORE_OVERHEAD = 32
+
+
+def _packed_is_cheaper(lengths: list[int], arch) -> bool:
+    """Whether one packed row of these sequences costs less than right-padded rows on the local
+    spec: packed runs sum(L) token rows through the linear layers and sum(L)^2 attention scores;
+    padded runs B * max(L) rows and B * max(L)^2 scores. Per row: the layers' linear
+    multiply-adds (q/o, k/v, the MLP; MoE: the routed experts) and the output layer."""
+    b, total, longest = len(lengths), sum(lengths), max(lengths, default=0)
+    ffn = arch.moe_topk * arch.moe_ffn if arch.num_experts else arch.ffn
+    q, kv = arch.heads * arch.head_dim, arch.groups * arch.head_dim
+    per_row = arch.num_layers * arch.hidden * (2 * q + 2 * kv + 3 * ffn) + arch.hidden * arch.vocab
+    per_score = arch.num_layers * arch.heads * (2 * arch.head_dim + _SCORE_OVERHEAD)
+    packed = total * per_row + total * total * per_score
+    padded = b * longest * per_row + b * longest * longest * per_score
+    return packed <= padded
 
 
 def _broadcast_outputs(payload: tuple | None, src: int, group) -> tuple:
