@@ -1,12 +1,30 @@
-"""The user's own data for the recipes: data files, the model directory's HF tokenizer and chat
-template, and the step -> samples order.
+"""The user's own data for the recipes: data files, HF datasets, the model directory's HF tokenizer
+and chat template, and the step -> samples order.
 
-Files (``data.train_files``, ``data.val_files``): ``.jsonl`` (one JSON object per line),
-``.json`` (a JSON array of objects, or JSON lines) and ``.parquet`` (read with pyarrow). Each
-row is a mapping of column -> value. Each key takes a list of paths, one path or a glob pattern
-(``data/*.jsonl``; expanded sorted, and a pattern matching nothing is an error). A JSON line
-longer than ``data.max_row_bytes`` is refused before it is parsed (a ``.json`` array's or a
-Parquet row's text, after reading), so one runaway row cannot exhaust memory.
+Sources (``data.train_files``, ``data.val_files``; each takes a list, or one entry as a string):
+    * a file: ``.jsonl`` (one JSON object per line), ``.json`` (a JSON array of objects, or JSON
+      lines) and ``.parquet`` (read with pyarrow). Each row is a mapping of column -> value.
+    * a glob pattern (``data/*.jsonl``; ``**`` recursive): its matching files, sorted (directories
+      it matches are skipped); a pattern matching nothing is an error.
+    * a directory: every data file (``.jsonl`` / ``.json`` / ``.parquet``) directly in it, sorted
+      by name; sub-directories and hidden files are not read. One with no data file, or with files
+      of several splits (``train.jsonl`` beside ``test.jsonl``, which reading all would mix), is
+      an error naming the path and the fix.
+    * a directory written by HF ``datasets``' ``save_to_disk``: read with
+      ``datasets.load_from_disk``; of a ``DatasetDict`` the split ``data.train_split`` /
+      ``data.val_split``.
+    * ``hf:NAME_OR_DIR[:CONFIG]``: ``datasets.load_dataset(NAME_OR_DIR, CONFIG)``, a Hub dataset
+      or a local dataset directory (data files, a README card), then the split as above. Dataset
+      loading scripts are never executed (``datasets`` >= 4 refuses them; a directory holding
+      one is refused when the config loads).
+Patterns and plain directories are expanded when the config loads, so the config holds what is
+read. ``datasets`` is an optional dependency (``pip install 'enginekit[datasets]'``), imported only
+for the last two kinds. Their rows (decoded by the dataset's features; null-filled struct keys
+dropped as for Parquet) take the same checks as a file's.
+
+A JSON line longer than ``data.max_row_bytes`` is refused before it is parsed (a ``.json``
+array's, a Parquet row's or a dataset row's text, after reading), so one runaway row cannot
+exhaust memory.
 
 Message content (SFT ``messages`` rows, RL prompts given as messages) must be text: a string, or
 a list of text parts (``[{"type": "text", "text": ...}, ...]``, OpenAI style; joined with
@@ -20,13 +38,25 @@ SFT rows (``data.format``):
       (``data.loss_on``): the text the template adds for it after the generation prompt (the
       content, the end-of-turn marker and what the template writes after it), nothing of the
       system/user turns or of the generation prompt itself.
+    * ``sharegpt``: ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
+      "value": ...}, ...]}``, turned into messages (``sharegpt_to_messages``) and then read as
+      ``messages`` rows (identical ids and loss masks).
     * ``prompt_response``: ``{"prompt": ..., "response": ...}``. With ``data.apply_chat_template``
       it is the conversation ``[user: prompt, assistant: response]`` (as above); without, the
       raw text ``prompt`` (with the tokenizer's special tokens, e.g. BOS) then ``response`` and
       EOS, the loss on ``response`` + EOS.
 RL rows: ``data.prompt_key`` holds a string (wrapped as one user turn when
-``data.apply_chat_template``) or a list of chat messages; it is rendered with the generation
-prompt. Every other column travels with the row to the reward function.
+``data.apply_chat_template``), a list of chat messages, or a list of ShareGPT turns (converted as
+above); it is rendered with the generation prompt. Every other column travels with the row to
+the reward function.
+
+ShareGPT speakers (``from``, case-insensitive): ``human`` / ``user`` -> user, ``gpt`` /
+``assistant`` / ``bot`` / ``chatgpt`` / ``model`` -> assistant, ``system`` -> system. Tool turns
+(``tool``, ``function``, ``observation``, ``function_call``) and any other speaker are refused,
+naming the row, the turn and the value: templates render tool calls and results each their own
+way, so they have no one mapping (give such rows as ``messages`` with ``tool`` messages and
+``tool_calls``). A turn with a ``weight`` other than 1 is refused too (per-turn loss weights are
+not read; ``data.loss_on`` picks the trained turns).
 
 A chat template that renders an earlier turn differently once later turns follow (e.g. one that
 drops past reasoning) cannot give that turn a loss mask: the row is refused, naming the fix
@@ -44,9 +74,11 @@ all ranks); this is cheap next to training for datasets up to a few 100k rows.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import itertools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -57,7 +89,7 @@ from tensordict import TensorDict
 from engine_api import make_batch
 from posttrain import sort_task as task
 
-FORMATS = ("messages", "prompt_response")
+FORMATS = ("messages", "sharegpt", "prompt_response")
 OVERLONG = ("truncate", "drop", "error")
 LOSS_ON = ("all_turns", "last_turn")
 EXTENSIONS = (".jsonl", ".json", ".parquet")
@@ -66,6 +98,27 @@ EXTENSIONS = (".jsonl", ".json", ".parquet")
 # before parsing and tokenizing it cost gigabytes of memory and minutes.
 MAX_ROW_BYTES = 8 * 2**20
 _GLOB_CHARS = "*?["
+HF_PREFIX = "hf:"
+# The fix for a missing optional dependency, in every message that needs it.
+INSTALL_DATASETS = "pip install 'enginekit[datasets]' (or pip install datasets)"
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+SHAREGPT_TOOL_TURNS = ("tool", "function", "observation", "function_call")
+# File-name words that mark a split (those HF datasets uses to split a directory's files by name):
+# a plain directory holding files of two splits is refused rather than read as one.
+_SPLIT_WORDS = {
+    **dict.fromkeys(("train", "training"), "train"),
+    **dict.fromkeys(("validation", "valid", "val", "dev"), "validation"),
+    **dict.fromkeys(("test", "testing", "eval", "evaluation"), "test"),
+}
 
 
 # ---------------------------------------------------------------------------------- config
@@ -75,10 +128,18 @@ class DataConfig(task.DataConfig):
     ``train_files`` is empty, the user's files otherwise (the task's digit keys are then unused).
 
     Attributes:
-        train_files: data files (``.jsonl`` / ``.json`` / ``.parquet``); empty: the sorting task.
-        val_files: validation files scored every ``trainer.val_every`` steps and at the end.
-        format: SFT only: ``messages`` or ``prompt_response`` (see the module docstring).
-        messages_key: SFT column with the chat messages.
+        train_files: data sources (see the module docstring): files (``.jsonl`` / ``.json`` /
+            ``.parquet``), glob patterns, directories, ``save_to_disk`` directories and
+            ``hf:NAME_OR_DIR[:CONFIG]``; empty: the sorting task.
+        val_files: validation sources scored every ``trainer.val_every`` steps and at the end.
+        train_split: the split read from a ``DatasetDict`` (a ``save_to_disk`` directory or an
+            ``hf:`` source) in ``train_files``.
+        val_split: the split read from a ``DatasetDict`` in ``val_files`` (``validation``: the
+            name HF datasets use most; set ``test`` for datasets with no validation split).
+        format: SFT only: ``messages``, ``sharegpt`` or ``prompt_response`` (see the module
+            docstring).
+        messages_key: SFT column with the conversation; null: ``messages`` for
+            ``format=messages``, ``conversations`` for ``format=sharegpt``.
         prompt_key: the prompt column (SFT ``prompt_response`` and RL).
         response_key: SFT ``prompt_response`` column with the response.
         apply_chat_template: render string prompts (and SFT prompt/response pairs) through the
@@ -99,16 +160,18 @@ class DataConfig(task.DataConfig):
             for ``.json`` arrays and Parquet the row's text); a larger row stops the load
             naming the file, the line, the size and this key.
 
-    ``train_files`` / ``val_files`` also take one path or a glob pattern as a string; patterns
-    are expanded here (sorted), so the config holds the files actually read.
+    ``train_files`` / ``val_files`` also take one entry as a string; patterns and plain
+    directories are expanded here (sorted), so the config holds the sources actually read.
     """
 
     # scalar_as_list: the config loader (engine_api.typed_config) turns a single string into a
     # one-element list, so `data.train_files=x.jsonl` works without brackets.
     train_files: list[str] = field(default_factory=list, metadata={"scalar_as_list": True})
     val_files: list[str] = field(default_factory=list, metadata={"scalar_as_list": True})
+    train_split: str = "train"
+    val_split: str = "validation"
     format: str = "messages"
-    messages_key: str = "messages"
+    messages_key: str | None = None
     prompt_key: str = "prompt"
     response_key: str = "response"
     apply_chat_template: bool = True
@@ -131,6 +194,15 @@ class DataConfig(task.DataConfig):
     def from_files(self) -> bool:
         return bool(self.train_files)
 
+    @property
+    def messages_column(self) -> str:
+        """The SFT conversation column: ``messages_key``, or by default the format's usual name."""
+        return self.messages_key or ("conversations" if self.format == "sharegpt" else "messages")
+
+    def split_for(self, key: str) -> str:
+        """The ``DatasetDict`` split read for ``data.train_files`` / ``data.val_files``."""
+        return self.val_split if key.endswith("val_files") else self.train_split
+
     def _problems(self) -> list[str]:
         out = super()._problems()
         if self.format not in FORMATS:
@@ -150,14 +222,16 @@ class DataConfig(task.DataConfig):
             out.append(
                 "val_files: given without train_files (the sorting task has its own held-out batches); fix: set data.train_files too"
             )
+        for name in ("train_split", "val_split"):
+            if not getattr(self, name):
+                out.append(
+                    f"{name} = {getattr(self, name)!r}: names no split; fix: e.g. {name}={'train' if name == 'train_split' else 'validation'}"
+                )
         for key in ("train_files", "val_files"):
             for path in getattr(self, key):
                 path = str(path)
-                if os.path.isdir(path):
-                    out.append(
-                        f"{key}: {path!r} is a directory, not a data file; fix: name its files, e.g. "
-                        f"{key}={os.path.join(path, '*.jsonl')!r} (a glob pattern)"
-                    )
+                if path.startswith(HF_PREFIX) or os.path.isdir(path):
+                    out.extend(_source_problems(key, path, self.split_for(key)))
                 elif _is_pattern(path) and not os.path.exists(path):
                     out.append(f"{key}: the pattern {path!r} matches no file (working directory {os.getcwd()}); fix: check the pattern")
                 elif not path.endswith(EXTENSIONS):
@@ -172,47 +246,203 @@ def _is_pattern(path: str) -> bool:
 
 
 def expand_files(files: str | Sequence[str]) -> list[str]:
-    """``files`` as a list of paths: a single string becomes a one-element list, and a glob
-    pattern (``*``, ``?``, ``[...]``; ``**`` recursive) is replaced by its matches, sorted. A path
-    that exists as written is kept even if it contains such characters; a pattern matching
-    nothing is kept as is (``DataConfig`` reports it)."""
+    """``files`` as a list of sources: a single string becomes a one-element list; a glob
+    pattern (``*``, ``?``, ``[...]``; ``**`` recursive) is replaced by the files it matches,
+    sorted (the directories it matches are skipped: ``data/**`` would otherwise read each file
+    twice); a plain directory by its data files, sorted. A path that exists as written is kept
+    even if it contains such characters. Kept as is, for ``DataConfig`` or the reader to report
+    or read: ``hf:`` sources, ``save_to_disk`` directories, a pattern matching nothing, and a
+    directory with no data file or with files of several splits."""
     out: list[str] = []
     for path in [files] if isinstance(files, str) else list(files):
         path = str(path)
-        matches = sorted(glob.glob(path, recursive=True)) if _is_pattern(path) and not os.path.exists(path) else []
-        out.extend(matches or [path])
+        if path.startswith(HF_PREFIX):
+            out.append(path)
+        elif _is_pattern(path) and not os.path.exists(path):
+            out.extend(sorted(p for p in glob.glob(path, recursive=True) if not os.path.isdir(p)) or [path])
+        elif os.path.isdir(path) and not saved_dataset_kind(path):
+            found = _dir_data_files(path)
+            out.extend(found if found and len(_split_groups(found)) < 2 else [path])
+        else:
+            out.append(path)
     return out
+
+
+def saved_dataset_kind(path: str) -> str | None:
+    """``Dataset`` or ``DatasetDict`` when ``path`` is a directory HF ``datasets`` wrote with
+    ``save_to_disk`` (told by the metadata files it writes), else None."""
+    if os.path.isfile(os.path.join(path, "dataset_info.json")) and os.path.isfile(os.path.join(path, "state.json")):
+        return "Dataset"
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        return "DatasetDict"
+    return None
+
+
+def parse_hf_source(entry: str) -> tuple[str, str | None]:
+    """``(name_or_dir, config)`` of ``hf:NAME_OR_DIR[:CONFIG]``. An existing directory is taken
+    whole, so a directory whose name holds a colon still works (without a config)."""
+    rest = entry[len(HF_PREFIX) :]
+    if os.path.isdir(rest) or ":" not in rest:
+        return rest, None
+    name, config = rest.rsplit(":", 1)
+    return name, config or None
+
+
+def _dir_data_files(path: str) -> list[str]:
+    """The data files directly in ``path`` (not in sub-directories; hidden files skipped), sorted."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(EXTENSIONS) and not n.startswith("."))
+    return [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+
+
+def _split_groups(files: Sequence[str]) -> dict[str, list[str]]:
+    """The files' names grouped by the one split word each holds (``train``, ``val``, ``test``,
+    ..., delimited by ``-._`` or digits); names with none, or with several, are left out."""
+    groups: dict[str, list[str]] = {}
+    for path in files:
+        name = os.path.basename(path)
+        found = {_SPLIT_WORDS[w] for w in re.split(r"[-._ 0-9]+", name.lower()) if w in _SPLIT_WORDS}
+        if len(found) == 1:
+            groups.setdefault(found.pop(), []).append(name)
+    return groups
+
+
+def _split_key(key: str) -> str:
+    return "data.val_split" if key.endswith("val_files") else "data.train_split"
+
+
+def _needs_datasets(key: str, entry: str) -> str:
+    return f"{key}: {entry!r} is read with the `datasets` package, which is not installed; fix: {INSTALL_DATASETS}"
+
+
+def _source_problems(key: str, path: str, split: str) -> list[str]:
+    """What is wrong with an ``hf:`` source or a directory in ``data.<key>``, found without
+    reading any rows (and without the network)."""
+    if path.startswith(HF_PREFIX):
+        name, _ = parse_hf_source(path)
+        if not name:
+            return [f"{key}: {path!r} names no dataset; fix: hf:NAME (a Hub dataset, e.g. hf:org/name) or hf:DIR, then :CONFIG if needed"]
+        out = [] if importlib.util.find_spec("datasets") else [_needs_datasets(key, path)]
+        if os.path.isdir(name):
+            if saved_dataset_kind(name):
+                return out + _split_problems(key, path, name, split)
+            script = _script_problem(name)
+            if script:
+                out.append(f"{key}: {path!r}: {script}")
+        elif name.startswith((".", "/", "~")):  # a path, not a Hub name: it would be looked up online and fail confusingly
+            out.append(
+                f"{key}: {path!r}: the directory {name!r} does not exist (working directory {os.getcwd()}); fix: give an existing directory"
+            )
+        return out
+    kind = saved_dataset_kind(path)
+    if kind:
+        return ([] if importlib.util.find_spec("datasets") else [_needs_datasets(key, path)]) + _split_problems(key, path, path, split)
+    problem = _dir_problem(key, path)
+    return [problem] if problem else []
+
+
+def _split_problems(key: str, entry: str, path: str, split: str) -> list[str]:
+    """A saved ``DatasetDict`` at ``path`` without ``split`` (its ``dataset_dict.json`` lists the splits)."""
+    if saved_dataset_kind(path) != "DatasetDict":
+        return []
+    try:
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = list(json.load(f)["splits"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{key}: {entry!r}: its dataset_dict.json is unreadable ({exc}); fix: save the DatasetDict again (save_to_disk)"]
+    return [] if split in splits else [_missing_split(key, entry, split, splits)]
+
+
+def _missing_split(key: str, entry: str, split: str, splits: Sequence[str]) -> str:
+    return f"{key}: {entry!r} has no split {split!r} (its splits: {', '.join(map(str, splits))}); fix: set {_split_key(key)} to one of them"
+
+
+def _dir_problem(key: str, path: str) -> str | None:
+    """Why the plain directory ``path`` cannot be expanded to its files (None: it can)."""
+    found = _dir_data_files(path)
+    if found:
+        if len(_split_groups(found)) < 2:
+            return None
+        groups = "; ".join(f"{split}: {', '.join(names)}" for split, names in _split_groups(found).items())
+        return (
+            f"{key}: the directory {path!r} holds files of several splits ({groups}), and reading all of them would mix them; fix: "
+            f"name the files (e.g. {key}={os.path.join(path, 'train*.jsonl')!r}), or give {key}=hf:{path} (HF datasets picks splits "
+            "by file name; data.train_split / data.val_split choose them)"
+        )
+    entries = os.listdir(path)
+    hints = []
+    if any(n.endswith(".py") for n in entries):
+        hints.append("its .py files are not run (dataset loading scripts are never executed)")
+    if any(os.path.isdir(os.path.join(path, n)) and not n.startswith(".") for n in entries) or "README.md" in entries:
+        hints.append(f"sub-directories are not read: for an HF dataset directory (a README card, data/ files) give hf:{path}")
+    return (
+        f"{key}: the directory {path!r} holds no data file ({', '.join(EXTENSIONS)}) directly in it"
+        + "".join(f"; {h}" for h in hints)
+        + f"; fix: put data files in it, name them (e.g. {key}={os.path.join(path, '**', '*.jsonl')!r}), or use hf:DIR for an HF dataset"
+    )
+
+
+def _script_problem(path: str) -> str | None:
+    """Why the local ``hf:`` directory ``path`` is refused for a dataset loading script: one named
+    after the directory (``datasets`` 5 refuses it even beside data files), or Python files and
+    no data at all. Other ``.py`` files beside data files are ignored by ``datasets`` (never run)."""
+    scripts = sorted(n for n in os.listdir(path) if n.endswith(".py"))
+    if not scripts:
+        return None
+    own = os.path.basename(os.path.normpath(path)) + ".py"
+    has_data = False
+    for _, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .cache: not data
+        has_data = has_data or any(not n.startswith(".") and not n.endswith((".py", ".md")) for n in names)
+    if own not in scripts and has_data:
+        return None
+    return (
+        f"{path!r} holds a dataset loading script ({', '.join(scripts)}){'' if has_data else ' and no data files'}; loading scripts "
+        "are never executed (datasets >= 4 no longer runs them, and these recipes run no code from data); fix: convert the "
+        "dataset to data files (run the script yourself once and save_to_disk or to_parquet the result) and give those"
+    )
 
 
 # ---------------------------------------------------------------------------------- files
 @dataclass(frozen=True)
 class Row:
-    """One data row and where it came from (``file:line`` for JSON lines, ``file[row]`` otherwise)."""
+    """One data row and where it came from: ``file:line`` for JSON lines, ``file[row]`` for a
+    ``.json`` array, Parquet and a saved ``Dataset``, ``source[split][row]`` for a split of a
+    ``DatasetDict`` (e.g. ``hf:org/name[train][12]``); rows count from 0."""
 
     values: Mapping[str, object]
     source: str
 
 
-def read_rows(paths: Sequence[str], key: str = "data.train_files", max_row_bytes: int = MAX_ROW_BYTES) -> list[Row]:
-    """Every row of ``paths``, in file order.
+def read_rows(
+    paths: Sequence[str], key: str = "data.train_files", max_row_bytes: int = MAX_ROW_BYTES, split: str | None = None
+) -> list[Row]:
+    """Every row of the sources ``paths`` (expanded as ``expand_files`` does), in order.
+
+    Args:
+        split: the split read from a ``DatasetDict``; None: ``DataConfig``'s default for ``key``
+            (``validation`` for ``data.val_files``, else ``train``).
 
     Raises:
-        ValueError: an unreadable file, a row that is not a JSON object, or a row over
-            ``max_row_bytes`` (``data.max_row_bytes``), naming it.
+        ValueError: an unreadable file or dataset, a directory with no data file, a missing
+            split, a row that is not a JSON object, or a row over ``max_row_bytes``
+            (``data.max_row_bytes``), naming it.
     """
+    split = split or (DataConfig.val_split if key.endswith("val_files") else DataConfig.train_split)
     rows: list[Row] = []
-    for path in paths:
-        if os.path.isdir(path):  # a config built in Python skips DataConfig's check
-            raise ValueError(f"{key}: {path!r} is a directory, not a data file; fix: name its files (a glob pattern works)")
+    for path in expand_files(list(paths)):
         try:
-            if path.endswith(".parquet"):
+            if path.startswith(HF_PREFIX) or (os.path.isdir(path) and saved_dataset_kind(path)):
+                values = _read_dataset(path, key, split)
+            elif os.path.isdir(path):  # left by expand_files: no data file, or several splits
+                raise _SourceError(_dir_problem(key, path) or f"{key}: the directory {path!r} changed while it was read; fix: retry")
+            elif path.endswith(".parquet"):
                 import pyarrow.parquet as pq
 
                 table = pq.read_table(path).to_pylist()
                 values = [(f"{path}[{i}]", _drop_null_struct_keys(r), False) for i, r in enumerate(table)]
             else:
                 values = _read_json(path, max_row_bytes, key)
-        except _RowTooLarge:
+        except (_RowTooLarge, _SourceError):
             raise
         except (OSError, ValueError) as exc:
             raise ValueError(f"{key}: cannot read {path!r}: {exc}; fix: give a valid {os.path.splitext(path)[1]} file") from exc
@@ -231,6 +461,58 @@ def read_rows(paths: Sequence[str], key: str = "data.train_files", max_row_bytes
 
 class _RowTooLarge(ValueError):
     """A row over ``data.max_row_bytes``."""
+
+
+class _SourceError(ValueError):
+    """A source that cannot be read, already worded for the user."""
+
+
+def _import_datasets(key: str, entry: str):
+    try:
+        import datasets
+    except ImportError as exc:
+        raise _SourceError(_needs_datasets(key, entry)) from exc
+    return datasets
+
+
+def _read_dataset(entry: str, key: str, split: str) -> list[tuple[str, object, bool]]:
+    """``(source, row, measured)`` of a ``save_to_disk`` directory or an ``hf:`` source (of a
+    ``DatasetDict``: the split ``split``)."""
+    ds = _import_datasets(key, entry)
+    path, config = parse_hf_source(entry) if entry.startswith(HF_PREFIX) else (entry, None)
+    if os.path.isdir(path) and saved_dataset_kind(path):
+        try:
+            loaded = ds.load_from_disk(path)
+        except Exception as exc:  # noqa: BLE001 (datasets raises many types; the source must be named)
+            raise _SourceError(
+                f"{key}: cannot read {entry!r} with datasets.load_from_disk: {exc}; fix: save it again (save_to_disk)"
+            ) from exc
+    else:
+        script = _script_problem(path) if os.path.isdir(path) else None
+        if script:  # (DataConfig refuses it at load; a config built in Python gets here)
+            raise _SourceError(f"{key}: {entry!r}: {script}")
+        try:
+            loaded = ds.load_dataset(path, config)
+        except Exception as exc:  # noqa: BLE001 (network, hub, file and format errors alike; the source must be named)
+            raise _SourceError(
+                f"{key}: {entry!r}: datasets.load_dataset({path!r}, {config!r}) failed: {type(exc).__name__}: {exc}; fix: check the "
+                "name and config (a Hub dataset needs the network, or a cached copy with HF_DATASETS_OFFLINE=1; a gated or private "
+                "one needs HF_TOKEN), or give a local directory of data files"
+            ) from exc
+    where = entry
+    if isinstance(loaded, Mapping):  # DatasetDict (and IterableDatasetDict): one split
+        if split not in loaded:
+            raise _SourceError(_missing_split(key, entry, split, list(loaded)))
+        loaded, where = loaded[split], f"{entry}[{split}]"
+    out: list[tuple[str, object, bool]] = []
+    # Python rows decoded by the features (datasets 5 stores objects whose keys vary, such as
+    # messages of which only some have a `name`, as Json columns: their Arrow form is JSON text),
+    # then the Parquet reader's clean-up of null-filled struct keys, so rows equal their JSON lines.
+    for batch in loaded.with_format(None).iter(batch_size=1024):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns), strict=True):
+            out.append((f"{where}[{len(out)}]", _drop_null_struct_keys(dict(zip(columns, values, strict=True))), False))
+    return out
 
 
 def _too_large(key: str, source: str, size: str, limit: int) -> _RowTooLarge:
@@ -473,9 +755,57 @@ class ChatEncoder:
             if not self.cfg.apply_chat_template:
                 return self._ids(value, special=True), value
             value = [{"role": "user", "content": value}]
+        elif _is_sharegpt(value):
+            value = sharegpt_to_messages(value, source)
         value = _check_messages(value, source)
         text = self._render(value, True, source)
         return self._ids(text), text
+
+
+def sharegpt_to_messages(turns: object, source: str) -> list[dict]:
+    """ShareGPT turns (``[{"from": "human", "value": ...}, ...]``) as chat messages
+    (``[{"role": "user", "content": ...}, ...]``; the speakers of ``SHAREGPT_ROLES``,
+    case-insensitive). A turn without ``value`` becomes a message without content, which
+    ``_check_messages`` refuses like any other.
+
+    Raises:
+        ValueError: not a non-empty list of turns with a string ``from``, a tool turn or an
+            unknown speaker, or a turn with a ``weight`` other than 1; naming the row and the turn.
+    """
+    ok = isinstance(turns, list) and turns and all(isinstance(t, dict) and isinstance(t.get("from"), str) for t in turns)
+    if not ok:
+        raise ValueError(
+            f"row {source}: expected a non-empty list of ShareGPT turns ({{'from': ..., 'value': ...}}), got {str(turns)[:80]!r}; "
+            "fix: check data.messages_key / data.prompt_key and data.format"
+        )
+    out = []
+    for i, turn in enumerate(turns):
+        who = turn["from"]
+        role = SHAREGPT_ROLES.get(who.strip().lower())
+        where = f"row {source}: turn {i} has from = {who!r}"
+        if who.strip().lower() in SHAREGPT_TOOL_TURNS:
+            raise ValueError(
+                f"{where}, a tool turn: tool calls and results have no one mapping to chat messages (each template renders them its "
+                "own way); fix: give such rows as data.format=messages with role 'tool' messages and assistant tool_calls, or drop "
+                "those turns"
+            )
+        if role is None:
+            raise ValueError(
+                f"{where}, not a known speaker ({', '.join(SHAREGPT_ROLES)}); fix: rename it to one of these (human, gpt, system), "
+                "or convert the row to data.format=messages"
+            )
+        if turn.get("weight", 1) not in (1, None):
+            raise ValueError(
+                f"{where} and weight = {turn['weight']!r}: per-turn loss weights are not read (data.loss_on picks the trained "
+                "assistant turns), so it would be trained anyway; fix: drop the weight key, or split the row so no turn needs it"
+            )
+        out.append({"role": role, "content": turn["value"]} if "value" in turn else {"role": role})
+    return out
+
+
+def _is_sharegpt(value: object) -> bool:
+    """A list of ShareGPT turns (dicts with ``from`` and no ``role``)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(t, dict) and "from" in t and "role" not in t for t in value)
 
 
 def _check_messages(messages: object, source: str) -> list[dict]:
@@ -490,9 +820,10 @@ def _check_messages(messages: object, source: str) -> list[dict]:
     """
     ok = isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
     if not ok:
+        hint = " (ShareGPT turns are read with data.format=sharegpt)" if _is_sharegpt(messages) else ""
         raise ValueError(
             f"row {source}: expected a non-empty list of chat messages ({{'role': ..., 'content': ...}}), got {str(messages)[:80]!r}; "
-            "fix: check data.messages_key / data.prompt_key"
+            f"fix: check data.messages_key / data.prompt_key{hint}"
         )
     out = []
     for i, m in enumerate(messages):
@@ -528,7 +859,8 @@ def _check_messages(messages: object, source: str) -> list[dict]:
 
 def _column(row: Row, key: str, name: str) -> object:
     if key not in row.values:
-        raise ValueError(f"row {row.source}: no column {key!r} (data.{name}); columns: {sorted(row.values)}; fix: set data.{name}")
+        hint = " (or data.format=sharegpt for ShareGPT rows)" if name == "messages_key" and "conversations" in row.values else ""
+        raise ValueError(f"row {row.source}: no column {key!r} (data.{name}); columns: {sorted(row.values)}; fix: set data.{name}{hint}")
     return row.values[key]
 
 
@@ -578,10 +910,11 @@ class SFTDataset:
         self.samples: list[tuple[list[int], list[int]]] = []
         self.sources: list[str] = []
         self.counts = LoadCounts()
-        for row in read_rows(files, key, cfg.max_row_bytes):
+        for row in read_rows(files, key, cfg.max_row_bytes, cfg.split_for(key)):
             self.counts.rows += 1
-            if cfg.format == "messages":
-                ids, mask = enc.conversation(_column(row, cfg.messages_key, "messages_key"), row.source)
+            if cfg.format in ("messages", "sharegpt"):
+                chat = _column(row, cfg.messages_column, "messages_key")
+                ids, mask = enc.conversation(sharegpt_to_messages(chat, row.source) if cfg.format == "sharegpt" else chat, row.source)
             else:
                 ids, mask = enc.prompt_response(
                     _column(row, cfg.prompt_key, "prompt_key"), _column(row, cfg.response_key, "response_key"), row.source
@@ -628,7 +961,7 @@ class PromptDataset:
         enc = ChatEncoder(tokenizer, cfg)
         self.samples: list[PromptSample] = []
         self.counts = LoadCounts()
-        for row in read_rows(files, key, cfg.max_row_bytes):
+        for row in read_rows(files, key, cfg.max_row_bytes, cfg.split_for(key)):
             self.counts.rows += 1
             ids, text = enc.prompt(_column(row, cfg.prompt_key, "prompt_key"), row.source)
             action = _overlong(cfg, row.source, len(ids), cfg.max_prompt_length, "max_prompt_length")

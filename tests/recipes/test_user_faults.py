@@ -1,6 +1,6 @@
 """Faults in the user's own code and data (issue 28): a reward function that exits, raises a
 ``BaseException`` or hangs stops the run on every rank, promptly and non-zero, naming it;
-message content that is not text, runaway JSON lines, a directory given as a data file, and
+message content that is not text, runaway JSON lines, a directory without data files, and
 ``data.*_files`` given as one string or a glob pattern. Model and files are built locally
 (``tests/support/user_data.py``)."""
 
@@ -210,11 +210,15 @@ def test_a_runaway_json_line_is_refused_before_parsing(files, tmp_path):
         read_rows([arr], max_row_bytes=4096)
 
 
-def test_a_directory_is_not_reported_as_missing(files):
-    problems = str(_load_error([f"data.train_files=[{files['dir']}]"]))
-    assert f"{files['dir']!r} is a directory, not a data file" in problems and "does not exist" not in problems
-    with pytest.raises(ValueError, match="is a directory"):
-        read_rows([files["dir"]])
+def test_a_directory_without_data_files_is_reported_not_missing(tmp_path):
+    """A directory is a source (its data files, posttrain.text_data); one holding none is named
+    as such, never reported as a missing file."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    problems = str(_load_error([f"data.train_files=[{empty}]"]))
+    assert f"the directory {str(empty)!r} holds no data file" in problems and "does not exist" not in problems
+    with pytest.raises(ValueError, match="holds no data file"):
+        read_rows([str(empty)])
 
 
 def test_data_files_take_one_string_or_a_glob(files, tmp_path):
