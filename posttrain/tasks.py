@@ -33,6 +33,10 @@ class SortTask:
         """Held-out prompts (from a step no run reaches)."""
         return task.prompts_at(self.cfg, task._EVAL_STEP_OFFSET)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Readable text of token ids (``posttrain.sort_task.render``)."""
+        return task.render(ids)
+
     def score(self, responses: Sequence[torch.Tensor], metas: Sequence) -> torch.Tensor:
         return torch.tensor([sort_task_score(r.tolist(), target) for r, target in zip(responses, metas, strict=True)])
 
@@ -64,6 +68,10 @@ class FileTask:
         if self.val is None:
             return None
         return [s.ids for s in self.val.samples], list(self.val.samples)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens kept (a logged sample shows where it stopped)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def score(self, responses: Sequence[torch.Tensor], metas: Sequence) -> torch.Tensor:
         """The reward function on the decoded text (special tokens, e.g. EOS, left out)."""

@@ -98,3 +98,51 @@ def quiet_console() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     hf_logging.disable_progress_bar()
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+# Above these learning rates a pretrained model is usually damaged rather than tuned: the
+# anchors' published GSM8K recipes use ~1e-6 (RL, full weights), ~1e-5 (RL, LoRA) and 1e-5..2e-5
+# (SFT, full weights); LoRA tolerates about ten times more (configs/examples/ and
+# docs/example-configs.md list the sources).
+_LR_LIMITS = {("sft", False): 1e-4, ("sft", True): 1e-3, ("rl", False): 2e-5, ("rl", True): 2e-4}
+_ENTROPY_LIMIT = 0.01
+
+
+def demo_setting_warnings(kind: str, model_path_given: bool, lr: float, lora: bool, entropy_coef: float = 0.0) -> list[str]:
+    """Warnings for settings made for the tiny demo model that wreck a pretrained one.
+
+    Only when the user brings a model (``engine.model.path`` set): the demo configs train a
+    freshly initialised 60k-parameter model, where lr 3e-3 (SFT) / 7e-4 (RL) and an entropy
+    bonus are right; on a pretrained model the same values destroy it within steps (an entropy
+    bonus of 0.03 made a policy uniform in two steps). ``kind``: ``sft`` or ``rl``.
+    """
+    if not model_path_given:
+        return []
+    out = []
+    limit = _LR_LIMITS[(kind, lora)]
+    if lr > limit:
+        out.append(
+            f"engine.optim.lr = {lr:g} is far above what pretrained models take ({'LoRA ' if lora else ''}{kind.upper()}: "
+            f"<= {limit:g}; the demo configs configs/*_tiny.yaml are tuned for the built-in tiny model); "
+            "start from configs/examples/ instead (docs/example-configs.md)"
+        )
+    if entropy_coef > _ENTROPY_LIMIT:
+        out.append(
+            f"actor.entropy_coef = {entropy_coef:g}: an entropy bonus this large pushes a pretrained policy towards uniform "
+            "sampling within a few steps (the anchors' GSM8K recipes use 0); fix: actor.entropy_coef=0"
+        )
+    return out
+
+
+def warn(lines: Sequence[str], rank0: bool) -> None:
+    """Print each warning loudly on rank 0 (stderr)."""
+    if rank0:
+        for line in lines:
+            print(f"WARNING: {line}", file=sys.stderr, flush=True)
+
+
+def plain_config(cfg: object) -> dict:
+    """A loaded (dataclass) config as nested plain dicts, for the loggers' hyperparameters."""
+    import dataclasses
+
+    return dataclasses.asdict(cfg)

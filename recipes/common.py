@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from engine_api.dist import is_initialized
 from posttrain import sort_task as task
 from posttrain.dist import rank
+from posttrain.loggers import RunLog, build_loggers, logger_problems
 from posttrain.tiny_model import FAMILIES, build_tiny_model
+from posttrain.trainer_utils import plain_config
 
-__all__ = ["TinyModelConfig", "TrainerConfig", "data_model_problems", "with_model_path"]
+__all__ = ["SAMPLES_FILE", "TinyModelConfig", "TrainerConfig", "data_model_problems", "open_loggers", "progress_bar", "with_model_path"]
+
+# Logged generations (trainer.log_samples_every), one JSON line each, under trainer.output_dir.
+SAMPLES_FILE = "samples.jsonl"
 
 
 # ---------------------------------------------------------------------------------- config
@@ -61,7 +67,8 @@ class TrainerConfig:
 
     Attributes:
         total_steps: optimizer steps of the run.
-        log_every: print a log line every this many steps (and at the last step).
+        log_every: print a console line every this many steps (and at the last step), with or
+            without the progress bar.
         output_dir: run directory: metrics, the built tiny model, checkpoints.
         metrics_file: JSON-lines file name under ``output_dir`` (one line per step).
         checkpoint_every: save a checkpoint every this many steps and at the end (0: never).
@@ -78,10 +85,19 @@ class TrainerConfig:
             tokenizer, generation config) to ``<output_dir>/hf`` (``posttrain.export.save_hf``).
         save_hf_format: ``merged`` (full weights; with LoRA the adapters merged in) or
             ``adapter`` (a peft adapter directory; needs ``engine.model.lora.rank > 0``).
+        loggers: where the metrics go, any of ``console`` (the per-step line), ``jsonl``
+            (``metrics_file``), ``tensorboard``, ``wandb``, ``mlflow`` (optional extras;
+            ``posttrain.loggers``). The metrics file is written even when ``jsonl`` is not
+            listed: the plots and the end-of-run summary read it.
+        project: the W&B project / MLflow experiment name.
+        run_name: the run's name in W&B / MLflow; null: the basename of ``output_dir``.
+        log_samples_every: log ``log_samples`` generations (prompt, response, reward) to the
+            loggers and ``<output_dir>/samples.jsonl`` every this many steps (0: never).
+        log_samples: how many generations to log each time.
     """
 
     total_steps: int = 800
-    log_every: int = 100
+    log_every: int = 1
     output_dir: str = "outputs/sft_tiny"
     metrics_file: str = "metrics.jsonl"
     checkpoint_every: int = 0
@@ -91,9 +107,19 @@ class TrainerConfig:
     val_every: int = 0
     save_hf: bool = False
     save_hf_format: str = "merged"
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"], metadata={"scalar_as_list": True})
+    project: str = "enginekit"
+    run_name: str | None = None
+    log_samples_every: int = 0
+    log_samples: int = 4
 
     def _problems(self) -> list[str]:
-        out = []
+        out = logger_problems(self.loggers)
+        if self.log_samples_every < 0 or self.log_samples < 1:
+            out.append(
+                f"log_samples_every = {self.log_samples_every}, log_samples = {self.log_samples}: need log_samples_every >= 0 "
+                "(0: off) and log_samples >= 1; fix: e.g. log_samples_every=10 log_samples=4"
+            )
         if self.total_steps < 1:
             out.append(f"total_steps = {self.total_steps}: must be positive; fix: e.g. 800")
         if self.log_every < 1:
@@ -164,3 +190,35 @@ def with_model_path(cfg):
         dist.barrier()
     model = dataclasses.replace(cfg.engine.model, path=path)
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, model=model))
+
+
+# ---------------------------------------------------------------------------------- console
+def progress_bar(tc: TrainerConfig, start: int, rank0: bool, desc: str):
+    """The tqdm bar of a run (rank 0 with ``trainer.progress_bar``; disabled otherwise, its
+    calls then do nothing). On stderr, so stdout holds only the log lines."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=tc.total_steps, initial=start, desc=desc, disable=not (rank0 and tc.progress_bar), dynamic_ncols=True, file=sys.stderr
+    )
+
+
+def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog:
+    """The run's loggers (``trainer.loggers``, plus ``jsonl`` always: the plots and the summary
+    read the metrics file); console lines go through the bar when it is shown, so they do not
+    tear it. Nothing is logged on ranks other than 0."""
+    names = list(dict.fromkeys([*tc.loggers, "jsonl"]))
+    return build_loggers(
+        names,
+        output_dir=tc.output_dir,
+        metrics_file=tc.metrics_file,
+        samples_file=SAMPLES_FILE,
+        project=tc.project,
+        run_name=tc.run_name,
+        config=plain_config(cfg),
+        total_steps=tc.total_steps,
+        start_step=start,
+        console_every=tc.log_every,
+        rank0=rank0,
+        write=bar.write if not bar.disable else None,
+    )

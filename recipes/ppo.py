@@ -21,10 +21,8 @@ is sampled with the rollout settings and a fixed seed and its mean reward logged
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -39,13 +37,16 @@ from engine_api.dist import is_initialized
 from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
+from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed
 from posttrain.export import save_hf
+from posttrain.plots import plot_run
+from posttrain.preemption import Preempted, PreemptionGuard
 from posttrain.rewards import RewardConfig
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
-from posttrain.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, with_model_path
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
@@ -53,6 +54,7 @@ from roles.factory import build_roles
 from roles.legacy_flag import FLAG_VALUES, legacy_problems
 from roles.rollout import Rollout, RolloutConfig
 
+DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
 ADVANTAGES = ("gae", "grpo")
 # Validation rollouts draw from seeds this far above the training ones, which they never reach.
 _VAL_SEED_OFFSET = 10**9
@@ -124,6 +126,17 @@ class PPOConfig:
     """Everything ``recipes.ppo`` reads; ``configs/ppo_tiny.yaml`` documents each key.
 
     ``data.batch_size`` is the number of prompts per step; each gets ``algo.n_samples`` responses.
+
+    Attributes:
+        engine: the actor's engine; the critic's and the reference's are derived from it.
+        tiny_model: the model built when ``engine.model.path`` is null.
+        data: the sorting task's prompts, or the user's prompt files (``posttrain.text_data.DataConfig``).
+        reward: the reward function (``posttrain.rewards``).
+        algo: the RL algorithm (PPO or GRPO).
+        actor: the policy update.
+        critic: the value update (PPO only).
+        rollout: sampling and the rollout engine.
+        trainer: the loop.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -156,14 +169,24 @@ class PPOConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse ``--config`` + overrides, train, return the summary."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/ppo_tiny.yaml")
-    args, overrides = parser.parse_known_args(argv)
-    cfg = load_typed(PPOConfig, args.config, overrides)
+    """Parse ``--config`` + overrides, train, return the summary.
+
+    Raises:
+        SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step
+            boundary and its checkpoints were saved (``posttrain.preemption``).
+    """
+    config_path, overrides = parse_recipe_args(
+        argv, prog="python -m recipes.ppo", description=__doc__.split("\n\n")[0], config_cls=PPOConfig, default_config=DEFAULT_CONFIG
+    )
+    cfg = load_typed(PPOConfig, config_path, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s)
     try:
-        return run(with_model_path(_fit_tiny_model(cfg)))
+        try:
+            return run(with_model_path(_fit_tiny_model(cfg)))
+        except Preempted as exc:  # agreed by every rank at the same step boundary
+            if not is_initialized() or dist.get_rank() == 0:
+                print(str(exc), flush=True)
+            raise SystemExit(exc.exit_code) from None
     finally:
         if started and is_initialized():
             dist.barrier()
@@ -183,45 +206,64 @@ def _fit_tiny_model(cfg: PPOConfig) -> PPOConfig:
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
-    """Build the roles and train; see the module docstring for one step."""
+    """Build the roles and train; see the module docstring for one step.
+
+    Raises:
+        Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoints saved).
+    """
     t = cfg.trainer
+    rank0 = (dist.get_rank() if is_initialized() else 0) == 0
+    user_model = not cfg.engine.model.path.startswith(os.path.join(t.output_dir, "tiny_model")) if cfg.engine.model.path else False
+    lora = cfg.engine.model.lora.enabled
+    warn(demo_setting_warnings("rl", user_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank0)
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
     if cfg.data.max_response_length is not None:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
     roles = build_roles(cfg)
     actor, critic, reference = roles.actor, roles.critic, roles.reference
     rollout = build_rollout_role(cfg, actor, source)
-    rank0 = (dist.get_rank() if is_initialized() else 0) == 0
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
-        # One line per step: a fresh run starts empty, a resumed one drops the lines a killed
-        # run wrote past its checkpoint (those steps are replayed).
-        truncate_metrics(metrics_path, start)
     rewards = []
     guard = SkipGuard(t.max_consecutive_skips)
-    bar = _progress(t, start, rank0)
+    bar = progress_bar(t, start, rank0, "rl")
     val_reward = None
-    for step in range(start, t.total_steps):
-        m = rl_step(cfg, step, actor, critic, reference, rollout, source)
-        rewards.append(m["reward"])
-        if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
-            m["val/reward"] = val_reward = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples)
-        if rank0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            bar.set_postfix(reward=f"{m['reward']:.3f}")
-            bar.update()
-        # A step is lost when every optimizer step of a role was skipped (non-finite loss/grads).
-        guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
-        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
-            actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step + 1)
-            if critic is not None:
-                critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step + 1)
-    bar.close()
-    rollout.engine.shutdown()
+    what = "your data" if cfg.data.from_files else "digit sorting"
+    title = f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}"
+    try:
+        with open_loggers(cfg, t, start, rank0, bar) as run_log, PreemptionGuard() as preemption:
+            for step in range(start, t.total_steps):
+                samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
+                m = rl_step(cfg, step, actor, critic, reference, rollout, source, samples=samples)
+                if samples:
+                    run_log.log_samples(step + 1, m.pop("samples"))
+                rewards.append(m["reward"])
+                if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
+                    score = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples)
+                    if score is not None:  # None: no validation prompts
+                        m["val/reward"] = val_reward = score
+                        run_log.message(f"validation at step {step + 1}: mean reward {score:.4f}")
+                run_log.log(step + 1, {k: v for k, v in m.items() if k != "step"})
+                bar.set_postfix(reward=f"{m['reward']:.3f}", refresh=False)
+                bar.update()
+                # A step is lost when every optimizer step of a role was skipped (non-finite loss/grads).
+                guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
+                saved = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
+                if saved:
+                    _save(actor, critic, ckpt_dir, step + 1)
+                signum = preemption.stop_requested()
+                if signum is not None:
+                    if not saved:
+                        _save(actor, critic, ckpt_dir, step + 1)
+                    raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
+    finally:
+        bar.close()
+        rollout.engine.shutdown()
+        if rank0 and os.path.exists(metrics_path):
+            plot_run(metrics_path, t.output_dir, title)
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
     summary = {
         "steps": t.total_steps,
@@ -232,12 +274,16 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "hf_dir": save_hf(actor, cfg.engine, os.path.join(t.output_dir, "hf"), t.save_hf_format) if t.save_hf else None,
     }
     if rank0:
-        what = "your data" if cfg.data.from_files else "digit sorting"
-        _plot(history, os.path.join(t.output_dir, "reward.png"), f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}")
         print(
             f"{cfg.algo.advantage} done: mean reward {summary['first_reward']:.3f} (first 5 steps) -> {summary['last_reward']:.3f} (last 5)"
         )
     return summary
+
+
+def _save(actor, critic, ckpt_dir: str, step: int) -> None:
+    actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step)
+    if critic is not None:
+        critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step)
 
 
 def build_rollout_role(cfg: PPOConfig, actor, source) -> Rollout:
@@ -289,10 +335,13 @@ def _responses(batch) -> list[torch.Tensor]:
     return [batch["input_ids"][i][int(batch["prompt_len"][i]) :] for i in range(len(batch["prompt_len"]))]
 
 
-def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source=None) -> dict[str, Any]:
+def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source=None, samples: int = 0) -> dict[str, Any]:
     """One RL step (see the module docstring) on any role implementation; returns its metrics.
 
-    ``source``: the prompts and rewards (``posttrain.tasks.build_task(cfg)``; None builds it)."""
+    ``source``: the prompts and rewards (``posttrain.tasks.build_task(cfg)``; None builds it).
+    ``samples`` > 0 adds ``"samples"``: the first that many generations of the step as
+    ``{"prompt", "response", "reward"}`` text rows (one per prompt group first, so a GRPO
+    group of identical prompts is not logged over and over)."""
     source = source if source is not None else build_task(cfg)
     timings, t0 = {}, time.perf_counter()
     prompts, metas = source.prompts_at(step)
@@ -347,11 +396,27 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})
     if "kl" in actor_m[0]:
         out["kl"] = _mean([m["kl"] for m in actor_m])
+    if samples:
+        out["samples"] = _sample_rows(batch, scores, source, samples, n)
     if critic_m:
         out["critic_loss"] = _mean([m["loss"] for m in critic_m])
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
         out["critic_skipped"] = _mean([m.get("step_skipped", 0.0) for m in critic_m])
     return out
+
+
+def _sample_rows(batch, scores: torch.Tensor, source, count: int, group: int) -> list[dict[str, Any]]:
+    """Text rows of ``count`` generations: the first response of each prompt group, then the
+    second of each, and so on."""
+    total = len(scores)
+    order = [g * group + k for k in range(group) for g in range(total // group)][:count]
+    rows = []
+    for i in order:
+        ids, plen = batch["input_ids"][i], int(batch["prompt_len"][i])
+        rows.append(
+            {"prompt": source.decode(ids[:plen].tolist()), "response": source.decode(ids[plen:].tolist()), "reward": float(scores[i])}
+        )
+    return rows
 
 
 def rollout_parity(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -404,31 +469,11 @@ def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
             role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}"))
         return step
 
-    return load_newest_valid(steps, load_step, rank0)
-
-
-def _progress(t: TrainerConfig, start: int, rank0: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=t.total_steps, initial=start, disable=not (rank0 and t.progress_bar), desc="rl", file=sys.stdout)
-
-
-def _plot(rewards: list[float], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(rewards) + 1), rewards, lw=1, alpha=0.5, label="per step")
-    k = max(1, len(rewards) // 20)
-    smooth = [_mean(rewards[max(0, i - k + 1) : i + 1]) for i in range(len(rewards))]
-    ax.plot(range(1, len(rewards) + 1), smooth, lw=2, label=f"mean of last {k}")
-    ax.set(xlabel="step", ylabel="mean reward", title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    step = load_newest_valid(steps, load_step, rank0)
+    if rank0:
+        paths = ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
+        print(f"trainer.resume: loaded checkpoint {paths} (step {step}); continuing at step {step + 1}", flush=True)
+    return step
 
 
 def _mean(xs) -> float:

@@ -17,9 +17,7 @@ summary so tests call it in-process.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -33,13 +31,20 @@ from tensordict import TensorDict
 
 from engine_api import BaseEngine, EngineConfig, NormContext, agg_loss, build_engine, ckpt_layout, make_batch
 from engine_api.dist import all_reduce, comm_device, is_initialized
+from engine_api.rollout import RolloutEngineConfig
+from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain import sort_task as task
+from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
-from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts
-from posttrain.trainer_utils import SkipGuard, load_newest_valid, quiet_console, truncate_metrics
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, with_model_path
+from posttrain.loggers import RunLog
+from posttrain.plots import plot_run
+from posttrain.preemption import Preempted, PreemptionGuard
+from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
+from roles.rollout import Rollout, RolloutConfig
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
 
@@ -79,11 +84,15 @@ def load_sft_config(path: str | os.PathLike | None = DEFAULT_CONFIG, overrides: 
 # ---------------------------------------------------------------------------------- loss
 def sft_loss(micro_batch: TensorDict, outputs: TensorDict, norm: NormContext) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the response tokens, aggregated per ``norm`` (the engine's
-    ``loss_agg_mode``), plus this micro-batch's response token accuracy (p > 0.5).
+    ``loss_agg_mode``), plus ``confident_token_acc``: the fraction of this micro-batch's response
+    tokens the model gives p > 0.5. Such a token is the model's argmax with more than even odds,
+    so this is a lower bound on greedy top-1 accuracy; it stays near 0 while a pretrained model
+    spreads its probability over phrasings, and says nothing is wrong then (the loss is the
+    signal). The engine returns only the target tokens' log-probs, not the logits, so the plain
+    argmax accuracy is not computed.
 
-    ``train_batch`` reports the plain mean of that accuracy over this rank's micro-batches, so
-    the training ``token_acc`` is a rank-local progress signal; the end-of-run eval counts
-    tokens exactly over every rank.
+    ``train_batch`` reports the plain mean over this rank's micro-batches, so the training value
+    is a rank-local progress signal; the evaluation counts tokens exactly over every rank.
     """
     log_probs = outputs["log_probs"]
     mask = micro_batch["loss_mask"]
@@ -92,7 +101,7 @@ def sft_loss(micro_batch: TensorDict, outputs: TensorDict, norm: NormContext) ->
         m = mask.values() > 0
         hits = (log_probs.values().detach().exp() > 0.5) & m
         acc = float(hits.sum()) / max(int(m.sum()), 1)
-    return loss, {"token_acc": acc}
+    return loss, {"confident_token_acc": acc}
 
 
 # ---------------------------------------------------------------------------------- run
@@ -101,15 +110,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Returns:
         ``steps``, ``first_loss``, ``last_loss``, ``loss_ratio`` (first / last),
-        ``eval_loss``, ``eval_token_acc``, ``eval_seq_acc`` (``_evaluate``), ``data`` (row
-        counts of the files: read, kept, truncated, dropped), ``seconds``, ``world_size``,
-        ``metrics_path``, ``model_path``, ``hf_dir`` (``trainer.save_hf``).
+        ``eval_loss``, ``eval_confident_token_acc``, ``eval_confident_seq_acc`` (``_evaluate``),
+        ``data`` (row counts of the files: read, kept, truncated, dropped), ``seconds``,
+        ``world_size``, ``metrics_path``, ``model_path``, ``hf_dir`` (``trainer.save_hf``).
+
+    Raises:
+        SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step
+            boundary and its checkpoint was saved (``posttrain.preemption``).
     """
-    args = _parse_args(argv)
-    cfg = load_sft_config(args.config, args.overrides)
+    config_path, overrides = parse_recipe_args(
+        argv, prog="python -m recipes.sft", description=__doc__.split("\n\n")[0], config_cls=SFTConfig, default_config=DEFAULT_CONFIG
+    )
+    cfg = load_sft_config(config_path, overrides)
     started_dist = init_distributed(cfg.engine.dist_timeout_s)
     try:
-        summary = run(cfg)
+        try:
+            summary = run(cfg)
+        except Preempted as exc:  # every rank stops at the same step (agreed), so the teardown below is safe
+            if rank() == 0:
+                print(str(exc), flush=True)
+            if started_dist:
+                dist.barrier()
+            raise SystemExit(exc.exit_code) from None
         if started_dist:
             # Tear down only when every rank is done: a gloo rank that closes its connections
             # while a peer is still inside a collective makes that peer abort. (Not on an
@@ -122,10 +144,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
-    """Train and evaluate with an already-loaded config (``torch.distributed`` as the caller set it up)."""
+    """Train and evaluate with an already-loaded config (``torch.distributed`` as the caller set it up).
+
+    Raises:
+        Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoint saved).
+    """
     t0 = time.perf_counter()
     rank0 = rank() == 0
-    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+    tc = cfg.trainer
+    os.makedirs(tc.output_dir, exist_ok=True)
+    lora = cfg.engine.model.lora.enabled
+    warn(demo_setting_warnings("sft", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora), rank0)
     cfg = with_model_path(cfg)
     data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 
@@ -139,17 +168,28 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         )
     val_batches = data.val_batches(engine.dp_size)
 
-    ckpt_dir = os.path.join(cfg.trainer.output_dir, "checkpoints")
+    ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
     start = _maybe_resume(engine, cfg, ckpt_dir)
-    metrics_path = os.path.join(cfg.trainer.output_dir, cfg.trainer.metrics_file)
-    losses = _train(engine, cfg, data, val_batches, start, metrics_path, ckpt_dir, rank0)
-    evaluation = _evaluate(engine, val_batches)
-    hf_dir = (
-        save_hf(engine, cfg.engine, os.path.join(cfg.trainer.output_dir, "hf"), cfg.trainer.save_hf_format) if cfg.trainer.save_hf else None
-    )
+    metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
+    bar = progress_bar(tc, start, rank0, "sft")
+    run_log = open_loggers(cfg, tc, start, rank0, bar)
+    generations = Generations(cfg, data, engine) if tc.log_samples_every else None
+    try:
+        with run_log:
+            losses = _train(engine, cfg, data, val_batches, start, ckpt_dir, run_log, bar, generations)
+            evaluation = _evaluate(engine, val_batches)
+            if evaluation["eval_loss"] is not None:
+                run_log.message(_val_line("final evaluation", evaluation))
+    finally:
+        bar.close()
+        if generations is not None:
+            generations.close()
+        if rank0:
+            plot_run(metrics_path, tc.output_dir, f"SFT on {'your data' if cfg.data.from_files else 'digit sorting'}")
+    hf_dir = save_hf(engine, cfg.engine, os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
 
     summary = {
-        "steps": cfg.trainer.total_steps,
+        "steps": tc.total_steps,
         "start_step": start,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
@@ -215,27 +255,24 @@ def _train(
     data: SFTData,
     val_batches: list[TensorDict],
     start: int,
-    metrics_path: str,
     ckpt_dir: str,
-    rank0: bool,
+    run_log: RunLog,
+    bar,
+    generations: Generations | None = None,
 ) -> list[float]:
-    """The loop; returns the loss of every step it ran."""
-    from tqdm.auto import tqdm
+    """The loop; returns the loss of every step it ran.
 
+    Raises:
+        Preempted: after saving the checkpoint of the step a SIGTERM / SIGINT arrived in.
+    """
     tc = cfg.trainer
     losses: list[float] = []
-    bar = tqdm(total=tc.total_steps, initial=start, desc="sft", disable=not (rank0 and tc.progress_bar), dynamic_ncols=True)
-    # A fresh run truncates the metrics file; a resumed one keeps the steps up to its checkpoint
-    # (a killed run may have logged steps past it, which are replayed now) and appends.
-    if rank0 and start:
-        truncate_metrics(metrics_path, start)
-    metrics_out = open(metrics_path, "a" if start else "w") if rank0 else contextlib.nullcontext()
     guard = SkipGuard(tc.max_consecutive_skips)
     # SFT alternates with inference only at validation steps, so the model stays in train mode
     # between them (with an offload policy this moves params/optimizer once per stretch, not
     # once per step).
     training, in_train = contextlib.ExitStack(), False
-    with metrics_out as out, training:
+    with PreemptionGuard() as preemption, training:
         for step in range(start, tc.total_steps):
             batch = data.batch_at(step)
             tokens = int(batch["input_ids"].values().numel())
@@ -248,11 +285,10 @@ def _train(
             loss = float(m["loss"])
             losses.append(loss)
             record = {
-                "step": step + 1,
                 "loss": loss,
                 "grad_norm": float(m["grad_norm"]),
                 "lr": m.get("lr"),
-                "token_acc": m.get("token_acc"),
+                "confident_token_acc": m.get("confident_token_acc"),
                 "step_skipped": bool(m.get("step_skipped", 0.0)),
                 "tokens": tokens,
                 "tokens_per_s": tokens / seconds if seconds > 0 else None,
@@ -260,26 +296,108 @@ def _train(
             }
             if data.train is not None:
                 record["epoch"] = data.order.epoch(step)
+            if generations is not None and (step + 1) % tc.log_samples_every == 0:
+                run_log.log_samples(step + 1, generations.rows(step + 1))
             if tc.val_every and (step + 1) % tc.val_every == 0 and val_batches:
                 training.close()  # leave train mode before eval_mode (one mode at a time)
                 in_train = False
-                record.update({f"val/{k[len('eval_') :]}": v for k, v in _evaluate(engine, val_batches).items()})
-            if rank0:
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-                bar.set_postfix(loss=f"{loss:.3f}", acc=f"{record['token_acc'] or 0:.2f}", refresh=False)
-                bar.update(1)
-                if (step + 1) % tc.log_every == 0 or step + 1 == tc.total_steps:
-                    bar.write(
-                        f"step {step + 1:>5} | loss {loss:.4f} | grad_norm {record['grad_norm']:.3f} | "
-                        f"lr {record['lr'] or 0:.2e} | token_acc {record['token_acc'] or 0:.3f} | "
-                        f"{record['tokens_per_s'] or 0:,.0f} tok/s"
-                    )
+                scores = _evaluate(engine, val_batches)
+                record.update({f"val/{k[len('eval_') :]}": v for k, v in scores.items()})
+                run_log.message(_val_line(f"validation at step {step + 1}", scores))
+            run_log.log(step + 1, record)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update(1)
             guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
-            if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps):
+            saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
+            if saved:
                 engine.save_checkpoint(ckpt_dir, global_step=step + 1)
-    bar.close()
+            signum = preemption.stop_requested()
+            if signum is not None:
+                if not saved:
+                    engine.save_checkpoint(ckpt_dir, global_step=step + 1)
+                raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
     return losses
+
+
+class Generations:
+    """Greedy generations of a few held-out prompts (``trainer.log_samples_every``), logged with
+    the reference response: the prompt is a sample's tokens before its first trained token, the
+    reference its first trained span.
+
+    Sampled by an ``hf`` rollout engine (``backends/rollout/hf.py``, through
+    ``engine_api.rollout_registry``) whose weights are synced from the engine before each
+    logging, so it costs one more model copy on every rank, built on first use; ``top_k`` 1
+    makes it greedy, and responses stop at the model's end-of-turn / EOS ids or after the longest
+    reference plus 16 tokens. The prompts: the validation data's first rows (the training data's
+    without validation files; held-out batches for the sorting task), the same at every logging.
+    """
+
+    def __init__(self, cfg: SFTConfig, data: SFTData, engine: BaseEngine) -> None:
+        self.cfg, self.data, self.engine = cfg, data, engine
+        self.rollout: Rollout | None = None
+        source = data.val if data.val is not None else data.train
+        batch = source.batch(list(range(min(cfg.trainer.log_samples, len(source))))) if source is not None else task.eval_batch(cfg.data, 0)
+        self.prompts, self.references = [], []
+        for ids, mask in zip(batch["input_ids"].unbind(), batch["loss_mask"].unbind(), strict=True):
+            trained = (mask > 0).nonzero().flatten()
+            if trained.numel() == 0:
+                continue
+            begin = int(trained[0])
+            end = begin + int((mask[begin:] > 0).int().cumprod(0).sum())  # the first trained span
+            self.prompts.append(ids[:begin])
+            self.references.append(ids[begin:end])
+        self.prompts, self.references = self.prompts[: cfg.trainer.log_samples], self.references[: cfg.trainer.log_samples]
+        if data.train is not None:
+            self.tokenizer = load_tokenizer(cfg.engine.model.path)
+            self.stop_ids = stop_token_ids(self.tokenizer, cfg.engine.model.path)
+        else:
+            self.tokenizer, self.stop_ids = None, [task.EOS]
+
+    def _decode(self, ids: torch.Tensor) -> str:
+        return task.render(ids.tolist()) if self.tokenizer is None else self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+
+    def _build(self) -> Rollout:
+        cfg = self.cfg
+        engine = build_rollout(
+            "hf",
+            RolloutEngineConfig(model_path=cfg.engine.model.path, tokenizer_path=cfg.engine.model.path if self.tokenizer else None),
+        )
+        longest = max((len(r) for r in self.references), default=1)
+        settings = RolloutConfig(
+            backend="hf", max_new_tokens=longest + 16, temperature=1.0, top_k=1, sync_bucket_mb=512, lora_sync="merged"
+        )
+        return Rollout(self.engine, engine, settings, stop_token_ids=self.stop_ids)
+
+    def rows(self, step: int) -> list[dict[str, str]]:
+        """Generate (collective: every rank calls it at the same step) and return the rows."""
+        if not self.prompts:
+            return []
+        self.rollout = self.rollout or self._build()
+        self.rollout.sync_weights(version=step)
+        out = self.rollout.generate(self.prompts, seed_offset=0)
+        self.rollout.release()
+        return [
+            {
+                "prompt": self._decode(p),
+                "response": self._decode(out["input_ids"][i][int(out["prompt_len"][i]) :]),
+                "reference": self._decode(r),
+            }
+            for i, (p, r) in enumerate(zip(self.prompts, self.references, strict=True))
+        ]
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.engine.shutdown()
+
+
+def _val_line(what: str, scores: dict[str, float | None]) -> str:
+    def f(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    return (
+        f"{what}: loss {f(scores['eval_loss'])} | confident_token_acc {f(scores['eval_confident_token_acc'])} | "
+        f"confident_seq_acc {f(scores['eval_confident_seq_acc'])}"
+    )
 
 
 @torch.no_grad()
@@ -287,13 +405,13 @@ def _evaluate(engine: BaseEngine, batches: list[TensorDict]) -> dict[str, float 
     """Teacher-forced scores of the response (loss-mask tokens) on ``batches``.
 
     ``eval_loss``: mean negative log-likelihood per response token over all batches.
-    ``eval_token_acc``: fraction of response tokens with p(token | prefix) > 0.5, which
-    makes the token the model's argmax. ``eval_seq_acc``: fraction of sequences (with a
+    ``eval_confident_token_acc``: fraction of response tokens with p(token | prefix) > 0.5, which
+    makes the token the model's argmax. ``eval_confident_seq_acc``: fraction of sequences (with a
     response) where that holds for every response token; such a response is exactly what greedy
     decoding would generate, so this is a lower bound on greedy exact-match accuracy.
     """
     if not batches:
-        return {"eval_loss": None, "eval_token_acc": None, "eval_seq_acc": None}
+        return {"eval_loss": None, "eval_confident_token_acc": None, "eval_confident_seq_acc": None}
     # [summed NLL, correct tokens, response tokens, correct sequences, sequences]
     counts = torch.zeros(5, dtype=torch.float64)
     with engine.eval_mode():
@@ -309,8 +427,8 @@ def _evaluate(engine: BaseEngine, batches: list[TensorDict]) -> dict[str, float 
     counts = all_reduce(counts.to(comm_device(None)), "sum", None).cpu()
     return {
         "eval_loss": float(counts[0] / counts[2]) if counts[2] else None,
-        "eval_token_acc": float(counts[1] / counts[2]) if counts[2] else None,
-        "eval_seq_acc": float(counts[3] / counts[4]) if counts[4] else None,
+        "eval_confident_token_acc": float(counts[1] / counts[2]) if counts[2] else None,
+        "eval_confident_seq_acc": float(counts[3] / counts[4]) if counts[4] else None,
     }
 
 
@@ -338,13 +456,6 @@ def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- setup
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m recipes.sft", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
-    parser.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. engine.micro_batch_size=2 trainer.total_steps=50")
-    return parser.parse_intermixed_args(argv)
-
-
 def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
     resuming (``posttrain.trainer_utils.load_newest_valid``)."""
@@ -355,7 +466,16 @@ def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
         if rank() == 0:
             print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)
         return 0
-    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), rank() == 0)
+    loaded: list[str] = []
+
+    def load(path: str) -> int:
+        step = int(engine.load_checkpoint(path, del_local_after_load=False))
+        loaded.append(path)
+        return step
+
+    step = load_newest_valid(candidates, load, rank() == 0)
+    if rank() == 0:
+        print(f"trainer.resume: loaded checkpoint {loaded[-1]} (step {step}); continuing at step {step + 1}", flush=True)
     if step >= cfg.trainer.total_steps and rank() == 0:
         print(f"trainer.resume: checkpoint is at step {step} >= trainer.total_steps = {cfg.trainer.total_steps}; nothing to train")
     return step
@@ -368,7 +488,8 @@ def _summary_line(s: dict[str, Any]) -> str:
     return (
         f"sft done: {s['steps'] - s['start_step']} steps on {s['world_size']} rank(s) in {s['seconds']:.1f}s | "
         f"loss {f(s['first_loss'], '.4f')} -> {f(s['last_loss'], '.4f')} ({f(s['loss_ratio'], '.1f')}x lower) | "
-        f"eval loss {f(s['eval_loss'], '.4f')}, token_acc {f(s['eval_token_acc'], '.3f')}, seq_acc {f(s['eval_seq_acc'], '.3f')} | "
+        f"eval loss {f(s['eval_loss'], '.4f')}, confident_token_acc {f(s['eval_confident_token_acc'], '.3f')}, "
+        f"confident_seq_acc {f(s['eval_confident_seq_acc'], '.3f')} | "
         f"metrics {s['metrics_path']}" + (f" | HF model {s['hf_dir']}" if s["hf_dir"] else "")
     )
 

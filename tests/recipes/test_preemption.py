@@ -1,0 +1,124 @@
+"""A job told to stop (SIGTERM from a scheduler or torchrun, SIGINT from Ctrl-C) saves at the
+next step boundary, exits with 128 + the signal, and ``trainer.resume`` continues exactly: the
+resumed steps equal an uninterrupted run's (``posttrain.preemption``).
+
+The signal arrives at a random point of a step (whenever the test sees a few steps logged), so
+the stop step differs run to run; every assertion is about that step, read from the log.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_api import ckpt_layout
+from tests.support.launch import REPO, launch_env, python
+
+# The demo's cosine schedule spans trainer.total_steps: pinned, so the stopped, the resumed and
+# the reference run (each with its own total_steps) share one schedule.
+SFT = ["-m", "recipes.sft", "--config", "configs/sft_tiny.yaml", "trainer.progress_bar=false", "data.eval_batches=0"]
+SFT += ["engine.optim.total_steps=2000"]
+GRPO = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", "trainer.progress_bar=false", "data.batch_size=4", "algo.n_samples=4"]
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _interrupt(cmd: list[str], out: Path, sig: int, after_steps: int, torchrun: int = 0) -> tuple[subprocess.CompletedProcess, int]:
+    """Start ``cmd``, send ``sig`` once ``after_steps`` steps are logged; return the finished
+    process and the last step it logged."""
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
+    )
+    proc = subprocess.Popen([*launcher, *cmd], cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(_rows(out)) < after_steps:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run logged too few steps"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), _rows(out)[-1]["step"]
+
+
+def _losses(out: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in _rows(out)}
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_exact(tmp_path):
+    out = tmp_path / "run"
+    args = [*SFT, f"trainer.output_dir={out}", "trainer.total_steps=2000", "trainer.checkpoint_every=0"]
+    proc, stopped = _interrupt(args, out, signal.SIGTERM, after_steps=3)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
+    # checkpoint_every=0 saves nothing on its own: this checkpoint is the preemption's, of the last logged step.
+    assert ckpt_layout.complete_steps(str(out / "checkpoints")) == [stopped]
+    assert f"SIGTERM received: stopped after step {stopped}" in proc.stdout
+
+    total = stopped + 4
+    resumed = python([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    checkpoint = out / "checkpoints" / f"{ckpt_layout.PREFIX}{stopped}"
+    assert f"trainer.resume: loaded checkpoint {checkpoint} (step {stopped})" in resumed.stdout
+
+    ref = tmp_path / "ref"
+    full = python([*SFT, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    split, whole = _losses(out, "loss"), _losses(ref, "loss")
+    assert sorted(split) == list(range(1, total + 1))  # one line per step across the stop
+    assert split == whole  # bit-exact: same process count, same kernels, state restored
+
+
+@pytest.mark.slow
+def test_sigint_stops_rl_at_a_step_boundary_with_its_own_exit_code_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [*GRPO, f"trainer.output_dir={out}", "trainer.total_steps=400"]
+    proc, stopped = _interrupt(args, out, signal.SIGINT, after_steps=2)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "KeyboardInterrupt" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
+    assert ckpt_layout.complete_steps(str(out / "checkpoints" / "actor")) == [stopped]
+
+    total = stopped + 2
+    resumed = python([*GRPO, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {stopped}); continuing at step {stopped + 1}" in resumed.stdout
+    ref = tmp_path / "ref"
+    assert python([*GRPO, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300).returncode == 0
+    assert _losses(out, "actor_loss") == _losses(ref, "actor_loss")
+    assert _losses(out, "reward") == _losses(ref, "reward")
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(tmp_path):
+    """The realistic preemption: the scheduler signals the torchrun agent, which forwards SIGTERM
+    to each worker at its own moment; the ranks agree on one stop step and save one complete
+    checkpoint of it, which a new run resumes."""
+    out = tmp_path / "run"
+    args = [*SFT, f"trainer.output_dir={out}", "trainer.total_steps=2000"]
+    proc, stopped = _interrupt(args, out, signal.SIGTERM, after_steps=3, torchrun=2)
+    assert proc.returncode != 0  # torchrun reports the stop; the workers' own code is 143
+    assert f"SIGTERM received: stopped after step {stopped}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert ckpt_layout.complete_steps(str(out / "checkpoints")) == [stopped]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *SFT]
+        + [f"trainer.output_dir={out}", f"trainer.total_steps={stopped + 2}", "trainer.resume=true"],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"(step {stopped}); continuing at step {stopped + 1}" in resumed.stdout
+    assert sorted(_losses(out, "loss")) == list(range(1, stopped + 3))
