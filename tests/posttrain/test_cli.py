@@ -58,6 +58,17 @@ def _wide(monkeypatch):
     monkeypatch.setenv("COLUMNS", "142")  # 140 columns: what the listing is laid out for
 
 
+@pytest.fixture(autouse=True)
+def _only_the_built_in_backends(monkeypatch):
+    """--help lists the section of every engine registered in this process, and other tests
+    of the suite register some at runtime (e.g. the reference engine): compared against the
+    built-in backends' sections, the listing must not depend on which tests ran before."""
+    from engine_api import registry
+
+    builtins = set(registry.builtin_engines())
+    monkeypatch.setattr(registry, "_REGISTRY", {k: v for k, v in registry._REGISTRY.items() if k in builtins})
+
+
 # ---------------------------------------------------------------------------------- independent schema walk
 def _leaves(cls: type, obj, prefix: str = "") -> dict[str, object]:
     """Dotted leaf key -> default, walking ``dataclasses.fields`` (lists and dicts are leaves)."""
