@@ -13,9 +13,12 @@ from collections.abc import Callable, Sequence
 from engine_api.ckpt_integrity import CorruptCheckpointError
 
 
-def load_newest_valid(candidates: Sequence, load: Callable[[object], int], rank0: bool, what: str = "trainer.resume") -> int:
+def load_newest_valid(
+    candidates: Sequence, load: Callable[[object], int], rank0: bool, what: str = "trainer.resume", describe: Callable[[object], str] = str
+) -> int:
     """Load the first of ``candidates`` (best first, e.g. ``ckpt_layout.candidates``) that
-    passes verification; return its step.
+    passes verification; return its step. Rank 0 prints which checkpoint it loaded
+    (``describe(candidate)``: its path or paths) and the step it continues at.
 
     A candidate that fails verification (``CorruptCheckpointError``: nothing of it was loaded)
     is skipped with a loud message on rank 0 naming it and why; any other error propagates.
@@ -28,11 +31,15 @@ def load_newest_valid(candidates: Sequence, load: Callable[[object], int], rank0
     reasons = []
     for candidate in candidates:
         try:
-            return load(candidate)
+            step = load(candidate)
         except CorruptCheckpointError as exc:
             reasons.append(f"{candidate}: {exc}")
             if rank0:
                 print(f"\n!!! {what}: SKIPPING checkpoint {candidate}: it failed verification:\n{exc}\n", file=sys.stderr, flush=True)
+            continue
+        if rank0:
+            print(f"{what}: loaded checkpoint {describe(candidate)} (step {step}); continuing at step {step + 1}", flush=True)
+        return step
     raise CorruptCheckpointError(
         f"{what}: none of the {len(reasons)} checkpoint(s) verifies:\n" + "\n".join(reasons) + "\nfix: restore a checkpoint "
         "from a remote copy, or start a fresh run in another trainer.output_dir (this one is left untouched)"
@@ -139,10 +146,3 @@ def warn(lines: Sequence[str], rank0: bool) -> None:
     if rank0:
         for line in lines:
             print(f"WARNING: {line}", file=sys.stderr, flush=True)
-
-
-def plain_config(cfg: object) -> dict:
-    """A loaded (dataclass) config as nested plain dicts, for the loggers' hyperparameters."""
-    import dataclasses
-
-    return dataclasses.asdict(cfg)

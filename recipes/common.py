@@ -17,7 +17,6 @@ from posttrain import sort_task as task
 from posttrain.dist import rank
 from posttrain.loggers import RunLog, build_loggers, logger_problems
 from posttrain.tiny_model import FAMILIES, build_tiny_model
-from posttrain.trainer_utils import plain_config
 
 __all__ = ["SAMPLES_FILE", "TinyModelConfig", "TrainerConfig", "data_model_problems", "open_loggers", "progress_bar", "with_model_path"]
 
@@ -215,7 +214,7 @@ def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog
         samples_file=SAMPLES_FILE,
         project=tc.project,
         run_name=tc.run_name,
-        config=plain_config(cfg),
+        config=dataclasses.asdict(cfg),  # the hyperparameters W&B / MLflow / TensorBoard record
         total_steps=tc.total_steps,
         start_step=start,
         console_every=tc.log_every,

@@ -38,7 +38,7 @@ from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain.cli import parse_recipe_args
-from posttrain.dist import init_distributed
+from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard
@@ -180,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     cfg = load_typed(PPOConfig, config_path, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s)
+    # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
+    lora = cfg.engine.model.lora.enabled
+    warn(demo_setting_warnings("rl", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
     try:
         try:
             return run(with_model_path(_fit_tiny_model(cfg)))
@@ -213,9 +216,6 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     """
     t = cfg.trainer
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
-    user_model = not cfg.engine.model.path.startswith(os.path.join(t.output_dir, "tiny_model")) if cfg.engine.model.path else False
-    lora = cfg.engine.model.lora.enabled
-    warn(demo_setting_warnings("rl", user_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank0)
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
     if cfg.data.max_response_length is not None:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
@@ -469,11 +469,10 @@ def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
             role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}"))
         return step
 
-    step = load_newest_valid(steps, load_step, rank0)
-    if rank0:
-        paths = ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
-        print(f"trainer.resume: loaded checkpoint {paths} (step {step}); continuing at step {step + 1}", flush=True)
-    return step
+    def paths(step: int) -> str:
+        return ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
+
+    return load_newest_valid(steps, load_step, rank0, describe=paths)
 
 
 def _mean(xs) -> float:

@@ -466,16 +466,7 @@ def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
         if rank() == 0:
             print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)
         return 0
-    loaded: list[str] = []
-
-    def load(path: str) -> int:
-        step = int(engine.load_checkpoint(path, del_local_after_load=False))
-        loaded.append(path)
-        return step
-
-    step = load_newest_valid(candidates, load, rank() == 0)
-    if rank() == 0:
-        print(f"trainer.resume: loaded checkpoint {loaded[-1]} (step {step}); continuing at step {step + 1}", flush=True)
+    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), rank() == 0)
     if step >= cfg.trainer.total_steps and rank() == 0:
         print(f"trainer.resume: checkpoint is at step {step} >= trainer.total_steps = {cfg.trainer.total_steps}; nothing to train")
     return step
