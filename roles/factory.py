@@ -9,6 +9,7 @@ methods (``compute_log_probs``, ``update``, ``compute_values``, ``export_weights
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,9 +61,13 @@ def critic_engine_config(engine: EngineConfig, critic_lr: float) -> EngineConfig
     return dataclasses.replace(engine, model=model, optim=dataclasses.replace(engine.optim, lr=critic_lr))
 
 
-def build_roles(config: RolesRecipeConfig) -> Roles:
+def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = None) -> Roles:
     """Build actor, critic (when ``algo.advantage == 'gae'``) and reference (when
     ``actor.kl_coef > 0``) on the implementation ``trainer.use_legacy_worker_impl`` selects.
+
+    ``include``: only these of ``actor`` / ``critic`` / ``reference`` (the others are None), for
+    a process that hosts some of a run's roles (``trainer.launcher=ray`` with roles on separate
+    pools); None: all. A LoRA reference is the actor's engine, so it needs the actor.
 
     Raises:
         ValueError: a bad flag value, or the legacy workers with a config they do not support
@@ -72,7 +77,12 @@ def build_roles(config: RolesRecipeConfig) -> Roles:
     problems = legacy_problems(flag, config.engine)
     if problems:
         raise ValueError("; ".join(problems))
-    with_critic = config.algo.advantage == "gae"
+    wanted = {"actor", "critic", "reference"} if include is None else set(include)
+    with_critic = config.algo.advantage == "gae" and "critic" in wanted
+    with_reference = bool(config.actor.kl_coef) and "reference" in wanted
+    with_actor = "actor" in wanted
+    if with_reference and config.engine.model.lora.enabled and not with_actor:
+        raise ValueError("build_roles(include=...): a LoRA reference is the actor's engine with the adapters off; include the actor too")
     critic_engine = critic_engine_config(config.engine, config.algo.critic_lr)
     frozen = dataclasses.replace(config.engine, frozen=True)
     if use_legacy(flag):
@@ -81,14 +91,14 @@ def build_roles(config: RolesRecipeConfig) -> Roles:
 
         legacy.warn_deprecated()
         return Roles(
-            actor=legacy.LegacyActor(config.engine, config.actor),
+            actor=legacy.LegacyActor(config.engine, config.actor) if with_actor else None,
             critic=legacy.LegacyCritic(critic_engine, config.critic) if with_critic else None,
-            reference=legacy.LegacyReference(frozen) if config.actor.kl_coef else None,
+            reference=legacy.LegacyReference(frozen) if with_reference else None,
             legacy=True,
         )
-    actor = Actor(_engine(config.engine), config.actor)
+    actor = Actor(_engine(config.engine), config.actor) if with_actor else None
     reference = None
-    if config.actor.kl_coef:
+    if with_reference:
         # LoRA: the reference is the actor's own engine with the adapters off (one model).
         reference = Reference(actor.engine if config.engine.model.lora.enabled else _engine(frozen))
     return Roles(

@@ -1,0 +1,103 @@
+"""The Ray actor one rank of a worker group runs in (``posttrain.placement.cluster`` spawns it).
+
+A worker joins its group's own ``torch.distributed`` world (gloo on CPU, NCCL when Ray gave
+it a GPU), builds the objects of the roles placed on its pool through a factory the driver
+names (``module:function``), and then runs the driver's calls on them. Only rank 0 of a group
+returns a call's result: every rank computes the same global outputs (the roles gather
+them), so one copy travels back.
+
+The world's rendezvous is a ``TCPStore`` that rank 0 opens on port 0 of its node (the OS picks
+a free port; never a fixed one) and the others join; the usual launcher variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) are set as torchrun would, for
+code that reads them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def resolve(path: str) -> Any:
+    """The object at ``module:attr``."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class Worker:
+    """One rank of a worker group. Created by the cluster as a Ray actor (this module does not
+    import Ray; ``node`` asks it at call time).
+
+    Args:
+        rank, world_size: this process's place in its group.
+        local_rank: its index among the group's processes on the same node (0 when Ray gives
+            it its own GPU: that GPU is then its only visible device).
+        threads: torch's intra-op threads (the bundle's CPUs, at least 1).
+        env: variables set before anything else runs (``ENGINEKIT_*``, ``VLLM_*`` and the like
+            of the driver's environment: a joined cluster's workers do not inherit it).
+    """
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, threads: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.host: Any = None
+        self._store = None
+
+    def node(self) -> dict[str, Any]:
+        """Where this worker runs: Ray node id, node IP and process id."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    def open_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: open the group's rendezvous store on a free port of this node; its address."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return ip, self._store.port
+
+    def join_world(self, addr: str, port: int, timeout_s: float) -> None:
+        """Join the group's process group through rank 0's store (collective over the group)."""
+        store = self._store or dist.TCPStore(addr, port, self.world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            backend = "nccl"
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            ENGINEKIT_DIST_TIMEOUT_S=str(timeout_s),
+        )
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+
+    def build(self, factory: str, *args: Any, **kwargs: Any) -> None:
+        """Build this rank's objects: ``factory(*args, **kwargs)`` (``module:function``)."""
+        self.host = resolve(factory)(*args, **kwargs)
+
+    def call(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``host.<path>(*args, **kwargs)`` (a dotted path; a plain attribute is read);
+        the result on rank 0, None on the others."""
+        target = self.host
+        for name in path.split("."):
+            target = getattr(target, name)
+        out = target(*args, **kwargs) if callable(target) else target
+        return out if self.rank == 0 else None
+
+    def close(self) -> None:
+        """Release the host's resources (``host.close()``) and leave the process group."""
+        try:
+            if self.host is not None and hasattr(self.host, "close"):
+                self.host.close()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
