@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from engine_api.dist import is_initialized
+from engine_api.dist import is_initialized, launcher_world
 from posttrain import sort_task as task
 from posttrain.dist import rank
 from posttrain.loggers import RunLog, build_loggers, logger_problems
+from posttrain.placement import LAUNCHERS, PlacementConfig
+from posttrain.placement.cluster import ray_missing
 from posttrain.tiny_model import FAMILIES, build_tiny_model
 
 __all__ = ["SAMPLES_FILE", "TinyModelConfig", "TrainerConfig", "data_model_problems", "open_loggers", "progress_bar", "with_model_path"]
@@ -93,6 +95,14 @@ class TrainerConfig:
         log_samples_every: log ``log_samples`` generations (prompt, response, reward) to the
             loggers and ``<output_dir>/samples.jsonl`` every this many steps (0: never).
         log_samples: how many generations to log each time.
+        launcher: ``torchrun`` (this process is one rank; ``torchrun --nproc-per-node N`` for
+            more, every role colocated on every rank) or ``ray`` (this process drives worker
+            groups placed on a Ray cluster by ``placement``; ``docs/launching.md``).
+        ray_address: with ``launcher=ray``: null starts a local Ray instance for the run;
+            ``auto`` or ``HOST:PORT`` joins a running cluster (``ray start --head`` on one node,
+            ``ray start --address=HOST:PORT`` on the others).
+        placement: with ``launcher=ray``: the resource pools and the pool of each role
+            (``posttrain.placement.PlacementConfig``).
     """
 
     total_steps: int = 800
@@ -111,9 +121,21 @@ class TrainerConfig:
     run_name: str | None = None
     log_samples_every: int = 0
     log_samples: int = 4
+    launcher: str = "torchrun"
+    ray_address: str | None = None
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def _problems(self) -> list[str]:
         out = logger_problems(self.loggers)
+        if self.launcher not in LAUNCHERS:
+            out.append(f"launcher = {self.launcher!r}: unknown; fix: use one of {', '.join(LAUNCHERS)}")
+        elif self.launcher == "ray" and ray_missing():
+            out.append(ray_missing())
+        elif self.launcher == "ray" and launcher_world() is not None:
+            out.append(
+                "launcher = 'ray' under torchrun ($WORLD_SIZE is set): with Ray the recipe is one driver process that starts "
+                "the ranks itself; fix: run it with plain python (trainer.placement.pools sets the ranks), or launcher=torchrun"
+            )
         if self.log_samples_every < 0 or self.log_samples < 1:
             out.append(
                 f"log_samples_every = {self.log_samples_every}, log_samples = {self.log_samples}: need log_samples_every >= 0 "

@@ -34,8 +34,6 @@ import torch.distributed as dist
 from engine_api import EngineConfig, ckpt_layout
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
-from engine_api.rollout import RolloutEngineConfig
-from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
@@ -47,6 +45,7 @@ from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
+from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles  # noqa: F401 (re-exported)
 from roles.actor import ActorConfig
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
@@ -162,6 +161,8 @@ class PPOConfig:
             out.append("rollout.stop_strings: the sorting task has no tokenizer to decode them; fix: give data.train_files, or drop them")
         if self.rollout.lora_sync == "adapter" and not self.engine.model.lora.enabled:
             out.append("rollout.lora_sync = 'adapter': the actor trains no adapters (engine.model.lora.rank = 0); fix: lora_sync=auto")
+        if self.trainer.launcher == "ray":
+            out += rl_placement_problems(self)
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
         if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
             out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
@@ -179,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         argv, prog="python -m recipes.ppo", description=__doc__.split("\n\n")[0], config_cls=PPOConfig, default_config=DEFAULT_CONFIG
     )
     cfg = load_typed(PPOConfig, config_path, overrides)
-    started = init_distributed(cfg.engine.dist_timeout_s)
+    started = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
     # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
     lora = cfg.engine.model.lora.enabled
     warn(demo_setting_warnings("rl", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
@@ -219,21 +220,21 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
     if cfg.data.max_response_length is not None:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
-    roles = build_roles(cfg)
-    actor, critic, reference = roles.actor, roles.critic, roles.reference
-    rollout = build_rollout_role(cfg, actor, source)
+    placed = place_roles(cfg, source)
+    actor, critic, reference, rollout = placed.actor, placed.critic, placed.reference, placed.rollout
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
-    start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
     rewards = []
     guard = SkipGuard(t.max_consecutive_skips)
-    bar = progress_bar(t, start, rank0, "rl")
+    bar = None
     val_reward = None
     what = "your data" if cfg.data.from_files else "digit sorting"
     title = f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}"
     try:
+        start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
+        bar = progress_bar(t, start, rank0, "rl")
         with open_loggers(cfg, t, start, rank0, bar) as run_log, PreemptionGuard() as preemption:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
@@ -259,9 +260,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                     if not saved:
                         _save(actor, critic, ckpt_dir, step + 1)
                     raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
+        hf_dir = placed.save_hf(os.path.join(t.output_dir, "hf"), t.save_hf_format) if t.save_hf else None
     finally:
-        bar.close()
-        rollout.engine.shutdown()
+        if bar is not None:
+            bar.close()
+        placed.close()
         if rank0 and os.path.exists(metrics_path):
             plot_run(metrics_path, t.output_dir, title)
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
@@ -271,7 +274,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "last_reward": _mean(history[-5:]),
         "val_reward": val_reward,
         "data": source.counts,
-        "hf_dir": save_hf(actor, cfg.engine, os.path.join(t.output_dir, "hf"), t.save_hf_format) if t.save_hf else None,
+        "hf_dir": hf_dir,
     }
     if rank0:
         print(
@@ -280,38 +283,39 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     return summary
 
 
+@dataclass
+class LocalRoles:
+    """The roles in this process (``trainer.launcher=torchrun``: every role on every rank)."""
+
+    actor: Any
+    critic: Any
+    reference: Any
+    rollout: Rollout
+    engine_config: EngineConfig
+
+    def save_hf(self, out_dir: str, fmt: str) -> str:
+        return save_hf(self.actor, self.engine_config, out_dir, fmt)
+
+    def close(self) -> None:
+        self.rollout.engine.shutdown()
+
+
+def place_roles(cfg: PPOConfig, source):
+    """The run's roles: built in this process (``trainer.launcher=torchrun``), or in worker
+    groups on a Ray cluster driven from here (``ray``; ``recipes.ppo_ray``). Both have
+    ``actor``, ``critic``, ``reference``, ``rollout``, ``save_hf`` and ``close``."""
+    if cfg.trainer.launcher == "ray":
+        from recipes.ppo_ray import place_on_ray
+
+        return place_on_ray(cfg)
+    roles = build_roles(cfg)
+    return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)
+
+
 def _save(actor, critic, ckpt_dir: str, step: int) -> None:
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step)
     if critic is not None:
         critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step)
-
-
-def build_rollout_role(cfg: PPOConfig, actor, source) -> Rollout:
-    """This rank's rollout engine (``rollout.backend``) wrapped in the ``Rollout`` role, synced
-    from ``actor``; refuses a prompt + response budget the engine cannot hold before any step."""
-    r, lora = cfg.rollout, cfg.engine.model.lora
-    engine = build_rollout(
-        r.backend,
-        RolloutEngineConfig(
-            model_path=cfg.engine.model.path,
-            tokenizer_path=cfg.engine.model.path if source.tokenizer is not None else None,
-            seed=r.seed,
-            max_model_len=r.max_model_len,
-            dtype=r.dtype,
-            lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
-            options=dict(r.options),
-        ),
-    )
-    limit = engine.max_model_len
-    if cfg.data.from_files and limit is not None and cfg.data.max_prompt_length + r.max_new_tokens > limit:
-        engine.shutdown()
-        raise ValueError(
-            f"data.max_prompt_length = {cfg.data.max_prompt_length} + a response of {r.max_new_tokens} tokens > the rollout engine's "
-            f"max_model_len {limit}; fix: lower data.max_prompt_length (data.overlong decides what happens to longer prompts) or "
-            "data.max_response_length, or raise rollout.max_model_len"
-        )
-    lora_settings = {"r": lora.rank, "lora_alpha": lora.alpha} if lora.enabled else None
-    return Rollout(actor, engine, r, stop_token_ids=source.stop_ids or (), stop=r.stop_strings, lora=lora_settings)
 
 
 def validate(source, rollout: Rollout, chunk: int) -> float | None:

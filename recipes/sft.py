@@ -39,6 +39,7 @@ from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.loggers import RunLog
+from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
@@ -69,7 +70,10 @@ class SFTConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def _problems(self) -> list[str]:
-        return data_model_problems(self)
+        out = data_model_problems(self)
+        if self.trainer.launcher == "ray":
+            out += placement_problems(self.trainer.placement, ("actor",))  # SFT's one role
+        return out
 
 
 def load_sft_config(path: str | os.PathLike | None = DEFAULT_CONFIG, overrides: Sequence[str] = ()) -> SFTConfig:
@@ -122,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         argv, prog="python -m recipes.sft", description=__doc__.split("\n\n")[0], config_cls=SFTConfig, default_config=DEFAULT_CONFIG
     )
     cfg = load_sft_config(config_path, overrides)
-    started_dist = init_distributed(cfg.engine.dist_timeout_s)
+    started_dist = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
     try:
         try:
             summary = run(cfg)
@@ -144,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
-    """Train and evaluate with an already-loaded config (``torch.distributed`` as the caller set it up).
+    """Train and evaluate with an already-loaded config (``torch.distributed`` as the caller set
+    it up; with ``trainer.launcher=ray`` the engine's ranks run in Ray workers driven from here).
 
     Raises:
         Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoint saved).
@@ -158,35 +163,26 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     cfg = with_model_path(cfg)
     data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 
-    engine = build_engine(cfg.engine)
-    engine.init_model()
-    engine.set_loss_fn(sft_loss)
-    if cfg.data.batch_size % engine.dp_size:
-        raise ValueError(
-            f"data.batch_size = {cfg.data.batch_size}: not a multiple of the {engine.dp_size} data-parallel ranks; "
-            f"fix: use a multiple of {engine.dp_size}"
-        )
-    val_batches = data.val_batches(engine.dp_size)
-
-    ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
-    start = _maybe_resume(engine, cfg, ckpt_dir)
+    trainer = place_trainer(cfg, data)
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
-    bar = progress_bar(tc, start, rank0, "sft")
-    run_log = open_loggers(cfg, tc, start, rank0, bar)
-    generations = Generations(cfg, data, engine) if tc.log_samples_every else None
+    bar = None
     try:
-        with run_log:
-            losses = _train(engine, cfg, data, val_batches, start, ckpt_dir, run_log, bar, generations)
-            evaluation = _evaluate(engine, val_batches)
+        ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
+        start = _maybe_resume(trainer, cfg, ckpt_dir)
+        bar = progress_bar(tc, start, rank0, "sft")
+        with open_loggers(cfg, tc, start, rank0, bar) as run_log:
+            losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
+            evaluation = trainer.evaluate()
             if evaluation["eval_loss"] is not None:
                 run_log.message(_val_line("final evaluation", evaluation))
+        hf_dir = trainer.save_hf(os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
+        world_size = trainer.world_size()
     finally:
-        bar.close()
-        if generations is not None:
-            generations.close()
+        if bar is not None:
+            bar.close()
+        trainer.close()
         if rank0:
             plot_run(metrics_path, tc.output_dir, f"SFT on {'your data' if cfg.data.from_files else 'digit sorting'}")
-    hf_dir = save_hf(engine, cfg.engine, os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
 
     summary = {
         "steps": tc.total_steps,
@@ -197,7 +193,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         **evaluation,
         "data": data.counts,
         "seconds": round(time.perf_counter() - t0, 2),
-        "world_size": dist.get_world_size() if is_initialized() else 1,
+        "world_size": world_size,
         "metrics_path": metrics_path,
         "model_path": cfg.engine.model.path,
         "hf_dir": hf_dir,
@@ -207,10 +203,93 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     return summary
 
 
+def place_trainer(cfg: SFTConfig, data: SFTData):
+    """The engine's ranks: this process (``trainer.launcher=torchrun``: an :class:`SFTWorker`),
+    or Ray worker groups driven from here (``ray``; ``recipes.sft_ray``) behind the same methods."""
+    if cfg.trainer.launcher == "ray":
+        from recipes.sft_ray import place_on_ray
+
+        return place_on_ray(cfg)
+    return SFTWorker(cfg, data)
+
+
+class SFTWorker:
+    """One rank's side of SFT: the engine, the validation batches and the logged generations,
+    behind the calls the loop makes (``recipes.sft._train``), so the loop is the same whether
+    it runs in this process or drives Ray workers (each of which holds one of these).
+
+    Args:
+        cfg: the config, ``engine.model.path`` filled in.
+        data: the run's data (None: loaded here, as a Ray worker does).
+
+    Raises:
+        ValueError: ``data.batch_size`` not a multiple of the data-parallel ranks.
+    """
+
+    def __init__(self, cfg: SFTConfig, data: SFTData | None = None) -> None:
+        self.cfg = cfg
+        self.data = data if data is not None else SFTData(cfg.data, cfg.engine.model.path, report=False)
+        self.engine = build_engine(cfg.engine)
+        self.engine.init_model()
+        self.engine.set_loss_fn(sft_loss)
+        if cfg.data.batch_size % self.engine.dp_size:
+            raise ValueError(
+                f"data.batch_size = {cfg.data.batch_size}: not a multiple of the {self.engine.dp_size} data-parallel ranks; "
+                f"fix: use a multiple of {self.engine.dp_size}"
+            )
+        self.val_batches = self.data.val_batches(self.engine.dp_size)
+        self.generations = Generations(cfg, self.data, self.engine) if cfg.trainer.log_samples_every else None
+        # SFT alternates with inference only at validation steps, so the model stays in train mode
+        # between them (with an offload policy this moves params/optimizer once per stretch, not
+        # once per step).
+        self._training: contextlib.ExitStack | None = None
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if is_initialized() else 1
+
+    def train_step(self, batch: TensorDict) -> dict[str, Any]:
+        """``engine.train_batch`` on this rank's shard of the global ``batch``; its metrics."""
+        if self._training is None:
+            self._training = contextlib.ExitStack()
+            self._training.enter_context(self.engine.train_mode())
+        return self.engine.train_batch(self.engine.shard_data(batch))
+
+    def _leave_train_mode(self) -> None:
+        if self._training is not None:
+            self._training.close()  # one mode at a time: train mode ends before eval_mode
+            self._training = None
+
+    def has_validation(self) -> bool:
+        return bool(self.val_batches)
+
+    def evaluate(self) -> dict[str, float | None]:
+        """Scores of the validation batches (``_evaluate``)."""
+        self._leave_train_mode()
+        return _evaluate(self.engine, self.val_batches)
+
+    def sample_rows(self, step: int) -> list[dict[str, str]]:
+        """The logged generations at ``step`` (``Generations.rows``)."""
+        return self.generations.rows(step) if self.generations is not None else []
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.engine.save_checkpoint(ckpt_dir, global_step=step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
+
+    def save_hf(self, out_dir: str, fmt: str) -> str:
+        return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
+
+    def close(self) -> None:
+        self._leave_train_mode()
+        if self.generations is not None:
+            self.generations.close()
+
+
 class SFTData:
     """The batches of a run: the sorting task's, or the user's files' (``posttrain.text_data``)."""
 
-    def __init__(self, cfg: DataConfig, model_path: str) -> None:
+    def __init__(self, cfg: DataConfig, model_path: str, report: bool = True) -> None:
         self.cfg = cfg
         self.counts: dict[str, dict[str, int]] = {}
         self.train = self.val = None
@@ -221,7 +300,7 @@ class SFTData:
         self.order = StepOrder(len(self.train), cfg.batch_size, cfg.seed, cfg.shuffle)
         if cfg.val_files:
             self.val = SFTDataset(cfg.val_files, tokenizer, cfg, "data.val_files")
-        self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, rank() == 0)
+        self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, report and rank() == 0)
 
     def batch_at(self, step: int) -> TensorDict:
         """The global batch of training step ``step`` (0-based)."""
@@ -249,18 +328,9 @@ class SFTData:
         return out
 
 
-def _train(
-    engine: BaseEngine,
-    cfg: SFTConfig,
-    data: SFTData,
-    val_batches: list[TensorDict],
-    start: int,
-    ckpt_dir: str,
-    run_log: RunLog,
-    bar,
-    generations: Generations | None = None,
-) -> list[float]:
-    """The loop; returns the loss of every step it ran.
+def _train(trainer, cfg: SFTConfig, data: SFTData, start: int, ckpt_dir: str, run_log: RunLog, bar) -> list[float]:
+    """The loop over ``trainer`` (an :class:`SFTWorker` or its Ray stand-in); returns the loss of
+    every step it ran.
 
     Raises:
         Preempted: after saving the checkpoint of the step a SIGTERM / SIGINT arrived in.
@@ -268,19 +338,13 @@ def _train(
     tc = cfg.trainer
     losses: list[float] = []
     guard = SkipGuard(tc.max_consecutive_skips)
-    # SFT alternates with inference only at validation steps, so the model stays in train mode
-    # between them (with an offload policy this moves params/optimizer once per stretch, not
-    # once per step).
-    training, in_train = contextlib.ExitStack(), False
-    with PreemptionGuard() as preemption, training:
+    validate = bool(tc.val_every) and trainer.has_validation()
+    with PreemptionGuard() as preemption:
         for step in range(start, tc.total_steps):
             batch = data.batch_at(step)
             tokens = int(batch["input_ids"].values().numel())
-            if not in_train:
-                training.enter_context(engine.train_mode())
-                in_train = True
             t_step = time.perf_counter()
-            m = engine.train_batch(engine.shard_data(batch))
+            m = trainer.train_step(batch)
             seconds = time.perf_counter() - t_step
             loss = float(m["loss"])
             losses.append(loss)
@@ -296,12 +360,10 @@ def _train(
             }
             if data.train is not None:
                 record["epoch"] = data.order.epoch(step)
-            if generations is not None and (step + 1) % tc.log_samples_every == 0:
-                run_log.log_samples(step + 1, generations.rows(step + 1))
-            if tc.val_every and (step + 1) % tc.val_every == 0 and val_batches:
-                training.close()  # leave train mode before eval_mode (one mode at a time)
-                in_train = False
-                scores = _evaluate(engine, val_batches)
+            if tc.log_samples_every and (step + 1) % tc.log_samples_every == 0:
+                run_log.log_samples(step + 1, trainer.sample_rows(step + 1))
+            if validate and (step + 1) % tc.val_every == 0:
+                scores = trainer.evaluate()
                 record.update({f"val/{k[len('eval_') :]}": v for k, v in scores.items()})
                 run_log.message(_val_line(f"validation at step {step + 1}", scores))
             run_log.log(step + 1, record)
@@ -310,11 +372,11 @@ def _train(
             guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
             saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
             if saved:
-                engine.save_checkpoint(ckpt_dir, global_step=step + 1)
+                trainer.save_checkpoint(ckpt_dir, step + 1)
             signum = preemption.stop_requested()
             if signum is not None:
                 if not saved:
-                    engine.save_checkpoint(ckpt_dir, global_step=step + 1)
+                    trainer.save_checkpoint(ckpt_dir, step + 1)
                 raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
     return losses
 
@@ -456,7 +518,7 @@ def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- setup
-def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
+def _maybe_resume(trainer, cfg: SFTConfig, ckpt_dir: str) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
     resuming (``posttrain.trainer_utils.load_newest_valid``)."""
     if not cfg.trainer.resume:
@@ -466,7 +528,7 @@ def _maybe_resume(engine: BaseEngine, cfg: SFTConfig, ckpt_dir: str) -> int:
         if rank() == 0:
             print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)
         return 0
-    step = load_newest_valid(candidates, lambda path: int(engine.load_checkpoint(path, del_local_after_load=False)), rank() == 0)
+    step = load_newest_valid(candidates, trainer.load_checkpoint, rank() == 0)
     if step >= cfg.trainer.total_steps and rank() == 0:
         print(f"trainer.resume: checkpoint is at step {step} >= trainer.total_steps = {cfg.trainer.total_steps}; nothing to train")
     return step

@@ -1,0 +1,48 @@
+"""What an RL run's roles are and how its rollout role is built: shared by the recipe
+(``recipes.ppo``, every role in this process) and its Ray workers (``recipes.ppo_ray``)."""
+
+from __future__ import annotations
+
+from engine_api.rollout import RolloutEngineConfig
+from engine_api.rollout_registry import build_rollout
+from posttrain.placement import placement_problems
+from roles.rollout import Rollout
+
+
+def rl_roles(cfg) -> tuple[str, ...]:
+    """The roles of an RL run, the actor first."""
+    return ("actor", *(("reference",) if cfg.actor.kl_coef else ()), *(("critic",) if cfg.algo.advantage == "gae" else ()), "rollout")
+
+
+def rl_placement_problems(cfg) -> list[str]:
+    """``trainer.placement`` checked against this run's roles (before Ray starts)."""
+    shared = {"reference": "actor"} if cfg.engine.model.lora.enabled else {}
+    return placement_problems(cfg.trainer.placement, rl_roles(cfg), shared)
+
+
+def build_rollout_role(cfg, actor, source) -> Rollout:
+    """This rank's rollout engine (``rollout.backend``) wrapped in the ``Rollout`` role, synced
+    from ``actor``; refuses a prompt + response budget the engine cannot hold before any step."""
+    r, lora = cfg.rollout, cfg.engine.model.lora
+    engine = build_rollout(
+        r.backend,
+        RolloutEngineConfig(
+            model_path=cfg.engine.model.path,
+            tokenizer_path=cfg.engine.model.path if source.tokenizer is not None else None,
+            seed=r.seed,
+            max_model_len=r.max_model_len,
+            dtype=r.dtype,
+            lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
+            options=dict(r.options),
+        ),
+    )
+    limit = engine.max_model_len
+    if cfg.data.from_files and limit is not None and cfg.data.max_prompt_length + r.max_new_tokens > limit:
+        engine.shutdown()
+        raise ValueError(
+            f"data.max_prompt_length = {cfg.data.max_prompt_length} + a response of {r.max_new_tokens} tokens > the rollout engine's "
+            f"max_model_len {limit}; fix: lower data.max_prompt_length (data.overlong decides what happens to longer prompts) or "
+            "data.max_response_length, or raise rollout.max_model_len"
+        )
+    lora_settings = {"r": lora.rank, "lora_alpha": lora.alpha} if lora.enabled else None
+    return Rollout(actor, engine, r, stop_token_ids=source.stop_ids or (), stop=r.stop_strings, lora=lora_settings)
