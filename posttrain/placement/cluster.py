@@ -9,8 +9,8 @@
 2. ``spawn`` starts one ``Worker`` per bundle of a pool and joins them into the pool's own
    ``torch.distributed`` world (rank 0 picks the address).
 3. ``call`` / ``call_many`` run a method on every rank of one or several groups at once and
-   return rank 0's result. Arguments are put into Ray's object store once and fetched by every
-   worker (zero-copy on a node for tensors); a worker process that dies tears every group down
+   return rank 0's result. Tensor arguments are put into Ray's object store once (held once per
+   node) and read by every worker; a worker process that dies tears every group down
    and raises ``WorkerDied`` naming the pool, its roles and the rank; an exception raised in
    the workers is re-raised on the driver as itself, after the other ranks of the call finished
    (at most ``engine.dist_timeout_s`` later: their collectives time out), with the rank in a note.

@@ -243,3 +243,15 @@ def test_vllm_rollout_on_its_own_pool_samples_from_the_current_weights(layout, t
         assert row["rollout/logprob_abs_diff_max"] <= 1e-4 and row["rollout/weight_version_lag"] == 0, row
         assert row["rollout/sync_mb"] > 0 and row["actor_grad_norm"] > 0, row
     assert {r["pool"] for r in _placement(tmp_path)} == {"train", "gen"}
+
+
+def test_an_error_raised_in_the_workers_reaches_the_driver_as_itself(tmp_path):
+    """Bad input found on the ranks (here a batch that does not split over 2 data-parallel
+    ranks) is the same ValueError, with the same fix, as under torchrun, plus where it was raised."""
+    from recipes.sft import main
+
+    args = ["--config", "configs/sft_tiny.yaml", "trainer.launcher=ray", HALF_CPU, "trainer.placement.pools.main=2", "data.batch_size=3"]
+    with pytest.raises(ValueError) as err:
+        main([*args, f"trainer.output_dir={tmp_path}"])
+    assert "data.batch_size = 3: not a multiple of the 2 data-parallel ranks; fix: use a multiple of 2" in str(err.value)
+    assert any("raised in the actor rank" in note and "of pool 'main'" in note for note in err.value.__notes__)
