@@ -18,7 +18,8 @@ import torch.distributed as dist
 from posttrain.export import save_hf
 from posttrain.placement.cluster import RayCluster
 from posttrain.placement.remote import RemoteRole, RemoteRollout
-from posttrain.placement.transfer import ReceivedWeights, TransferGroup, open_transfer_store, send_weights
+from posttrain.placement.transfer import ReceivedWeights, TransferGroup, send_weights
+from posttrain.placement.worker import master_store
 from posttrain.tasks import build_task
 from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles
 from roles.factory import build_roles
@@ -36,8 +37,8 @@ class RLHost:
 
     Args:
         cfg: the recipe config (``engine.model.path`` filled in by the driver).
-        hosted: the roles placed on this pool.
-        rollout_with_actor: the rollout is on this pool and syncs from the actor in process.
+        hosted: the roles placed on this pool (a rollout hosted with the actor syncs from it in
+            process; without it, from the transfer group, built in ``join_transfer``).
     """
 
     def __init__(self, cfg, hosted: tuple[str, ...]) -> None:
@@ -56,7 +57,7 @@ class RLHost:
         """Actor rank 0: open the transfer group's store; its address (None elsewhere)."""
         if dist.get_rank() != 0:
             return None
-        self._store, addr, port = open_transfer_store(size, timeout_s)
+        self._store, addr, port = master_store(size, timeout_s)
         return addr, port
 
     def join_transfer(self, addr: str, port: int, size: int, timeout_s: float) -> None:

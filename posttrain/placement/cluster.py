@@ -96,6 +96,7 @@ class RayCluster:
         self._pgs: dict[str, Any] = {}
         self._started_ray = False
         self._closed = False
+        self._bundle: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ setup
     def __enter__(self) -> RayCluster:
@@ -109,6 +110,7 @@ class RayCluster:
                 kwargs["address"] = self.address
             ray.init(**kwargs)
         try:
+            self._bundle = self._worker_bundle()
             self._check_resources()
             self._reserve()
         except BaseException:
@@ -119,19 +121,14 @@ class RayCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _gpus_per_worker(self) -> float:
-        """``placement.gpus_per_worker``; null: 1 when the cluster has GPUs (the driver's own
-        node may have none), else 0."""
+    def _worker_bundle(self) -> dict[str, float]:
+        """What one worker reserves: ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs
+        (null: 1 when the cluster has GPUs, since the driver's own node may have none)."""
         import ray
 
         g = self.placement.gpus_per_worker
-        return (1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0) if g is None else float(g)
-
-    def _bundle(self) -> dict[str, float]:
-        bundle = {"CPU": float(self.placement.cpus_per_worker)}
-        if self._gpus_per_worker():
-            bundle["GPU"] = self._gpus_per_worker()
-        return bundle
+        gpus = (1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0) if g is None else float(g)
+        return {"CPU": float(self.placement.cpus_per_worker), **({"GPU": gpus} if gpus else {})}
 
     def _check_resources(self) -> None:
         """Refuse a placement the cluster cannot hold, naming what is missing."""
@@ -139,7 +136,7 @@ class RayCluster:
 
         sizes = self.placement.pool_sizes()
         used = {p: sizes[p] for p in self.pools_roles}
-        bundle = self._bundle()
+        bundle = self._bundle
         available = ray.available_resources()
         nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         where = "the local Ray instance" if self.address is None else f"the Ray cluster at {self.address}"
@@ -165,14 +162,14 @@ class RayCluster:
 
         sizes = self.placement.pool_sizes()
         for pool in self.pools_roles:
-            self._pgs[pool] = placement_group([self._bundle()] * sizes[pool], strategy=self.placement.strategy, name="")
+            self._pgs[pool] = placement_group([self._bundle] * sizes[pool], strategy=self.placement.strategy, name="")
         waiting = {pool: pg.ready() for pool, pg in self._pgs.items()}
         ready, _ = ray.wait(list(waiting.values()), num_returns=len(waiting), timeout=self.placement.ready_timeout_s)
         late = [pool for pool, ref in waiting.items() if ref not in ready]
         if late:
             raise ValueError(
                 f"trainer.placement: the Ray cluster did not grant pool(s) {late} ({self.placement.strategy}, "
-                f"{self._bundle()} per worker) within placement.ready_timeout_s = {self.placement.ready_timeout_s:g} s; fix: "
+                f"{self._bundle} per worker) within placement.ready_timeout_s = {self.placement.ready_timeout_s:g} s; fix: "
                 "a strategy the nodes can satisfy (STRICT_SPREAD needs a node per worker, STRICT_PACK one node for the pool), "
                 "fewer workers, or more nodes"
             )
@@ -188,7 +185,7 @@ class RayCluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         size = self.placement.pool_sizes()[pool]
-        bundle = self._bundle()
+        bundle = self._bundle
         env = {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
         threads = max(1, int(self.placement.cpus_per_worker))
         actor_cls = ray.remote(Worker)

@@ -36,7 +36,7 @@ class TransferGroup:
     """A process group of ``size`` ranks outside the default world.
 
     Args:
-        addr, port: the sender's store (``open_transfer_store``).
+        addr, port: the sender's store (``posttrain.placement.worker.master_store``).
         rank, size: this process's place (0: the sender).
         timeout_s: collective timeout (``engine.dist_timeout_s``).
         store: the sender's own store object (rank 0 only).
@@ -65,15 +65,6 @@ class TransferGroup:
     def close(self) -> None:
         self.pg = None
         self._store = None
-
-
-def open_transfer_store(size: int, timeout_s: float) -> tuple[dist.TCPStore, str, int]:
-    """The sender's store on a free port of this node, with its address."""
-    import ray
-
-    ip = ray.util.get_node_ip_address()
-    store = dist.TCPStore(ip, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, ip, store.port
 
 
 def send_weights(pairs: Iterable[tuple[str, torch.Tensor]], group: TransferGroup | None, bucket_mb: float | None) -> float:

@@ -29,6 +29,16 @@ def resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def master_store(size: int, timeout_s: float) -> tuple[dist.TCPStore, str, int]:
+    """A ``TCPStore`` master for ``size`` processes on a free port of this node (the OS picks
+    it: never a fixed port), with the node's address and that port."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    store = dist.TCPStore(ip, 0, size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, ip, store.port
+
+
 class Worker:
     """One rank of a worker group. Created by the cluster as a Ray actor (this module does not
     import Ray; ``node`` asks it at call time).
@@ -57,11 +67,8 @@ class Worker:
 
     def open_store(self, timeout_s: float) -> tuple[str, int]:
         """Rank 0: open the group's rendezvous store on a free port of this node; its address."""
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(ip, 0, self.world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        return ip, self._store.port
+        self._store, ip, port = master_store(self.world_size, timeout_s)
+        return ip, port
 
     def join_world(self, addr: str, port: int, timeout_s: float) -> None:
         """Join the group's process group through rank 0's store (collective over the group)."""
