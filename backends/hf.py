@@ -138,20 +138,76 @@ def attach_router_recorder(model: nn.Module, reduce_counts) -> RoutingRecorder |
     The routers are the modules HF itself records ``router_logits`` from (the model's
     ``_can_record_outputs["router_logits"]``: a class and the index of the logits in its
     output), so any HF MoE family that declares them is covered; a global layer index is read
-    from the module path (``layers.<i>.``).
+    from the module path (``layers.<i>.``). Replay (``engine_api.moe``) rewrites the router's
+    output ``(logits, top-k weights, top-k indices)`` (:func:`replayed_router_output`).
     """
     spec = RouterSpec.from_hf_config(model.config)
-    target = getattr(model, "_can_record_outputs", None) or {}
-    target = target.get("router_logits")
-    if spec is None or target is None:
+    routers, index = router_modules(model)
+    if spec is None or not routers:
         return None
+    recorder = RoutingRecorder(spec, model.config.num_hidden_layers, reduce_counts, moe_layers=[layer for layer, _ in routers])
+    for layer, module in routers:
+        module.register_forward_hook(lambda mod, args, out, layer=layer: _route(recorder, layer, out, index))
+    return recorder
+
+
+def router_modules(model: nn.Module) -> tuple[list[tuple[int, nn.Module]], int]:
+    """``([(layer index, router module)] in layer order, index of the logits in its output)``
+    of an HF MoE model: the modules HF records ``router_logits`` from
+    (``_can_record_outputs``); ``([], 0)`` for a model that declares none."""
+    target = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if target is None:
+        return [], 0
     cls, index = (target.target_class, target.index) if hasattr(target, "target_class") else (target, 0)
-    recorder = RoutingRecorder(spec, model.config.num_hidden_layers, reduce_counts)
+    routers = []
     for name, module in model.named_modules():
         match = re.search(r"layers\.(\d+)\.", name)
         if isinstance(module, cls) and match:
-            layer = int(match.group(1))
-            module.register_forward_hook(
-                lambda mod, args, out, layer=layer: recorder.record(layer, out[index] if isinstance(out, tuple) else out)
-            )
-    return recorder
+            routers.append((int(match.group(1)), module))
+    return sorted(routers, key=lambda item: item[0]), index
+
+
+def _route(recorder: RoutingRecorder, layer: int, out, index: int):
+    """The router hook: record, and replace the output's routing when the recorder replays."""
+    logits = out[index] if isinstance(out, tuple) else out
+    natural = out[2] if isinstance(out, tuple) and len(out) == 3 else None
+    routed = recorder.observe(layer, logits, natural)
+    out = out if routed is None else replayed_router_output(out, routed, layer)
+    if isinstance(out, tuple) and len(out) == 3:  # what the experts get (the block passes it on)
+        recorder.used(layer, torch.zeros_like(logits, dtype=torch.bool).reshape(-1, logits.shape[-1]).scatter_(1, out[2].long(), True))
+    return None if routed is None else out
+
+
+def replayed_router_output(out, routed: torch.Tensor, layer: int) -> tuple:
+    """An HF top-k router's output ``(logits, weights, indices)`` with the indices ``routed``
+    and the weights the router gives those experts: its softmax probabilities at them,
+    renormalised over them when the router renormalises (which is read off its own output: the
+    weights it returned for its own choice equal one of the two), in its weights' dtype.
+
+    Raises:
+        RuntimeError: the router's output is not that triple, or its weights are neither form
+            (a router this replay cannot reproduce, e.g. sigmoid scores with a bias).
+    """
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise RuntimeError(
+            f"router replay: the router of layer {layer} returns {type(out).__name__}, not (logits, top-k weights, top-k indices); "
+            "fix: actor.router_replay=off for this model family"
+        )
+    logits, weights, chosen = out
+    probs = torch.softmax(logits.float(), dim=-1)
+    own = probs.gather(1, chosen.long())
+    renormalised = own / own.sum(-1, keepdim=True)
+    tol = 1e-5 if weights.dtype == torch.float32 else 1e-2
+    if torch.allclose(weights.float(), own, rtol=tol, atol=tol):
+        renorm = False
+    elif torch.allclose(weights.float(), renormalised, rtol=tol, atol=tol):
+        renorm = True
+    else:
+        raise RuntimeError(
+            f"router replay: the router of layer {layer} weighs its experts neither by the softmax probabilities nor by them "
+            "renormalised over its top-k, so replayed experts cannot be given its weights; fix: actor.router_replay=off for this model family"
+        )
+    picked = probs.gather(1, routed)
+    if renorm:
+        picked = picked / picked.sum(-1, keepdim=True)
+    return logits, picked.to(weights.dtype), routed.to(chosen.dtype)

@@ -259,6 +259,12 @@ class BaseEngine(abc.ABC):
         """The data-parallel process group (None: the default group, or no distributed run)."""
 
     @property
+    def is_moe(self) -> bool:
+        """Whether the model routes tokens to experts (its step has a routing recorder):
+        batches may then ask for routing replay and recording (``engine_api.moe``)."""
+        return self._step_spec().router is not None
+
+    @property
     def is_output_rank(self) -> bool:
         """Whether :meth:`forward_backward_step` returns predictions on this rank. True by
         default; a pipeline-parallel backend may return them only where they are produced

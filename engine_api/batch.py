@@ -493,6 +493,9 @@ METADATA_RULES = {
     "calculate_entropy": (lambda v: isinstance(v, bool), "True or False"),
     # Forward-only calls of a LoRA engine: run the base weights (the adapters bypassed).
     "disable_adapters": (lambda v: isinstance(v, bool), "True or False"),
+    # MoE routing (engine_api.moe, "Routing replay"): route by the batch's routed_experts; return the router's own.
+    "replay_routing": (lambda v: isinstance(v, bool), "True or False"),
+    "return_routing": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 

@@ -14,7 +14,8 @@ walks through them. Groups:
   ``build_lr_scheduler``;
 * the data protocol: ``pack`` / ``unpack`` / ``pad`` / ``unpad``, ``relayout``, ``to_device``,
   ``token_log_probs``, ``token_entropy``, ``align_to_tokens``, ``temperature_of`` /
-  ``wants_entropy``; MoE routing: ``RouterSpec``, ``RoutingRecorder``;
+  ``wants_entropy``; MoE routing: ``RouterSpec``, ``RoutingRecorder``, ``ROUTING_FIELD``,
+  ``NOT_ROUTED``, ``wants_routing`` (a micro-batch's replay / recording request);
 * processes and placement: ``compute_device``, ``ensure_process_group``,
   ``process_group_timeout``, ``group_rank`` / ``group_size``, ``all_reduce``, ``barrier``,
   ``broadcast_tensors`` (tensor collectives only); ``relocate_module`` / ``relocate_state``;
@@ -48,13 +49,13 @@ from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.microbatch import make_micro_batches
-from engine_api.moe import RouterSpec, RoutingRecorder
+from engine_api.moe import NOT_ROUTED, ROUTING_FIELD, RouterSpec, RoutingRecorder
 from engine_api.offload import relocate_module, relocate_state
 from engine_api.optim import build_adamw
 from engine_api.registry import register_engine, unregister_engine
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
-from engine_api.step import CallState, StepSpec, forward_backward_loop, validate_call
+from engine_api.step import CallState, StepSpec, forward_backward_loop, validate_call, wants_routing
 
 
 def temperature_of(micro_batch: TensorDict) -> float:
@@ -77,6 +78,7 @@ __all__ = [
     "DeferredNormalizer", "RETURN_PREDICTIONS", "build_adamw", "build_lr_scheduler",
     "pack", "unpack", "pad", "unpad", "relayout", "to_device", "make_batch", "validate_batch", "loss_mask_of", "token_log_probs",
     "token_entropy", "align_to_tokens", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
+    "ROUTING_FIELD", "NOT_ROUTED", "wants_routing",
     "compute_device", "ensure_process_group", "process_group_timeout", "is_initialized", "group_rank", "group_size", "all_reduce",
     "barrier", "broadcast_tensors", "relocate_module", "relocate_state",
     "ckpt_layout", "CorruptCheckpointError",

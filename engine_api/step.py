@@ -22,7 +22,7 @@ from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
 from engine_api.losses import DeferredNormalizer, LossFn, backward_scale, build_norm_context
 from engine_api.microbatch import make_micro_batches
-from engine_api.moe import RoutingRecorder
+from engine_api.moe import ROUTING_FIELD, RoutingRecorder, check_routing
 
 ForwardFn = Callable[[TensorDict], TensorDict]
 # ``ctx`` key of a training ``forward_backward_step``: False lets the backend skip assembling the
@@ -93,6 +93,7 @@ def validate_call(
     max_positions: int | None,
     group: dist.ProcessGroup | None = None,
     max_positions_reason: str = "the model's max_position_embeddings",
+    router: RoutingRecorder | None = None,
 ) -> None:
     """Every per-call input check of ``forward_backward_step`` that reads only the batch and
     the config (``validate_batch`` with the vocabulary and the sequence-length limit), agreed
@@ -106,6 +107,7 @@ def validate_call(
     error = None
     try:
         validate_batch(batch, vocab_size=vocab_size, max_seq_len=limit, max_seq_len_field=field)
+        validate_routing(batch, router)
     except ValueError as exc:
         error = exc
     if group_size(group) == 1:
@@ -120,6 +122,33 @@ def validate_call(
         raise error
     rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
     raise ValueError(f"rank {rank} got an invalid batch, so every rank stops: {message}")
+
+
+def validate_routing(batch: TensorDict, router: RoutingRecorder | None) -> None:
+    """The routing metadata and field (``engine_api.moe``, "Routing replay") against the
+    model: replay needs a recorded routing, both switches need an MoE model, and the field
+    must have the model's MoE layers, top-k and experts."""
+    replay = "replay_routing" in batch.keys() and batch.get_non_tensor("replay_routing")
+    wants = replay or ("return_routing" in batch.keys() and batch.get_non_tensor("return_routing"))
+    if wants and router is None:
+        switch = "replay_routing" if replay else "return_routing"
+        raise ValueError(f"batch metadata {switch} = True: the model has no MoE layers to route; fix: drop it for a dense model")
+    if replay and ROUTING_FIELD not in batch.keys():
+        raise ValueError(
+            f"batch metadata replay_routing = True but the batch has no {ROUTING_FIELD!r} field; fix: add the recorded routing "
+            "(a forward's outputs with return_routing=True, or the rollout's routing), or drop replay_routing"
+        )
+    if router is not None and ROUTING_FIELD in batch.keys():
+        spec = router.spec
+        check_routing(batch[ROUTING_FIELD], ROUTING_FIELD, router.num_moe_layers, spec.top_k, spec.num_experts)
+
+
+def wants_routing(mb: TensorDict) -> tuple[torch.Tensor | None, bool, bool]:
+    """A micro-batch's routing request: ``(recorded routing values or None, replay, record)``."""
+    routing = mb[ROUTING_FIELD].values() if ROUTING_FIELD in mb.keys() else None
+    replay = bool(mb.get_non_tensor("replay_routing", False)) if "replay_routing" in mb.keys() else False
+    record = bool(mb.get_non_tensor("return_routing", False)) if "return_routing" in mb.keys() else False
+    return routing, replay, record
 
 
 @dataclass
@@ -203,7 +232,13 @@ def forward_backward_loop(
     """
     cfg = spec.config
     validate_call(
-        batch, cfg, spec.vocab_size, spec.max_positions, None if spec.validate_over_world else spec.dp_group, spec.max_positions_reason
+        batch,
+        cfg,
+        spec.vocab_size,
+        spec.max_positions,
+        None if spec.validate_over_world else spec.dp_group,
+        spec.max_positions_reason,
+        spec.router,
     )
     if not forward_only and "disable_adapters" in batch.keys() and batch.get_non_tensor("disable_adapters"):
         raise ValueError(
@@ -226,7 +261,11 @@ def forward_backward_loop(
     if routed:
         tokens = torch.tensor([float(batch["input_ids"].offsets()[-1])], dtype=torch.float64, device=comm_device(spec.dp_group))
         spec.router.start_call(float(all_reduce(tokens, "sum", spec.dp_group)))
+    elif spec.router is not None:
+        spec.router.start_call(0.0, training=False)  # replay / recording only: nothing counted
     outputs, total = runner(spec, state)
+    if spec.router is not None and not routed:
+        spec.router.end_call(lambda x: x)
     if routed:
         metrics, counts = spec.router.end_call(
             lambda x: float(all_reduce(torch.tensor([x], dtype=torch.float64, device=comm_device(spec.dp_group)), "sum", spec.dp_group))

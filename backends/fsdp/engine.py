@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, buil
 from backends.fsdp.options import FSDPOptions
 from backends.hf import attach_router_recorder
 from engine_api.kit import (
+    ROUTING_FIELD,
     BaseEngine,
     StepSpec,
     all_reduce,
@@ -33,6 +35,8 @@ from engine_api.kit import (
     ensure_process_group,
     options_of,
     register_engine,
+    unpack,
+    wants_routing,
 )
 
 
@@ -122,10 +126,16 @@ class FSDPEngine(BaseEngine):
     def _forward(self, mb: TensorDict) -> TensorDict:
         self._forward_ran = True
         # mb is already on the compute device (the loop moved it).
-        rows = self.router.begin if self.router is not None and torch.is_grad_enabled() else None
+        routing, replay, record = wants_routing(mb)
+        rows = None
+        if self.router is not None and (torch.is_grad_enabled() or routing is not None or record):
+            rows = partial(self.router.begin, routing=routing, replay=replay, record=record)
         base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
         with adapters_off(self.model) if base_only else contextlib.nullcontext():
-            return hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
+            out = hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
+        if record:  # the router's own routing of every token (engine_api.moe, "Routing replay")
+            out.set(ROUTING_FIELD, unpack(self.router.recorded().to(mb["input_ids"].device), mb["input_ids"]))
+        return out
 
     def _zero_grad(self) -> None:
         # Also FSDP2's per-iteration state, which a call that raised part-way (e.g. in the loss

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 
 def hf_forward(
-    model: nn.Module, mb: TensorDict, head: str, remove_padding: bool, on_rows: Callable[[torch.Tensor], None] | None = None
+    model: nn.Module, mb: TensorDict, head: str, remove_padding: bool, on_rows: Callable[[int, torch.Tensor], None] | None = None
 ) -> TensorDict:
     """Per-token outputs of micro-batch ``mb`` (jagged ``input_ids`` on the model's device).
 
@@ -31,10 +31,16 @@ def hf_forward(
     HF starts a new sequence wherever the positions restart: one row with flash-attn's varlen
     kernels, else the rows of :func:`packed_rows`. Otherwise a right-padded batch with an
     attention mask.
+
+    ``on_rows(rows, token_rows)`` is called before the model runs with the layout's row count
+    (tokens of all its rows) and, for each real token in packed order, its row: what an MoE
+    routing recorder needs (``engine_api.moe.RoutingRecorder.begin``).
     """
     ids = mb["input_ids"]
     packed = pack(ids)
     if remove_padding and _varlen_kernels(model):
+        if on_rows is not None:
+            on_rows(packed.input_ids.numel(), torch.arange(packed.input_ids.numel(), device=ids.device))
         out = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
         flat = out.logits[0]
     elif remove_padding:
@@ -43,17 +49,14 @@ def hf_forward(
         # (measured: benchmarks/packing.py).
         rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
         if on_rows is not None:
-            real = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
-            if index is not None:
-                real = torch.zeros_like(real).index_fill_(0, index, True)
-            on_rows(real)
+            on_rows(rows.numel(), torch.arange(rows.numel(), device=rows.device) if index is None else index)
         out = model(input_ids=rows, position_ids=pos, use_cache=False)
         flat = out.logits.flatten(0, 1)
         flat = flat if index is None else flat[index]  # back to packed order
     else:
         padded, mask = pad(ids)
         if on_rows is not None:
-            on_rows(mask.reshape(-1))
+            on_rows(mask.numel(), mask.reshape(-1).nonzero().squeeze(1))
         out = model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
         flat = out.logits[mask]  # back to packed order
     if head == "value":

@@ -431,6 +431,9 @@ def _moe_config_kwargs(arch: ArchInfo) -> dict:
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=False,
+        # Gives every router a RouterReplay; idle (the router's own top-k) unless the engine
+        # hands it indices (backends.megatron.routing; engine_api.moe, "Routing replay").
+        moe_enable_routing_replay=True,
     )
 
 

@@ -57,7 +57,9 @@ are ``torch.cuda.FloatTensor``. :func:`enable` installs:
   ``backward`` (measured: the mode stack is empty there), so the ``backward`` of megatron's
   communication Functions (``tensor_parallel.mappings``, ``moe.moe_utils``; e.g. the
   all-to-all of expert parallelism allocates its output with ``device=current_device()``)
-  runs with the mode entered again.
+  and of ``tensor_parallel.random``'s ``CheckpointFunction`` (activation recomputation reruns
+  the layer's forward there, and the MoE router's ``gating`` moves its weight to
+  ``current_device()``) runs with the mode entered again.
 
 Every redirected call site (file:function) is recorded in :data:`SITES`, so
 ``tests/backends/test_megatron.py::test_compat_layer_sees_only_known_cuda_call_sites`` (its list is
@@ -156,7 +158,9 @@ def _table(mode: TorchFunctionMode) -> dict[str, tuple[object, str, object]]:
     }
     if "te_general_gemm" not in vars(moe_utils):  # bound by megatron only when TE imports
         table[f"{moe_utils.__name__}.te_general_gemm"] = (moe_utils, "te_general_gemm", None)
-    for module in (mappings, moe_utils):
+    # mrandom: CheckpointFunction's backward reruns the layer's forward (activation
+    # recomputation), whose MoE router moves its weight to current_device().
+    for module in (mappings, moe_utils, mrandom):
         for value in list(vars(module).values()):
             if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
                 backward = vars(value)["backward"].__func__

@@ -52,8 +52,9 @@ from backends.megatron.model import (
 )
 from backends.megatron.offload import StorageOffloader
 from backends.megatron.options import MegatronOptions
-from backends.megatron.routing import attach_router_recorder, router_mask
+from backends.megatron.routing import attach_router_recorder, router_rows
 from engine_api.kit import (
+    ROUTING_FIELD,
     BaseEngine,
     CallState,
     RouterSpec,
@@ -72,6 +73,7 @@ from engine_api.kit import (
     token_entropy,
     token_log_probs,
     unpack,
+    wants_routing,
 )
 
 
@@ -101,7 +103,9 @@ class MegatronEngine(BaseEngine):
         chunks = build_chunks(self.tconfig, self.arch, cfg)
         # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).
         router_spec = RouterSpec.from_hf_config(hf_config) if self.arch.is_moe else None
-        self.router = attach_router_recorder(chunks, router_spec, self.arch.num_layers, self.tconfig.sequence_parallel)
+        self.router = attach_router_recorder(
+            chunks, router_spec, self.arch.num_layers, self.tconfig.sequence_parallel, moe_layers=self.arch.moe_layers
+        )
         load_hf_weights(chunks, read_hf_state(cfg.model.path, cfg.model.head, cfg.seed), self.arch)
         if cfg.frozen:
             for chunk in chunks:
@@ -259,7 +263,23 @@ class MegatronEngine(BaseEngine):
             micro_batch_size=1 if self.packed else max(mb.batch_size[0] for mb in micro),
             forward_only=state.forward_only,
         )
-        return self._collect(store, state.ctx, keep=state.keep)
+        outputs, local = self._collect(store, state.ctx, keep=state.keep)
+        if outputs is not None and self.router is not None and wants_routing(micro[0])[2]:
+            self._attach_routing(outputs, micro)
+        return outputs, local
+
+    def _attach_routing(self, outputs: list, micro: list) -> None:
+        """Add each micro-batch's recorded routing (``return_routing``) to its outputs: every
+        rank recorded the layers and tokens it routes (its pipeline stage, its sequence-
+        parallel slice; -1 elsewhere), so one max all-reduce over the model-parallel group
+        gives every rank the whole routing."""
+        parts = [self.router.recorded(key=id(mb)) for mb in micro]
+        flat = torch.cat(parts).to(self.device)
+        if dist.get_world_size(mpu.get_model_parallel_group()) > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+        for out, values in zip(outputs, flat.cpu().split([p.shape[0] for p in parts]), strict=True):
+            offsets = out.get(next(k for k in out.keys() if isinstance(out.get(k), torch.Tensor) and out.get(k).is_nested)).offsets()
+            out.set(ROUTING_FIELD, torch.nested.nested_tensor_from_jagged(values, offsets))
 
     def _packs(self, mb: TensorDict) -> bool:
         """Whether ``mb`` runs as one packed row (else padded rows). Under PP the call's layout
@@ -310,8 +330,11 @@ class MegatronEngine(BaseEngine):
     def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn, keep):
         mb = next(data_iterator)
         tokens, positions, mask, real = self._inputs(mb)
-        if self.router is not None and not forward_only:
-            self.router.begin(router_mask(real, self.tconfig.sequence_parallel))
+        routing, replay, record = wants_routing(mb)
+        if self.router is not None and (not forward_only or routing is not None or record):
+            rows, token_rows = router_rows(real, self.tconfig.sequence_parallel)
+            # keyed by the micro-batch: with virtual pipelining its forward comes in chunks
+            self.router.begin(rows, token_rows, routing, replay, record, key=id(mb))
         output = model(tokens, positions, attention_mask=mask)
         return output, partial(
             self._loss_func,
