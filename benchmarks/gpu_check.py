@@ -3,7 +3,10 @@
 On a GPU machine it runs, each step in its own process so one failure does not hide the others:
 
 1. ``pytest -m gpu``: bf16 FSDP vs fp32 HF, bf16 FSDP vs Megatron one step (dense and Qwen3-MoE at
-   EP=1), the offload device-memory test, and every other ``gpu``-marked test;
+   EP=1), the offload device-memory test, vLLM's routed experts (router replay R3) against HF's own
+   ``router_logits``, and every other ``gpu``-marked test; the tests of ``NAMED_GPU_TESTS`` get a
+   row of their own in the report (passed / skipped and why / failed / not run), so a GPU-only
+   path that was skipped or never collected shows by name, not only in the counts;
 2. ``benchmarks.gpu_throughput``: tokens/s and MFU of the ~0.9B model on both backends;
 3. ``benchmarks.gather`` is CPU/gloo; the NCCL gather needs two GPUs (one rank per GPU) and is
    reported as skipped on a one-GPU machine.
@@ -34,6 +37,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONAL = ("transformer_engine", "flash_attn")
+# report row -> the gpu-marked test file whose outcome it names (run inside ``pytest -m gpu``)
+NAMED_GPU_TESTS = {"vLLM routed experts (R3) vs HF router_logits": "tests/rollout/test_vllm_routing.py"}
+# pytest -rA short-summary outcomes, the worst first (a file's row takes its worst test's)
+_OUTCOMES = ("FAILED", "ERROR", "XPASS", "PASSED", "XFAIL", "SKIPPED")
 
 
 def environment() -> dict:
@@ -58,15 +65,37 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str, float]:
         return 124, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}", time.perf_counter() - start
 
 
+def named_outcomes(log: str) -> list[dict]:
+    """One row per ``NAMED_GPU_TESTS`` entry from ``pytest -rA``'s short summary: its file's worst
+    outcome (``skipped`` with pytest's reason), or ``not run`` where none of its tests appear."""
+    rows = []
+    for case, path in NAMED_GPU_TESTS.items():
+        seen = {}
+        for line in log.splitlines():
+            word = line.split(" ", 1)[0]
+            if word in _OUTCOMES and path in line:
+                # ``SKIPPED [1] path:line: reason``; the others: ``WORD path::test[ - message]``
+                seen.setdefault(word, line.split(path, 1)[1].split(": ", 1)[-1] if word == "SKIPPED" else "")
+        worst = next((w for w in _OUTCOMES if w in seen), None)
+        row = {"case": case, "outcome": worst.lower() if worst else "not run"}
+        if worst == "SKIPPED":
+            row["reason"] = seen[worst].strip()
+        rows.append(row)
+    return rows
+
+
 def gpu_tests(out_dir: str, timeout: float) -> dict:
-    """``pytest -m gpu``; counts from its summary line."""
+    """``pytest -m gpu``; counts from its summary line, and the named tests' own outcomes."""
     code, log, seconds = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider"], timeout)
     with open(os.path.join(out_dir, "gpu_tests.log"), "w") as f:
         f.write(log)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log.splitlines()[-1] if log else "")}
     # pytest exits 5 when every test was deselected/skipped: not a failure of the check
     ok = code in (0, 5) and not counts.get("failed") and not counts.get("error") and not counts.get("errors")
-    return {"step": "pytest -m gpu", "ok": ok, "exit": code, "seconds": round(seconds, 1), **counts, "log": "gpu_tests.log"}
+    rows = named_outcomes(log)
+    # A named test that failed or was never collected fails the step even if the counts look clean.
+    ok = ok and all(row["outcome"] not in ("failed", "error", "not run") for row in rows)
+    return {"step": "pytest -m gpu", "ok": ok, "exit": code, "seconds": round(seconds, 1), **counts, "log": "gpu_tests.log", "rows": rows}
 
 
 def throughput(out_dir: str, smoke: bool, timeout: float) -> dict:

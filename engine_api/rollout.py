@@ -121,12 +121,21 @@ class Sample:
         log_probs: ``[R]`` float32 log-probs of those ids (see the module docstring).
         finish_reason: ``"stop"`` or ``"length"``.
         weight_version: the version of the weights that produced it.
+        routed_experts: only when the engine was built with ``return_routing`` (an MoE
+            model): int64 ``[P + R, L, k]``, the experts each of the model's ``L`` MoE layers
+            (in layer order) routed each token of prompt + response to (``k``: the model's
+            top-k), in the engine's own top-k order; ``-1`` (``engine_api.moe.NOT_ROUTED``)
+            for a token the engine never ran through the model (the last response token: no
+            forward follows it). Row ``t`` is the routing of the hidden state at position
+            ``t``, the one that predicts token ``t + 1``; a trainer replays it
+            (``actor.router_replay=r3``). None otherwise.
     """
 
     token_ids: torch.Tensor
     log_probs: torch.Tensor
     finish_reason: str
     weight_version: int
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,8 @@ class RolloutEngineConfig:
         lora_rank: > 0 serves LoRA adapters of up to this rank (``load_adapter``); 0: none.
         options: backend-specific settings (e.g. vLLM's ``gpu_memory_utilization``); each
             backend validates its own and refuses unknown keys.
+        return_routing: record every sample's MoE routing (``Sample.routed_experts``); only a
+            backend with ``supports_routing`` accepts it, for an MoE model.
     """
 
     model_path: str
@@ -154,6 +165,7 @@ class RolloutEngineConfig:
     dtype: str = "float32"
     lora_rank: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
+    return_routing: bool = False
 
 
 class BaseRollout(abc.ABC):
@@ -165,8 +177,15 @@ class BaseRollout(abc.ABC):
 
     #: whether ``load_adapter`` serves LoRA adapters (adapter-only sync)
     supports_lora: ClassVar[bool] = False
+    #: whether the engine can record MoE routing (``RolloutEngineConfig.return_routing``)
+    supports_routing: ClassVar[bool] = False
 
     def __init__(self, config: RolloutEngineConfig) -> None:
+        if config.return_routing and not self.supports_routing:
+            raise ValueError(
+                f"return_routing = True: the {type(self).__name__} backend records no MoE routing; fix: use a backend that does "
+                "(hf; vllm on a GPU), or actor.router_replay=r2 / off"
+            )
         self.config = config
         self._version = 0
         self._staged: dict[str, torch.Tensor] | None = None

