@@ -8,6 +8,9 @@ backends must handle:
   untied input embedding and LM head.
 * ``qwen2``: biases on the q/k/v projections, tied embeddings (the LM head is the
   embedding matrix).
+
+``qwen3`` (q/k norm, decoupled head width) and ``qwen3_moe`` (Qwen3 attention, a mixture of
+experts in every layer: for MoE routing and its replay) round them out.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# The tiny MoE: every layer routes each token to the top 2 of 4 experts, renormalised (Qwen3-MoE's
+# norm_topk_prob), each expert half the dense MLP's width.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 
 
 def build_tiny_model(
@@ -39,8 +45,10 @@ def build_tiny_model(
 
     Args:
         path: output directory (created if missing; existing files are overwritten).
-        family: ``llama`` (GQA, untied), ``qwen2`` (qkv bias, tied embeddings) or ``qwen3``
-            (q/k norm, head_dim = 2 * hidden / heads, untied).
+        family: ``llama`` (GQA, untied), ``qwen2`` (qkv bias, tied embeddings), ``qwen3``
+            (q/k norm, head_dim = 2 * hidden / heads, untied) or ``qwen3_moe`` (qwen3's
+            attention; every MLP a top-2-of-4 mixture of experts of width
+            ``intermediate_size / 2``).
         seed: ``torch.manual_seed`` before the weights are initialised, so the same
             arguments always give the same weights.
         vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
@@ -114,8 +122,22 @@ def tiny_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    if head_dim is not None and family != "qwen3":
+    if head_dim is not None and family not in ("qwen3", "qwen3_moe"):
         common["head_dim"] = head_dim
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim or 2 * hidden_size // num_heads,
+            attention_bias=False,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=max(1, intermediate_size // 2),
+            norm_topk_prob=True,
+        )
     if family == "llama":
         # attention_bias=False, mlp_bias=False are Llama's defaults; spelled out because the
         # megatron conversion relies on "no linear bias" for this family.

@@ -32,7 +32,8 @@ class TinyModelConfig:
     """The model built when ``engine.model.path`` is null (see ``posttrain.tiny_model``).
 
     Attributes:
-        family: ``llama`` (GQA, untied) or ``qwen2`` (qkv bias, tied embeddings).
+        family: ``llama`` (GQA, untied), ``qwen2`` (qkv bias, tied embeddings), ``qwen3``
+            or ``qwen3_moe`` (top-2 of 4 experts in every layer; ``posttrain.tiny_model``).
         hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: dimensions.
         head_dim: per-head width; null: hidden_size / num_heads (the RL recipe raises it to
             32 for rollout.backend=vllm, whose CPU attention kernel needs >= 32).

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from engine_api import EngineConfig, ckpt_layout
 from engine_api.batch import unpack
 from engine_api.dist import is_initialized
+from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
@@ -46,11 +47,11 @@ from posttrain.text_data import DataConfig
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles  # noqa: F401 (re-exported)
-from roles.actor import ActorConfig
+from roles.actor import ActorConfig, routing_for_update
 from roles.algos import gae, grpo_advantages
 from roles.critic import CriticConfig
 from roles.factory import build_roles
-from roles.legacy_flag import FLAG_VALUES, legacy_problems
+from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
 from roles.rollout import Rollout, RolloutConfig
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
@@ -166,6 +167,11 @@ class PPOConfig:
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
         if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
             out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
+            if self.actor.router_replay != "off" and use_legacy(self.trainer.use_legacy_worker_impl):
+                out.append(
+                    f"actor.router_replay = {self.actor.router_replay!r}: the legacy workers do not route by a recorded routing; "
+                    "fix: trainer.use_legacy_worker_impl=auto, or actor.router_replay=off"
+                )
         return out
 
 
@@ -365,6 +371,10 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     old = actor.compute_log_probs(batch, calculate_entropy=True)
     batch.set("old_log_probs", unpack(old["log_probs"].values(), batch["input_ids"]))
     parity = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), batch["loss_mask"].values())
+    routing, routing_metrics = routing_for_update(cfg.actor, batch, old)  # MoE: what the update replays or is measured against
+    if routing is not None:
+        batch.set(ROUTING_FIELD, routing)
+    parity.update(routing_metrics)
     parity["rollout/weight_version_lag"] = float(step + 1 - int(batch["rollout_weight_version"].min()))
     parity.update(rollout.last_sync)
     if reference is not None:
@@ -398,6 +408,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     }
     out.update(parity)
     out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})
+    out.update({k: _mean([m.get(k) for m in actor_m]) for k in actor_m[0] if k.startswith("moe/")})
     if "kl" in actor_m[0]:
         out["kl"] = _mean([m["kl"] for m in actor_m])
     if samples:

@@ -34,6 +34,7 @@ def build_rollout_role(cfg, actor, source) -> Rollout:
             dtype=r.dtype,
             lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
             options=dict(r.options),
+            return_routing=cfg.actor.router_replay == "r3",  # the routing the trainer replays
         ),
     )
     limit = engine.max_model_len

@@ -15,8 +15,11 @@ from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
+from engine_api.moe import ROLLOUT_ROUTING_FIELD, ROUTING_FIELD, routing_disagreement
 from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, ppo_policy_loss, rollout_correction
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
+
+ROUTER_REPLAY = ("off", "r2", "r3")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,12 @@ class ActorConfig:
         rollout_correction: truncated / masked importance sampling for the mismatch between
             the rollout's sampling log-probs and ``old_log_probs``
             (:class:`roles.algos.RolloutCorrectionConfig`; off by default).
+        router_replay: MoE routing replay (``engine_api.moe``, "Routing replay"; an MoE model
+            only): ``off``, the update routes by the current router; ``r2``, the update's
+            forwards route every token as the old-policy forward (``compute_log_probs``) did;
+            ``r3``, the old-policy forward and the update's forwards route as the rollout
+            engine did (its ``rollout_routed_experts``), so old, rollout and update share one
+            routing. Every mode reports ``moe/router_disagreement``.
     """
 
     clip_low: float = 0.2
@@ -46,9 +55,18 @@ class ActorConfig:
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    router_replay: str = "off"
+
+    def __post_init__(self) -> None:
+        # YAML reads a bare ``off`` (``actor.router_replay=off``) as false, which a str field
+        # receives as "False": that is ``off`` too.
+        if self.router_replay is False or self.router_replay == "False":
+            object.__setattr__(self, "router_replay", "off")
 
     def _problems(self) -> list[str]:
         out = []
+        if self.router_replay not in ROUTER_REPLAY:
+            out.append(f"router_replay = {self.router_replay!r}: unknown; fix: use one of {', '.join(ROUTER_REPLAY)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(f"kl_estimator = {self.kl_estimator!r}: unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
@@ -64,13 +82,30 @@ class Actor(TrainableRole):
     """The policy: an engine plus the PPO loss. Owns no backend-specific code."""
 
     def __init__(self, engine: BaseEngine, config: ActorConfig) -> None:
+        if config.router_replay != "off" and not engine.is_moe:
+            raise ValueError(
+                f"actor.router_replay = {config.router_replay!r}: the model has no MoE layers, so there is no routing to replay; "
+                "fix: actor.router_replay=off"
+            )
         self.engine = engine
         self.config = config
         engine.set_loss_fn(self.loss)
 
     def compute_log_probs(self, batch: TensorDict, calculate_entropy: bool = False) -> TensorDict:
-        """Log-probs (and entropy) of the global batch under the current weights, on every rank."""
-        return infer_global(self.engine, batch, calculate_entropy=calculate_entropy)
+        """Log-probs (and entropy) of the global batch under the current weights, on every rank.
+
+        With an MoE model the outputs also hold ``routed_experts``, the router's own routing of
+        every token (what ``r2`` replays); under ``r3`` this forward routes as the rollout did
+        (``rollout_routed_experts``, required), so the old log-probs are the rollout's policy."""
+        meta: dict = {"calculate_entropy": calculate_entropy}
+        if self.engine.is_moe:
+            meta["return_routing"] = True
+            if self.config.router_replay == "r3":
+                require_fields(batch, [ROLLOUT_ROUTING_FIELD], "Actor.compute_log_probs (router_replay = r3)")
+                batch = batch.copy()
+                batch.set(ROUTING_FIELD, batch[ROLLOUT_ROUTING_FIELD])
+                meta["replay_routing"] = True
+        return infer_global(self.engine, batch, **meta)
 
     def update(self, batch: TensorDict) -> list[dict]:
         """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step.
@@ -84,13 +119,16 @@ class Actor(TrainableRole):
         require_fields(batch, update_fields(self.config), "Actor.update")
         batch, correction = apply_rollout_correction(self.config, batch)
         entropy = self.config.entropy_coef > 0
-        metrics = train_epochs(
-            self.engine,
-            batch,
-            self.config.ppo_epochs,
-            self.config.mini_batch_size,
-            lambda local: local.set_non_tensor("calculate_entropy", entropy),
-        )
+        replay = self.config.router_replay != "off"
+        if replay:
+            require_fields(batch, [ROUTING_FIELD], f"Actor.update (router_replay = {self.config.router_replay})")
+
+        def prepare(local: TensorDict) -> None:
+            local.set_non_tensor("calculate_entropy", entropy)
+            if replay:
+                local.set_non_tensor("replay_routing", True)
+
+        metrics = train_epochs(self.engine, batch, self.config.ppo_epochs, self.config.mini_batch_size, prepare)
         for m in metrics:
             m.update(correction)
         return metrics
@@ -98,6 +136,23 @@ class Actor(TrainableRole):
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
         """The engine's loss function: :func:`policy_objective`."""
         return policy_objective(self.config, mb, out, norm)
+
+
+def routing_for_update(config: ActorConfig, batch: TensorDict, old: TensorDict) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The routing the policy update carries (``routed_experts``: replayed under r2 / r3,
+    measured against under off), from the rollout batch and the old-policy forward's outputs
+    ``old`` (:meth:`Actor.compute_log_probs`), and the boundary metric
+    ``rollout/router_disagreement``: the share of the rollout's recorded top-k choices that the
+    trainer's router, recomputing the same tokens, does not make (``engine_api.moe``). None and
+    no metrics for a dense model (``old`` has no routing)."""
+    if ROUTING_FIELD not in old.keys():
+        return None, {}
+    metrics = {}
+    recorded = batch[ROLLOUT_ROUTING_FIELD] if ROLLOUT_ROUTING_FIELD in batch.keys() else None
+    if recorded is not None:
+        metrics["rollout/router_disagreement"] = routing_disagreement(recorded.values(), old[ROUTING_FIELD].values())
+    chosen = recorded if config.router_replay == "r3" else old[ROUTING_FIELD]
+    return unpack(chosen.values(), batch["input_ids"]), metrics
 
 
 def update_fields(config: ActorConfig) -> list[str]:
