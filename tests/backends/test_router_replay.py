@@ -12,8 +12,8 @@ Checks, against independent references:
   the replayed experts are used, with the current router's weights;
 * replaying the recorded routing reproduces the recording forward's log-probs (float noise),
   on another layout (packed <-> padded, other micro-batches) in a training call, and
-  ``moe/router_disagreement`` is exactly 0 there; fsdp and megatron, EP=1 and EP=2, 1 and 2 DP
-  ranks;
+  ``moe/router_disagreement`` is exactly 0 there; fsdp and megatron, EP=1 and EP=2, PP=2, 1
+  and 2 DP ranks;
 * without replay, after one optimizer step the router's own routing differs from the
   recording (``moe/router_disagreement`` > 0), while replay keeps it at 0 and reports the
   drift as ``moe/router_replay_override``;
@@ -36,6 +36,7 @@ from tests.support.launch import run_distributed
 
 FLOAT_NOISE = 1e-5  # the project's HF tolerance (experts' outputs summed in another order)
 EP2 = ("megatron.expert_model_parallel_size=2",)
+PP2 = ("megatron.pipeline_model_parallel_size=2",)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +214,8 @@ SETUPS = {
     "megatron-packed": ("megatron", 1, PADDED + ("micro_batch_size=2",), PACKED + ("max_token_len_per_micro_batch=24",), ()),
     "megatron-padded": ("megatron", 1, PACKED + ("micro_batch_size=4",), PADDED + ("micro_batch_size=1",), ()),
     "megatron-ep2-dp2": ("megatron", 2, PADDED + ("micro_batch_size=1",), PACKED + ("micro_batch_size=2",), EP2),
+    # each pipeline stage records and replays its own MoE layer; the recordings are joined
+    "megatron-pp2": ("megatron", 2, PADDED + ("micro_batch_size=2",), PACKED + ("micro_batch_size=2",), PP2),
 }
 
 
