@@ -124,32 +124,29 @@ def tiny_config(
     )
     if head_dim is not None and family not in ("qwen3", "qwen3_moe"):
         common["head_dim"] = head_dim
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            **common,
-            head_dim=head_dim or 2 * hidden_size // num_heads,
-            attention_bias=False,
-            tie_word_embeddings=False,
-            use_sliding_window=False,
-            num_experts=MOE_EXPERTS,
-            num_experts_per_tok=MOE_TOP_K,
-            moe_intermediate_size=max(1, intermediate_size // 2),
-            norm_topk_prob=True,
-        )
     if family == "llama":
         # attention_bias=False, mlp_bias=False are Llama's defaults; spelled out because the
         # megatron conversion relies on "no linear bias" for this family.
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         # q/k RMSNorm per head, and a head_dim twice hidden/heads, as real Qwen3 models decouple them.
-        return Qwen3Config(
+        qwen3 = dict(
             **common,
             head_dim=head_dim or 2 * hidden_size // num_heads,
             attention_bias=False,
             tie_word_embeddings=False,
             use_sliding_window=False,
+        )
+        if family == "qwen3":
+            return Qwen3Config(**qwen3)
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **qwen3,
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            moe_intermediate_size=max(1, intermediate_size // 2),
+            norm_topk_prob=True,
         )
     # Qwen2 always has q/k/v biases (no flag); the tied head exercises weight sharing.
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
