@@ -210,10 +210,11 @@ SETUPS = {
     # (strategy, ranks, record layout, replay layout, extra)
     "fsdp-packed": ("fsdp", 1, PADDED + ("micro_batch_size=2",), PACKED + ("max_token_len_per_micro_batch=24",), ()),
     "fsdp-padded": ("fsdp", 1, PACKED + ("micro_batch_size=4",), PADDED + ("micro_batch_size=1",), ()),
-    "fsdp-dp2": ("fsdp", 2, PADDED + ("micro_batch_size=1",), PACKED + ("max_token_len_per_micro_batch=24",), ()),
+    # recorded under dynamic batching: the routing comes back through its order restore
+    "fsdp-dp2": ("fsdp", 2, PACKED + ("max_token_len_per_micro_batch=24",), PADDED + ("micro_batch_size=1",), ()),
     "megatron-packed": ("megatron", 1, PADDED + ("micro_batch_size=2",), PACKED + ("max_token_len_per_micro_batch=24",), ()),
     "megatron-padded": ("megatron", 1, PACKED + ("micro_batch_size=4",), PADDED + ("micro_batch_size=1",), ()),
-    "megatron-ep2-dp2": ("megatron", 2, PADDED + ("micro_batch_size=1",), PACKED + ("micro_batch_size=2",), EP2),
+    "megatron-ep2-dp2": ("megatron", 2, PACKED + ("max_token_len_per_micro_batch=24",), PADDED + ("micro_batch_size=2",), EP2),
     # each pipeline stage records and replays its own MoE layer; the recordings are joined
     "megatron-pp2": ("megatron", 2, PADDED + ("micro_batch_size=2",), PACKED + ("micro_batch_size=2",), PP2),
 }
