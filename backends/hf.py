@@ -170,44 +170,71 @@ def router_modules(model: nn.Module) -> tuple[list[tuple[int, nn.Module]], int]:
 def _route(recorder: RoutingRecorder, layer: int, out, index: int):
     """The router hook: record, and replace the output's routing when the recorder replays."""
     logits = out[index] if isinstance(out, tuple) else out
-    natural = out[2] if isinstance(out, tuple) and len(out) == 3 else None
-    routed = recorder.observe(layer, logits, natural)
-    out = out if routed is None else replayed_router_output(out, routed, layer)
-    if isinstance(out, tuple) and len(out) == 3:  # what the experts get (the block passes it on)
-        recorder.used(layer, torch.zeros_like(logits, dtype=torch.bool).reshape(-1, logits.shape[-1]).scatter_(1, out[2].long(), True))
+    parts = router_parts(out, index)
+    if parts is None:
+        if recorder.routing_requested:
+            raise RuntimeError(
+                f"routing replay / recording: the router of layer {layer} returns {type(out).__name__}, not its logits with "
+                "its top-k weights and indices (the family routes inside its MoE block, e.g. DeepSeek-V3's grouped sigmoid "
+                "router); fix: actor.router_replay=off for this model family"
+            )
+        recorder.observe(layer, logits)
+        return None
+    routed = recorder.observe(layer, logits, out[parts[1]])
+    out = out if routed is None else replayed_router_output(out, routed, layer, index, parts)
+    # what the experts get (the block passes the router's output on)
+    recorder.used(layer, torch.zeros_like(logits, dtype=torch.bool).reshape(-1, logits.shape[-1]).scatter_(1, out[parts[1]].long(), True))
     return None if routed is None else out
 
 
-def replayed_router_output(out, routed: torch.Tensor, layer: int) -> tuple:
-    """An HF top-k router's output ``(logits, weights, indices)`` with the indices ``routed``
-    and the weights the router gives those experts: its softmax probabilities at them,
-    renormalised over them when the router renormalises (which is read off its own output: the
-    weights it returned for its own choice equal one of the two), in its weights' dtype.
+def router_parts(out, index: int) -> tuple[int, int] | None:
+    """Positions ``(weights, indices)`` in a router's output triple (the logits at ``index``;
+    the indices the integer tensor), or None when the output is not such a triple. Families
+    order them differently (Qwen3-MoE / Mixtral: logits, weights, indices; GraniteMoE:
+    indices, weights, logits)."""
+    if not isinstance(out, tuple) or len(out) != 3 or not all(isinstance(t, torch.Tensor) for t in out):
+        return None
+    rest = [i for i in range(3) if i != index]
+    integer = [i for i in rest if not out[i].is_floating_point()]
+    if len(integer) != 1:
+        return None
+    weights = next(i for i in rest if i != integer[0])
+    return weights, integer[0]
+
+
+def replayed_router_output(out: tuple, routed: torch.Tensor, layer: int, index: int = 0, parts: tuple[int, int] = (1, 2)) -> tuple:
+    """An HF top-k router's output triple (logits at ``index``, top-k weights and indices at
+    ``parts``) with the indices ``routed`` and the weights the router gives those experts.
+
+    The router's weight formula is read off its own output: the weights it returned for its own
+    choice are its scores at those experts (softmax, as Qwen3-MoE / Mixtral / OLMoE, or sigmoid,
+    as DeepSeek-V3), renormalised over the top-k or not, times a constant (DeepSeek-V3's
+    ``routed_scaling_factor``); the first form that reproduces them is applied to ``routed``,
+    in the weights' dtype. (A score bias that only steers the choice, DeepSeek-V3's
+    ``e_score_correction_bias``, does not enter the weights.)
 
     Raises:
-        RuntimeError: the router's output is not that triple, or its weights are neither form
-            (a router this replay cannot reproduce, e.g. sigmoid scores with a bias).
+        RuntimeError: no form reproduces the router's weights (e.g. PhiMoE's sparsemixer).
     """
-    if not isinstance(out, tuple) or len(out) != 3:
-        raise RuntimeError(
-            f"router replay: the router of layer {layer} returns {type(out).__name__}, not (logits, top-k weights, top-k indices); "
-            "fix: actor.router_replay=off for this model family"
-        )
-    logits, weights, chosen = out
-    probs = torch.softmax(logits.float(), dim=-1)
-    own = probs.gather(1, chosen.long())
-    renormalised = own / own.sum(-1, keepdim=True)
+    logits, weights, chosen = out[index], out[parts[0]], out[parts[1]]
     tol = 1e-5 if weights.dtype == torch.float32 else 1e-2
-    if torch.allclose(weights.float(), own, rtol=tol, atol=tol):
-        renorm = False
-    elif torch.allclose(weights.float(), renormalised, rtol=tol, atol=tol):
-        renorm = True
-    else:
-        raise RuntimeError(
-            f"router replay: the router of layer {layer} weighs its experts neither by the softmax probabilities nor by them "
-            "renormalised over its top-k, so replayed experts cannot be given its weights; fix: actor.router_replay=off for this model family"
-        )
-    picked = probs.gather(1, routed)
-    if renorm:
-        picked = picked / picked.sum(-1, keepdim=True)
-    return logits, picked.to(weights.dtype), routed.to(chosen.dtype)
+    for score in (torch.softmax(logits.float(), dim=-1), torch.sigmoid(logits.float())):
+        for renorm in (False, True):
+            own = _gate_weights(score, chosen.long(), renorm)
+            scale = float((weights.float() / own).flatten().median()) if own.numel() else 1.0
+            if torch.allclose(weights.float(), own * scale, rtol=tol, atol=tol):
+                picked = _gate_weights(score, routed, renorm) * scale
+                replaced = list(out)
+                replaced[parts[0]], replaced[parts[1]] = picked.to(weights.dtype), routed.to(chosen.dtype)
+                return tuple(replaced)
+    raise RuntimeError(
+        f"router replay: the router of layer {layer} weighs its experts by no form this replay reproduces (softmax or sigmoid "
+        "scores at its top-k, renormalised or not, times a constant), so replayed experts cannot be given its weights; "
+        "fix: actor.router_replay=off for this model family"
+    )
+
+
+def _gate_weights(score: torch.Tensor, indices: torch.Tensor, renorm: bool) -> torch.Tensor:
+    """``score`` ``[rows, E]`` at ``indices`` ``[rows, k]``, renormalised over them when ``renorm``."""
+    picked = score.gather(1, indices)
+    return picked / picked.sum(-1, keepdim=True) if renorm else picked

@@ -308,6 +308,13 @@ class RoutingRecorder:
             self._pending.setdefault(layer, []).append(routed)
         return routed
 
+    @property
+    def routing_requested(self) -> bool:
+        """Whether the open micro-batch replays, records or measures a routing (a backend that
+        cannot route by given indices must refuse then, not ignore it)."""
+        mb = self._mb
+        return mb is not None and (mb.target is not None or mb.recorded is not None)
+
     def used(self, layer: int, routing_map: torch.Tensor) -> None:
         """What MoE layer ``layer`` routed by in the open micro-batch: ``routing_map`` bool
         ``[rows, E]`` (the router's final output, after any replay), for

@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
-from backends.fsdp.forward import hf_forward
+from backends.fsdp.forward import hf_forward, packed_rows_exact
 from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, fsdp_problems, load_model
 from backends.fsdp.options import FSDPOptions
-from backends.hf import attach_router_recorder
+from backends.hf import attach_router_recorder, note_once
 from engine_api.kit import (
     ROUTING_FIELD,
     BaseEngine,
@@ -83,6 +83,19 @@ class FSDPEngine(BaseEngine):
             trained, total = sum(p.numel() for p in self._trainable_parameters()), sum(p.numel() for p in self.model.parameters())
             print(f"[enginekit] LoRA rank {self.config.model.lora.rank}: {trained:,} of {total:,} parameters trained", flush=True)
         self._forward_ran = False  # see _reset_fsdp_iteration
+        # Packed rows only where the model honours them (a family whose attention ignores the
+        # position restarts would silently mix sequences): checked once, else padded rows.
+        self.remove_padding = self.config.use_remove_padding
+        if self.remove_padding:
+            compute = options_of(self.config, FSDPOptions).param_dtype or self.config.model.dtype
+            self.remove_padding = packed_rows_exact(self.model, self.vocab_size, self.device, half=compute != "float32")
+            self._forward_ran = True
+            self._reset_fsdp_iteration()
+            if not self.remove_padding:
+                note_once(
+                    f"[enginekit] use_remove_padding: {model.config.model_type} does not honour packed rows (its attention "
+                    "crosses sequence boundaries), so its micro-batches run padded"
+                )
 
     def _modules(self) -> list[torch.nn.Module]:
         return [self.model]
@@ -132,7 +145,7 @@ class FSDPEngine(BaseEngine):
             rows = partial(self.router.begin, routing=routing, replay=replay, record=record)
         base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
         with adapters_off(self.model) if base_only else contextlib.nullcontext():
-            out = hf_forward(self.model, mb, self.config.model.head, self.config.use_remove_padding, on_rows=rows)
+            out = hf_forward(self.model, mb, self.config.model.head, self.remove_padding, on_rows=rows)
         if record:  # the router's own routing of every token (engine_api.moe, "Routing replay")
             out.set(ROUTING_FIELD, unpack(self.router.recorded().to(mb["input_ids"].device), mb["input_ids"]))
         return out

@@ -70,6 +70,29 @@ def hf_forward(
     return TensorDict(outputs, batch_size=mb.batch_size)
 
 
+def packed_rows_exact(model: nn.Module, vocab_size: int, device: torch.device, half: bool = False) -> bool:
+    """Whether this model honours packed rows: HF starts a new sequence where the positions
+    restart, in the attention (mask or varlen kernel) of most families, but not of every one
+    (measured: GPT-OSS's attention, with its sinks, attends across the boundary on CPU and its
+    packed log-probs are off by nats). Two short seeded sequences, packed into one row as
+    :func:`hf_forward` runs them, against each alone; logits within 1e-4 (fp32; 2e-2 when
+    ``half``: a half-precision compute dtype). One small forward per sequence, without gradients; a
+    collective under FSDP (every rank runs the same)."""
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=g).to(device) for n in (5, 3)]
+    positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions[None], use_cache=False).logits[0].float()
+            alone = torch.cat([model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs])
+    finally:
+        model.train(training)
+    tol = 2e-2 if half else 1e-4
+    return bool(torch.allclose(packed, alone, rtol=tol, atol=tol))
+
+
 def _varlen_kernels(model: nn.Module) -> bool:
     """Whether attention runs varlen kernels (cost per sequence, not per packed row)."""
     return getattr(model.config, "_attn_implementation", None) == "flash_attention_2"

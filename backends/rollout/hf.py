@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from backends.hf import refusing_pickled_objects, resolve_attn_implementation, router_modules
+from backends.hf import refusing_pickled_objects, resolve_attn_implementation, router_modules, router_parts
 from backends.rollout.layout import HFLayout
 from engine_api.kit import NOT_ROUTED, BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
@@ -68,21 +68,23 @@ class HFRollout(HFLayout, BaseRollout):
         return self._limit
 
     def _watch_routers(self) -> None:
-        routers, _ = router_modules(self.model)
+        routers, index = router_modules(self.model)
         if not routers:
             raise ValueError(
                 f"return_routing = True: {self.config.model_path} has no MoE routers to record; fix: actor.router_replay=off for a dense model"
             )
         self._trace = {layer: [] for layer, _ in routers}
         for layer, module in routers:
-            module.register_forward_hook(lambda mod, args, out, layer=layer: self._note(layer, out))
+            module.register_forward_hook(lambda mod, args, out, layer=layer: self._note(layer, out, index))
 
-    def _note(self, layer: int, out) -> None:
-        if not isinstance(out, tuple) or len(out) != 3:
+    def _note(self, layer: int, out, index: int) -> None:
+        parts = router_parts(out, index)
+        if parts is None:
             raise RuntimeError(
-                f"return_routing: the router of layer {layer} does not return its top-k indices; fix: actor.router_replay=off"
+                f"return_routing: the router of layer {layer} does not return its top-k indices (the family routes inside its "
+                "MoE block); fix: actor.router_replay=off (or r2) for this model family"
             )
-        self._trace[layer].append(out[2].detach().to("cpu", torch.long))
+        self._trace[layer].append(out[parts[1]].detach().to("cpu", torch.long))
 
     def _apply_weights(self, weights: dict[str, torch.Tensor]) -> None:
         state = self.model.state_dict()

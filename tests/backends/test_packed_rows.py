@@ -98,3 +98,35 @@ def test_log_probs_and_values_match_hf(model_dir, request, packed):
 def test_one_step_in_rows_matches_the_raw_step(model_dir, narrow_rows, mode):
     assert max(LENGTHS) < sum(LENGTHS)  # the batch really spans several rows
     assert_same(one_step(model_dir, mode, ["micro_batch_size=6"]), raw_step(model_dir, mode), f"{mode}/rows")
+
+
+def _gpt_oss_log_probs(rank, world, model_dir):
+    from tests.support.hf_utils import engine_for, make_test_batch
+
+    engine = engine_for(model_dir, "use_remove_padding=true")
+    with engine.eval_mode():
+        return {"remove_padding": engine.remove_padding, "log_probs": engine.infer_batch(engine.shard_data(make_test_batch()))["log_probs"]}
+
+
+def test_a_family_whose_attention_ignores_packing_runs_padded(tmp_path):
+    """GPT-OSS's attention (with its sinks) attends across a packed row's sequence boundaries
+    (its packed logits are off by nats: the control below); the engine finds that at init and
+    runs it padded, so its log-probs equal HF's per sequence."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from backends.fsdp.forward import packed_rows_exact
+    from engine_api.conformance.fixtures import TINY_DIMS, save_model
+    from tests.support.hf_utils import hf_log_probs, make_test_batch, max_abs_diff
+    from tests.support.launch import run_distributed
+
+    config = AutoConfig.for_model(
+        "gpt_oss", **{**TINY_DIMS, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16, "head_dim": 8}
+    )
+    model_dir = save_model(config, tmp_path / "gpt_oss")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert not packed_rows_exact(model, config.vocab_size, torch.device("cpu"))
+    llama = AutoModelForCausalLM.from_pretrained(save_model(AutoConfig.for_model("llama", **TINY_DIMS), tmp_path / "llama"))
+    assert packed_rows_exact(llama, TINY_DIMS["vocab_size"], torch.device("cpu"))
+    got = run_distributed(_gpt_oss_log_probs, 1, model_dir, timeout=300)[0]
+    assert got["remove_padding"] is False
+    assert max_abs_diff(got["log_probs"], hf_log_probs(model_dir, make_test_batch())) <= 1e-5

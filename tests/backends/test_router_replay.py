@@ -335,3 +335,74 @@ def test_activation_recomputation_replays_what_its_forward_routed_by(models, str
     not the router's own): the gradient equals the one without recomputation."""
     got = run_distributed(_recomputed, 1, models["qwen3_moe"], strategy, timeout=600)[0]
     assert got[True] == pytest.approx(got[False], rel=1e-6)
+
+
+# More HF MoE families on FSDP: the router's output triple in another order (GraniteMoE), a
+# router inside a block with a shared expert (Qwen2-MoE), top-k softmax without renormalisation
+# (OLMoE), softmax over the top-k logits (GPT-OSS), sigmoid scores renormalised and scaled
+# (DeepSeek-V3; one group and a zero bias, so the choice is the logits' top-k), and a router
+# whose weights no supported form reproduces (PhiMoE's sparsemixer: refused).
+FAMILIES = {
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=8),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_shared_experts=1,
+        num_key_value_heads=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    ),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
+}
+
+
+def _family(rank, world, model_dir):
+    engine = engine_for(model_dir)
+    b = make_test_batch()
+    b.set_non_tensor("return_routing", True)
+    with engine.eval_mode():
+        recorded = engine.infer_batch(engine.shard_data(b))
+    out = {"log_probs": recorded["log_probs"], "routing": recorded["routed_experts"]}
+    for name, values in (("same", recorded["routed_experts"].values()), ("shifted", shifted(recorded["routed_experts"].values(), 4))):
+        b = with_field(make_test_batch(), "routed_experts", values)
+        b.set_non_tensor("replay_routing", True)
+        try:
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                predictions, _, ctx = engine.forward_backward_step(engine.shard_data(b))
+            out[name] = {"log_probs": predictions["log_probs"], "metrics": ctx["metrics"]}
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_hf_families_record_and_replay(tmp_path, family):
+    from engine_api.conformance.fixtures import TINY_DIMS, save_model
+
+    config = AutoConfig.for_model(family, **{**TINY_DIMS, "initializer_range": 0.3, **FAMILIES[family]})
+    model_dir = save_model(config, tmp_path / family)
+    got = run_distributed(_family, 1, model_dir, timeout=600)[0]
+    want = hf_routing(model_dir, make_test_batch())
+    for g, w in zip(got["routing"].unbind(), want, strict=True):
+        assert torch.equal(g.sort(-1).values, w.sort(-1).values)
+    if family == "phimoe":
+        assert "weighs its experts by no form this replay reproduces" in got["same"]
+        return
+    assert max_abs_diff(got["same"]["log_probs"], list(got["log_probs"].unbind())) <= FLOAT_NOISE
+    assert got["same"]["metrics"]["moe/router_disagreement"] == [0.0]
+    assert got["shifted"]["metrics"]["moe/router_disagreement"] == [0.0]
+    # the replayed experts are used: the log-probs move far beyond the tolerance
+    assert max_abs_diff(got["shifted"]["log_probs"], list(got["log_probs"].unbind())) > 100 * FLOAT_NOISE
