@@ -185,7 +185,7 @@ def dp_grad_compensation(dp_size: int) -> float:
     return float(dp_size)
 
 
-def backward_scale(norm: NormContext, deferred: bool, grads_averaged_over_dp: bool = True) -> float:
+def backward_scale(norm: NormContext, deferred: bool, grads_averaged_over_dp: bool = True, reduce_ranks: int | None = None) -> float:
     """Factor an engine multiplies a micro-batch's contribution by before ``backward()``.
 
     Args:
@@ -193,8 +193,11 @@ def backward_scale(norm: NormContext, deferred: bool, grads_averaged_over_dp: bo
         deferred: deferred mode keeps unnormalised sums in the gradient (multiply back the
             call's denominator); :class:`DeferredNormalizer` divides at ``optimizer_step``.
         grads_averaged_over_dp: whether the backend's gradient reduction averages over DP.
+        reduce_ranks: how many ranks that average runs over, when not the DP group's size
+            (sequence parallelism: each rank of an SP group holds part of its DP shard's
+            gradient, and the reduction averages over DP x SP ranks).
     """
-    scale = dp_grad_compensation(norm.dp_size) if grads_averaged_over_dp else 1.0
+    scale = dp_grad_compensation(reduce_ranks or norm.dp_size) if grads_averaged_over_dp else 1.0
     return scale * norm.denominator if deferred else scale
 
 

@@ -124,16 +124,28 @@ class RouterSpec:
         return self.aux_coef > 0
 
 
-def load_balancing_loss(logits: list[torch.Tensor], mask: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(
+    logits: list[torch.Tensor],
+    mask: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """HF's load-balancing loss of one batch (module docstring): ``logits`` holds each MoE
-    layer's router logits ``[rows, E]``, ``mask`` the real rows (bool ``[rows]``)."""
+    layer's router logits ``[rows, E]``, ``mask`` the real rows (bool ``[rows]``).
+
+    ``reduce`` sums the batch's statistics (assignments, probability sums, real rows) over
+    ranks that each route a part of its tokens (sequence parallelism), so every one of them
+    gets the loss of the whole batch; None: this rank routes all of it."""
     assigned = torch.zeros(num_experts, dtype=torch.float32, device=mask.device)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=mask.device)
     for layer in logits:
         probs = torch.softmax(layer[mask].float(), dim=-1)
         assigned = assigned + _counts(probs.detach(), top_k, num_experts)
         prob_sum = prob_sum + probs.sum(0)
-    rows = float(mask.sum()) * len(logits)
+    rows = mask.sum().float().reshape(1) * len(logits)
+    if reduce is not None:
+        assigned, prob_sum, rows = reduce(torch.cat([assigned, prob_sum, rows])).split([num_experts, num_experts, 1])
     return num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
 
 
@@ -162,6 +174,9 @@ class RoutingRecorder:
             divides their duplicate counts out here).
         moe_layers: the global indices of the MoE layers, in order: column ``j`` of a routing
             field is layer ``moe_layers[j]`` (default: every layer).
+        reduce_stats: sums a tensor over the ranks that split one micro-batch's tokens
+            (sequence parallelism), its backward keeping each rank's own part: the aux loss is
+            then the whole micro-batch's on each of them. None: a rank routes whole micro-batches.
     """
 
     def __init__(
@@ -170,9 +185,11 @@ class RoutingRecorder:
         num_layers: int,
         reduce_counts: Callable[[torch.Tensor], torch.Tensor],
         moe_layers: Sequence[int] | None = None,
+        reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.spec = spec
         self.reduce_counts = reduce_counts
+        self.reduce_stats = reduce_stats
         self.moe_layers = tuple(range(num_layers) if moe_layers is None else moe_layers)
         self._column = {layer: j for j, layer in enumerate(self.moe_layers)}
         self.counts = torch.zeros(num_layers, spec.num_experts, dtype=torch.float64)
@@ -349,11 +366,13 @@ class RoutingRecorder:
             return None
         logits = mb.logits
         mask = mb.mask.to(next(iter(logits.values())).device)
-        tokens = float(mask.sum())
-        if tokens == 0 or self._call_tokens == 0:
+        tokens = mask.sum().double().reshape(1)
+        if self.reduce_stats is not None:  # every rank of the split takes part, whatever its share
+            tokens = self.reduce_stats(tokens)
+        if float(tokens) == 0 or self._call_tokens == 0:
             return None
-        aux = load_balancing_loss([logits[k] for k in sorted(logits)], mask, self.spec.num_experts, self.spec.top_k)
-        weighted = aux * (self.spec.aux_coef * tokens / self._call_tokens)
+        aux = load_balancing_loss([logits[k] for k in sorted(logits)], mask, self.spec.num_experts, self.spec.top_k, self.reduce_stats)
+        weighted = aux * (self.spec.aux_coef * float(tokens) / self._call_tokens)
         value = float(weighted.detach())
         self._aux += value if math.isfinite(value) else float("nan")
         return weighted

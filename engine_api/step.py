@@ -42,6 +42,9 @@ class StepSpec:
             default runner (a backend with its own runner may leave it None).
         vocab_size: checked against the token ids when known.
         grads_averaged_over_dp: whether the backend's gradient reduction averages over DP.
+        grad_reduce_ranks: the ranks that average runs over when they are more than the DP
+            group (sequence parallelism: every rank of DP x SP holds part of the gradient);
+            None: the DP group.
         device: compute device micro-batches are moved to (None: leave them where they are).
         max_positions: the model's maximum sequence length (e.g. HF ``max_position_embeddings``),
             checked against every sequence when known.
@@ -59,6 +62,7 @@ class StepSpec:
     forward: ForwardFn | None = None
     vocab_size: int | None = None
     grads_averaged_over_dp: bool = True
+    grad_reduce_ranks: int | None = None
     device: torch.device | None = None
     max_positions: int | None = None
     max_positions_reason: str = "the model's max_position_embeddings"
@@ -253,7 +257,7 @@ def forward_backward_loop(
     if not forward_only:
         norm = build_norm_context(loss_mask_of(batch), cfg.loss_agg_mode, spec.dp_group, cfg.loss_agg_constant)
         ctx["norm"] = norm
-        scale = backward_scale(norm, cfg.deferred_normalization, spec.grads_averaged_over_dp)
+        scale = backward_scale(norm, cfg.deferred_normalization, spec.grads_averaged_over_dp, spec.grad_reduce_ranks)
     micro = plan.batches if spec.device is None else [to_device(mb, spec.device) for mb in plan.batches]
     keep = forward_only or ctx.get(RETURN_PREDICTIONS, True)
     state = CallState(batch, micro, plan, ctx, norm, scale, forward_only, keep, loss_fn, preprocess_fn, postprocess_fn)
