@@ -131,7 +131,7 @@ def value_head_state(path: str, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("score.")}
 
 
-def attach_router_recorder(model: nn.Module, reduce_counts) -> RoutingRecorder | None:
+def attach_router_recorder(model: nn.Module, reduce_counts, reduce_stats=None) -> RoutingRecorder | None:
     """A :class:`~engine_api.moe.RoutingRecorder` fed by forward hooks on an HF MoE model's
     routers, or None for a dense model.
 
@@ -140,12 +140,15 @@ def attach_router_recorder(model: nn.Module, reduce_counts) -> RoutingRecorder |
     output), so any HF MoE family that declares them is covered; a global layer index is read
     from the module path (``layers.<i>.``). Replay (``engine_api.moe``) rewrites the router's
     output ``(logits, top-k weights, top-k indices)`` (:func:`replayed_router_output`).
+    ``reduce_counts`` / ``reduce_stats``: see :class:`~engine_api.moe.RoutingRecorder`.
     """
     spec = RouterSpec.from_hf_config(model.config)
     routers, index = router_modules(model)
     if spec is None or not routers:
         return None
-    recorder = RoutingRecorder(spec, model.config.num_hidden_layers, reduce_counts, moe_layers=[layer for layer, _ in routers])
+    recorder = RoutingRecorder(
+        spec, model.config.num_hidden_layers, reduce_counts, moe_layers=[layer for layer, _ in routers], reduce_stats=reduce_stats
+    )
     for layer, module in routers:
         module.register_forward_hook(lambda mod, args, out, layer=layer: _route(recorder, layer, out, index))
     return recorder

@@ -1,21 +1,26 @@
 """``FSDPEngine``: BaseEngine on torch FSDP2 (``fully_shard``) for HF causal LMs and value models.
 
-Every rank holds a data-parallel replica's shard: DP spans the whole world (HSDP when
-``fsdp.fsdp_size`` divides it). The micro-batch loop, normalization and optimizer step are
-the shared ``engine_api`` pieces; this module adds the HF forward (packed or padded), FSDP2
+Parameters are sharded over the whole world (HSDP when ``fsdp.fsdp_size`` divides it). Data
+parallelism spans the world too, unless ``fsdp.ulysses_sequence_parallel_size`` (SP) > 1: the
+world is then a DP x SP mesh, the SP ranks of one DP rank share its data shard and split each
+sequence (``backends.fsdp.ulysses``). The micro-batch loop, normalization and optimizer step
+are the shared ``engine_api`` pieces; this module adds the HF forward (packed or padded), FSDP2
 wrapping, offload, DCP checkpoints and HF-named weight export.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
@@ -23,6 +28,7 @@ from backends.fsdp.forward import hf_forward, packed_rows_exact
 from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
 from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, fsdp_problems, load_model
 from backends.fsdp.options import FSDPOptions
+from backends.fsdp.ulysses import apply_ulysses, ulysses_problems
 from backends.hf import attach_router_recorder, note_once
 from engine_api.kit import (
     ROUTING_FIELD,
@@ -35,6 +41,7 @@ from engine_api.kit import (
     ensure_process_group,
     options_of,
     register_engine,
+    sum_keep_grad,
     unpack,
     wants_routing,
 )
@@ -53,7 +60,11 @@ class FSDPEngine(BaseEngine):
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
-        return fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
+        out = fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
+        sp = options_of(config, FSDPOptions).ulysses_sequence_parallel_size
+        if sp > 1 and not out:
+            out += ulysses_problems(AutoConfig.from_pretrained(config.model.path), sp)
+        return out
 
     def _build_model(self) -> None:
         """Load the HF model, shard it with FSDP2, build AdamW + LR schedule.
@@ -64,10 +75,21 @@ class FSDPEngine(BaseEngine):
         """
         self.device = compute_device()
         ensure_process_group("nccl" if self.device.type == "cuda" else "gloo", self.config.dist_timeout_s)
-        self.mesh = build_mesh(self.device, dist.get_world_size(), options_of(self.config, FSDPOptions).fsdp_size)
+        options = options_of(self.config, FSDPOptions)
+        world = dist.get_world_size()
+        self.mesh = build_mesh(self.device, world, options.fsdp_size)
+        # Sequence parallelism: a DP x SP mesh of its own (the FSDP mesh still spans the world:
+        # parameters are sharded over every rank, whatever slice of the data it runs).
+        sp = options.ulysses_sequence_parallel_size
+        self.sp_mesh = None if sp == 1 else init_device_mesh(self.device.type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        self.sp_group = None if self.sp_mesh is None else self.sp_mesh.get_group("sp")
         model = load_model(self.config, self.device)
-        # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).
-        self.router = attach_router_recorder(model, lambda counts: all_reduce(counts, "sum", self.dp_group))
+        # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe). Counts sum
+        # over every rank (SP ranks route different tokens); the aux loss's statistics over SP.
+        reduce_stats = None if self.sp_group is None else partial(sum_keep_grad, group=self.sp_group)
+        self.router = attach_router_recorder(model, lambda counts: all_reduce(counts, "sum", dist.group.WORLD), reduce_stats)
+        if self.sp_group is not None:
+            apply_ulysses(model)
         if self.config.frozen:
             model.requires_grad_(False)
         if self.config.model.gradient_checkpointing:
@@ -86,7 +108,8 @@ class FSDPEngine(BaseEngine):
         # Packed rows only where the model honours them (a family whose attention ignores the
         # position restarts would silently mix sequences): checked once, else padded rows.
         self.remove_padding = self.config.use_remove_padding
-        if self.remove_padding:
+        # (Under SP the mask of packed rows is built from their positions by backends.fsdp.ulysses.)
+        if self.remove_padding and self.sp_group is None:
             compute = options_of(self.config, FSDPOptions).param_dtype or self.config.model.dtype
             self.remove_padding = packed_rows_exact(self.model, self.vocab_size, self.device, half=compute != "float32")
             self._forward_ran = True
@@ -103,22 +126,30 @@ class FSDPEngine(BaseEngine):
     # ------------------------------------------------------------------ topology
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank()
+        return dist.get_rank() if self.sp_mesh is None else self.sp_mesh.get_local_rank("dp")
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size()
+        return dist.get_world_size() if self.sp_mesh is None else self.sp_mesh.size(0)
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
+        return dist.group.WORLD if self.sp_mesh is None else self.sp_mesh.get_group("dp")
+
+    @property
+    def sp_size(self) -> int:
+        """Ranks that split each sequence (``fsdp.ulysses_sequence_parallel_size``)."""
+        return 1 if self.sp_mesh is None else self.sp_mesh.size(1)
 
     # ------------------------------------------------------------------ compute
     def _step_spec(self) -> StepSpec:
-        # FSDP2 averages gradients over DP (the loop compensates: StepSpec's default).
+        # FSDP2 averages gradients over its whole mesh, DP x SP ranks (the loop compensates).
         return StepSpec(
             config=self.config,
             dp_group=self.dp_group,
+            grad_reduce_ranks=dist.get_world_size(),
+            # SP peers run one batch together: a bad one on any rank must stop all of them
+            validate_over_world=self.sp_group is not None,
             forward=self._forward,
             vocab_size=self.vocab_size,
             device=self.device,
@@ -127,6 +158,8 @@ class FSDPEngine(BaseEngine):
         )
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
+        if self.sp_group is not None:
+            self._check_sp_peers(batch)
         try:
             return super()._forward_backward(batch, ctx, forward_only, preprocess_fn, postprocess_fn)
         finally:
@@ -135,6 +168,29 @@ class FSDPEngine(BaseEngine):
                 # only in a backward: forward-only calls (inference, a frozen engine) would
                 # grow it forever (measured: +0.18 KiB per call, linear over 1500 calls).
                 self._reset_fsdp_iteration()
+
+    def _check_sp_peers(self, batch: TensorDict) -> None:
+        """Refuse, on every rank, a call whose SP peers hold different batches (each must pass
+        ``shard_data`` of the same global batch): they would split different sequences and
+        hang in the first all-to-all. Collective over the world (one all-gather of a few numbers)."""
+        try:
+            ids = batch["input_ids"]
+            mine = [float(batch.batch_size[0]), float(ids.offsets()[-1]), float(ids.values().double().sum())]
+        except (KeyError, AttributeError, TypeError, RuntimeError, ValueError):  # malformed: the step's validation names it
+            mine = [math.nan] * 3
+        # per DP rank, the largest and the smallest fingerprint of its SP ranks (two all-reduces)
+        high = torch.full((self.dp_size, 3), -math.inf, dtype=torch.float64, device=self.device)
+        high[self.dp_rank] = torch.tensor(mine, dtype=torch.float64)
+        low = -high.clone()
+        low[self.dp_rank] = high[self.dp_rank]
+        high, low = all_reduce(high, "max", dist.group.WORLD).cpu(), all_reduce(low, "min", dist.group.WORLD).cpu()
+        bad = [g for g in range(self.dp_size) if not high[g].isnan().any() and not torch.equal(high[g], low[g])]
+        if bad:
+            raise ValueError(
+                f"fsdp.ulysses_sequence_parallel_size = {self.sp_size}: the SP ranks of DP rank {bad[0]} were given different batches "
+                "(they split one batch's sequences between them); fix: pass engine.shard_data(global_batch) of the same global "
+                "batch on every rank"
+            )
 
     def _forward(self, mb: TensorDict) -> TensorDict:
         self._forward_ran = True
@@ -145,9 +201,12 @@ class FSDPEngine(BaseEngine):
             rows = partial(self.router.begin, routing=routing, replay=replay, record=record)
         base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
         with adapters_off(self.model) if base_only else contextlib.nullcontext():
-            out = hf_forward(self.model, mb, self.config.model.head, self.remove_padding, on_rows=rows)
+            out = hf_forward(self.model, mb, self.config.model.head, self.remove_padding, on_rows=rows, sp_group=self.sp_group)
         if record:  # the router's own routing of every token (engine_api.moe, "Routing replay")
-            out.set(ROUTING_FIELD, unpack(self.router.recorded().to(mb["input_ids"].device), mb["input_ids"]))
+            recorded = self.router.recorded().to(mb["input_ids"].device)
+            if self.sp_group is not None:  # each SP rank routed its own tokens, NOT_ROUTED (-1) elsewhere
+                recorded = all_reduce(recorded, "max", self.sp_group)
+            out.set(ROUTING_FIELD, unpack(recorded, mb["input_ids"]))
         return out
 
     def _zero_grad(self) -> None:

@@ -7,10 +7,13 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from tensordict import TensorDict
 
-from engine_api.kit import align_to_tokens, pack, pad, token_entropy, token_log_probs, unpack
+from backends.fsdp.ulysses import SP_KWARG, SequenceShard
+from engine_api.kit import align_to_tokens, gather_dim1, pack, pad, token_entropy, token_log_probs, unpack
 
 # FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
 # in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs
@@ -19,7 +22,12 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 
 
 def hf_forward(
-    model: nn.Module, mb: TensorDict, head: str, remove_padding: bool, on_rows: Callable[[int, torch.Tensor], None] | None = None
+    model: nn.Module,
+    mb: TensorDict,
+    head: str,
+    remove_padding: bool,
+    on_rows: Callable[[int, torch.Tensor], None] | None = None,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> TensorDict:
     """Per-token outputs of micro-batch ``mb`` (jagged ``input_ids`` on the model's device).
 
@@ -35,7 +43,12 @@ def hf_forward(
     ``on_rows(rows, token_rows)`` is called before the model runs with the layout's row count
     (tokens of all its rows) and, for each real token in packed order, its row: what an MoE
     routing recorder needs (``engine_api.moe.RoutingRecorder.begin``).
+
+    ``sp_group``: run sequence-parallel over this group (:func:`sp_forward`); every rank of it
+    holds the same ``mb`` and gets the same outputs.
     """
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        return sp_forward(model, mb, head, remove_padding, sp_group, on_rows)
     ids = mb["input_ids"]
     packed = pack(ids)
     if remove_padding and _varlen_kernels(model):
@@ -68,6 +81,75 @@ def hf_forward(
     if mb.get_non_tensor("calculate_entropy", False):
         outputs["entropy"] = unpack(token_entropy(logits, packed.cu_seqlens), ids)
     return TensorDict(outputs, batch_size=mb.batch_size)
+
+
+def sp_forward(
+    model: nn.Module,
+    mb: TensorDict,
+    head: str,
+    remove_padding: bool,
+    group: dist.ProcessGroup,
+    on_rows: Callable[[int, torch.Tensor], None] | None = None,
+) -> TensorDict:
+    """:func:`hf_forward`'s outputs, computed sequence-parallel (``backends.fsdp.ulysses``).
+
+    The rows are laid out as without SP (one packed row with varlen kernels, the rows of
+    :func:`packed_rows`, or right-padded rows), widened to a multiple of the group size with
+    a tail that restarts its positions at 0 (a sequence no real token attends to), and this
+    rank runs its block of columns. Each column's prediction about the next token of its row
+    (log-prob of that token, entropy, value) is computed on the local logits and the columns are
+    gathered, so no rank holds more than its share of logits; the gathered predictions are then
+    aligned exactly as :func:`hf_forward` aligns them.
+    """
+    ids = mb["input_ids"]
+    packed = pack(ids)
+    rows, pos, index = _layout(model, ids, packed, remove_padding)
+    sp = dist.get_world_size(group)
+    extra = -rows.shape[1] % sp
+    if extra:
+        index = index // rows.shape[1] * (rows.shape[1] + extra) + index % rows.shape[1]
+        rows = F.pad(rows, (0, extra))
+        pos = torch.cat([pos, torch.arange(extra, device=pos.device).expand(pos.shape[0], extra)], 1)
+    shard = SequenceShard(group, pos)
+    width, w, rank = rows.shape[1], shard.local_width, shard.rank
+    if on_rows is not None:
+        col = index % width
+        mine = (col >= rank * w) & (col < (rank + 1) * w)
+        local_row = (index // width) * w + col - rank * w
+        on_rows(rows.shape[0] * w, torch.where(mine, local_row, torch.full_like(local_row, -1)))
+    out = model(input_ids=shard.local(rows), position_ids=shard.local(pos), use_cache=False, **{SP_KWARG: shard})
+    logits = out.logits  # [R, width / sp, V]: this rank's columns
+
+    def whole(per_column: torch.Tensor) -> torch.Tensor:
+        # this rank's [R, w] -> every column's, in packed token order, less the last (it predicts nothing)
+        return gather_dim1(per_column, group).reshape(-1)[index][:-1]
+
+    if head == "value":
+        values = align_to_tokens(whole(logits[..., 0].float()), packed.cu_seqlens)
+        return TensorDict({"values": unpack(values, ids)}, batch_size=mb.batch_size)
+    temperature = float(mb.get_non_tensor("temperature", 1.0))
+    logits = logits / temperature if temperature != 1.0 else logits
+    following = shard.local(F.pad(rows[:, 1:], (0, 1)))  # the token after each column in its row
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    outputs = {"log_probs": unpack(align_to_tokens(whole(logp.gather(-1, following[..., None]).squeeze(-1)), packed.cu_seqlens), ids)}
+    if mb.get_non_tensor("calculate_entropy", False):
+        entropy = -(logp.exp() * logp).sum(-1)
+        outputs["entropy"] = unpack(align_to_tokens(whole(entropy), packed.cu_seqlens), ids)
+    return TensorDict(outputs, batch_size=mb.batch_size)
+
+
+def _layout(model: nn.Module, ids: torch.Tensor, packed, remove_padding: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids [R, W], position_ids [R, W], index)`` of the rows :func:`hf_forward` would
+    run, ``index[t]`` packed token t's place in the flattened rows."""
+    total = packed.input_ids.numel()
+    if remove_padding and _varlen_kernels(model):
+        return packed.input_ids[None], packed.position_ids[None], torch.arange(total, device=ids.device)
+    if remove_padding:
+        rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
+        return rows, pos, torch.arange(total, device=ids.device) if index is None else index
+    padded, mask = pad(ids)
+    pos = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
+    return padded, pos, mask.reshape(-1).nonzero().squeeze(1)
 
 
 def packed_rows_exact(model: nn.Module, vocab_size: int, device: torch.device, half: bool = False) -> bool:

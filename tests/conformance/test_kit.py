@@ -1,7 +1,7 @@
 """The conformance kit (``engine_api.conformance``) against the project's backends, and its teeth.
 
 Every backend passes every check: fsdp and the reference engine (torch DDP over HF, built on
-the backend kit only) on 1 and 2 processes, megatron on 1 process and on 2 at DP=2 (with the
+the backend kit only) on 1 and 2 processes, fsdp with Ulysses SP=2 on 2 and 4 processes, megatron on 1 process and on 2 at DP=2 (with the
 distributed optimizer), TP=2 and PP=2. These runs replace the per-backend invariance copies (the old reference-engine
 invariance suite and the FSDP invariance file): the update check compares one optimizer step
 with an independent HF step in all 4 aggregation modes for every micro-batching layout, and at
@@ -34,6 +34,9 @@ RUNS = {
     "reference-2": (REFERENCE, 2, []),
     "fsdp-1": ("fsdp", 1, []),
     "fsdp-2": ("fsdp", 2, []),
+    # Ulysses sequence parallelism (issue 33): one SP group of 2, and DP=2 x SP=2
+    "fsdp-sp2": ("fsdp", 2, ["fsdp.ulysses_sequence_parallel_size=2"]),
+    "fsdp-dp2-sp2": ("fsdp", 4, ["fsdp.ulysses_sequence_parallel_size=2"]),
     "megatron-1": ("megatron", 1, []),
     "megatron-dp2-distopt": ("megatron", 2, ["megatron.use_distributed_optimizer=true"]),
     "megatron-tp2": ("megatron", 2, ["megatron.tensor_model_parallel_size=2"]),
