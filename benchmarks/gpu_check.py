@@ -38,7 +38,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONAL = ("transformer_engine", "flash_attn")
 # report row -> the gpu-marked test file whose outcome it names (run inside ``pytest -m gpu``)
-NAMED_GPU_TESTS = {"vLLM routed experts (R3) vs HF router_logits": "tests/rollout/test_vllm_routing.py"}
+NAMED_GPU_TESTS = {
+    "vLLM routed experts (R3) vs HF router_logits": "tests/rollout/test_vllm_routing.py",
+    "megatron context parallelism CP=2 vs CP=1 (2 GPUs, TE)": "tests/backends/test_megatron_cp_gpu.py",
+}
 # pytest -rA short-summary outcomes, the worst first (a file's row takes its worst test's)
 _OUTCOMES = ("FAILED", "ERROR", "XPASS", "PASSED", "XFAIL", "SKIPPED")
 

@@ -20,6 +20,13 @@ of a call must have one shape (stages exchange fixed-shape tensors), so micro-ba
 packed and padded to the call's longest row, whatever ``use_remove_padding`` says; outputs are
 the same either way. With the Transformer-Engine spec micro-batches run padded for now (THD with
 PackedSeqParams awaits a GPU run to be validated), and PP > 1 needs equal-size micro-batches.
+
+Context parallelism (``megatron.context_parallel_size`` > 1, TE spec only; GPU, not yet run):
+padded rows, widened to a multiple of 2 x CP, are split by megatron's own
+``get_batch_on_this_cp_rank`` (chunks ``i`` and ``2 CP - 1 - i``, its causal load balance);
+megatron's RoPE and TE's CP attention handle the rest. Each rank computes its chunks'
+per-token predictions, which are gathered (``engine_api.seq_split``) so every CP rank computes
+the whole loss; megatron DDP averages gradients over DP x CP (``StepSpec.grad_reduce_ranks``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.utils import get_batch_on_this_cp_rank
 from tensordict import TensorDict
 from transformers import AutoConfig
 
@@ -64,6 +72,7 @@ from engine_api.kit import (
     build_lr_scheduler,
     ckpt_layout,
     forward_backward_loop,
+    gather_dim1,
     options_of,
     pack,
     pad,
@@ -144,6 +153,7 @@ class MegatronEngine(BaseEngine):
         pipelined = options_of(cfg, MegatronOptions).pipeline_model_parallel_size > 1
         self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
         self.fixed_shape = pipelined
+        self.cp = options_of(cfg, MegatronOptions).context_parallel_size
         self._call_len = 0
         self._offloaders = {"model": StorageOffloader(), "optimizer": StorageOffloader()}
 
@@ -214,6 +224,8 @@ class MegatronEngine(BaseEngine):
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
             router=self.router,
+            # megatron DDP averages over DP x CP; each CP rank holds its chunks' part of the gradient
+            grad_reduce_ranks=self.dp_size * self.cp if self.cp > 1 else None,
         )
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):
@@ -291,8 +303,9 @@ class MegatronEngine(BaseEngine):
     def _row_len(self, mb: TensorDict) -> int:
         lengths = mb["input_ids"].offsets().diff()
         n = int(lengths.sum()) if self._packs(mb) else int(lengths.max())
-        tp = self.tconfig.tensor_model_parallel_size
-        return -(-n // tp) * tp if self.tconfig.sequence_parallel else n
+        # sequence parallelism splits each CP rank's tokens over TP; CP splits rows into 2 x CP chunks
+        multiple = (self.tconfig.tensor_model_parallel_size if self.tconfig.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+        return -(-n // multiple) * multiple
 
     def _padded_len(self, mb: TensorDict) -> int:
         """Row length a micro-batch runs at: its own, or the call's longest under PP."""
@@ -316,15 +329,11 @@ class MegatronEngine(BaseEngine):
             real = torch.zeros(1, s, dtype=torch.bool, device=self.device)
             real[0, :total] = True
             return tokens, positions, ~allowed[None, None], real  # megatron masks where True
-        padded, real = pad(ids)
-        # pad() pads to the jagged tensor's cached max length, which a micro-batch split off a
-        # larger batch can inherit from it (wider than its own longest row): cut to the row length.
-        padded, real = padded[:, :s], real[:, :s]
-        if padded.shape[1] < s:
-            extra = s - padded.shape[1]
-            padded = torch.nn.functional.pad(padded, (0, extra))
-            real = torch.nn.functional.pad(real, (0, extra))
+        padded, real = _pad_rows(ids, s)
         positions = torch.arange(s, device=self.device).expand_as(padded)
+        if self.cp > 1:  # this CP rank's chunks (real stays whole: the outputs are gathered back)
+            local = get_batch_on_this_cp_rank({"tokens": padded.contiguous(), "position_ids": positions.contiguous()})
+            return local["tokens"], local["position_ids"], None, real
         return padded, positions, None, real
 
     def _forward_step(self, data_iterator, model, ctx, norm, scale, forward_only, postprocess_fn, keep):
@@ -365,6 +374,8 @@ class MegatronEngine(BaseEngine):
         return (loss if aux is None else loss + aux) * scale, stored
 
     def _outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
+        if self.cp > 1:
+            return self._cp_outputs(output, mb, real)
         ids = mb["input_ids"]
         cu = ids.offsets()
         flat = output[real]  # [total, vocab_padded or 1] in packed order
@@ -377,6 +388,36 @@ class MegatronEngine(BaseEngine):
         out = {"log_probs": unpack(token_log_probs(logits, ids.values(), cu), ids)}
         if mb.get_non_tensor("calculate_entropy", False):
             out["entropy"] = unpack(token_entropy(logits, cu), ids)
+        return TensorDict(out, batch_size=mb.batch_size)
+
+    def _cp_outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
+        """:meth:`_outputs` under context parallelism: ``output`` holds this rank's two chunks of
+        every padded row; each column's prediction about the next token of its row is computed
+        here, gathered over the CP group (``engine_api.seq_split``), put back in row order and
+        aligned as without CP."""
+        ids = mb["input_ids"]
+        cu = ids.offsets()
+        s = real.shape[1]
+        padded, _ = _pad_rows(ids, s)
+        following = get_batch_on_this_cp_rank({"f": torch.nn.functional.pad(padded[:, 1:], (0, 1)).contiguous()})["f"]
+        group = mpu.get_context_parallel_group()
+
+        def whole(local: torch.Tensor) -> torch.Tensor:
+            # [b, 2 chunks] per rank -> rows in order: rank r holds chunks r and 2 CP - 1 - r
+            parts = gather_dim1(local, group).reshape(local.shape[0], self.cp, 2, -1)
+            order = torch.cat([parts[:, :, 0], parts[:, :, 1].flip(1)], dim=1)
+            return order.reshape(local.shape[0], s)[real][:-1]
+
+        if self.config.model.head == "value":
+            return TensorDict({"values": unpack(align_to_tokens(whole(output[..., 0].float()), cu), ids)}, batch_size=mb.batch_size)
+        logits = output[..., : self.arch.vocab]
+        temperature = float(mb.get_non_tensor("temperature", 1.0))
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out = {"log_probs": unpack(align_to_tokens(whole(logp.gather(-1, following[..., None]).squeeze(-1)), cu), ids)}
+        if mb.get_non_tensor("calculate_entropy", False):
+            out["entropy"] = unpack(align_to_tokens(whole(-(logp.exp() * logp).sum(-1)), cu), ids)
         return TensorDict(out, batch_size=mb.batch_size)
 
     def _collect(self, store: list, ctx: dict, keep: bool = True):
@@ -494,6 +535,19 @@ def _packed_is_cheaper(lengths: list[int], arch) -> bool:
     packed = total * per_row + total * total * per_score
     padded = b * longest * per_row + b * longest * longest * per_score
     return packed <= padded
+
+
+def _pad_rows(ids: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged ``ids`` right-padded to exactly ``s`` columns, and the real-token mask."""
+    padded, real = pad(ids)
+    # pad() pads to the jagged tensor's cached max length, which a micro-batch split off a
+    # larger batch can inherit from it (wider than its own longest row): cut to the row length.
+    padded, real = padded[:, :s], real[:, :s]
+    if padded.shape[1] < s:
+        extra = s - padded.shape[1]
+        padded = torch.nn.functional.pad(padded, (0, extra))
+        real = torch.nn.functional.pad(real, (0, extra))
+    return padded, real
 
 
 def _broadcast_outputs(payload: tuple | None, src: int, group) -> tuple:

@@ -118,8 +118,8 @@ def megatron_problems(config: EngineConfig) -> list[str]:
     is converted exactly (``convert.config_refusals``: each refused field is named with its
     value and the fix); TP divides the heads,
     the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
-    layers; context parallelism (the engine does not split sequences over CP ranks, and the
-    local spec's attention refuses it); sequence parallelism and the TE spec need CUDA + TE;
+    layers; context parallelism needs the TE spec (:func:`_cp_problems`); sequence parallelism
+    and the TE spec need CUDA + TE;
     ``model.attn_implementation`` is an HF setting (only ``auto`` here).
     """
     m = options_of(config, MegatronOptions)
@@ -147,15 +147,7 @@ def megatron_problems(config: EngineConfig) -> list[str]:
                 "set megatron.sequence_parallel=false, or layer_spec=te on a GPU machine",
             )
         )
-    if m.context_parallel_size > 1:
-        out.append(
-            format_problem(
-                "megatron.context_parallel_size",
-                m.context_parallel_size,
-                "not supported: the engine does not split sequences over context-parallel ranks",
-                "use 1 (and tensor/pipeline parallelism for long sequences)",
-            )
-        )
+    out += _cp_problems(m, te)
     path = config.model.path
     if path is None:
         return [*out, format_problem("model.path", None, "MegatronEngine loads an HF directory", "set engine.model.path")]
@@ -172,6 +164,15 @@ def megatron_problems(config: EngineConfig) -> list[str]:
         return [*out, *(f"model.path = {path!r} (megatron backend): {r}" for r in refusals)]
     arch = arch_info(hf_config)
     out += _moe_problems(config, m, arch, hf_config)
+    if m.context_parallel_size > 1 and arch.is_moe:
+        out.append(
+            format_problem(
+                "megatron.context_parallel_size",
+                m.context_parallel_size,
+                "with an MoE model: the routing recorder and the load-balancing statistics are not split over context-parallel ranks",
+                "use 1 for MoE models",
+            )
+        )
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     if tp >= 1:
         for name, count in (("num_attention_heads", arch.heads), ("num_key_value_heads", arch.groups), ("intermediate_size", arch.ffn)):
@@ -194,6 +195,33 @@ def megatron_problems(config: EngineConfig) -> list[str]:
             )
         )
     return out
+
+
+def _cp_problems(m: MegatronOptions, te: bool) -> list[str]:
+    """Context parallelism runs megatron-core's own CP attention, which only the Transformer-
+    Engine spec has: the local spec's ``DotProductAttention`` asserts ``context_parallel_size
+    == 1`` (megatron-core 0.16), so a CPU build refuses it here instead of failing there. With TE
+    (GPU) the engine splits padded rows over the CP ranks (``MegatronEngine._cp_outputs``);
+    pipelining with it is not supported yet."""
+    cp = m.context_parallel_size
+    if cp <= 1:
+        return []
+    field = "megatron.context_parallel_size"
+    if not te:
+        return [
+            format_problem(
+                field,
+                cp,
+                "needs the Transformer-Engine layer spec: megatron-core's context-parallel attention is TEDotProductAttention, and "
+                "the local spec's attention refuses CP ('Context parallelism is only supported by TEDotProductAttention'), so it "
+                "cannot run without CUDA + transformer-engine",
+                "use 1 here (for long sequences on CPU: strategy=fsdp with fsdp.ulysses_sequence_parallel_size), or "
+                "megatron.layer_spec=te on a GPU machine with transformer-engine",
+            )
+        ]
+    if m.pipeline_model_parallel_size > 1:
+        return [format_problem(field, cp, "with pipeline parallelism is not supported yet", "use pipeline_model_parallel_size=1 with CP")]
+    return []
 
 
 def _moe_problems(config: EngineConfig, m: MegatronOptions, arch: ArchInfo, hf_config) -> list[str]:

@@ -211,7 +211,6 @@ CONFIG_CASES = {
         ["megatron.pipeline_model_parallel_size=2", "megatron.virtual_pipeline_model_parallel_size=2", "world_size=2"],
         ["= 4 does not divide the model's num_hidden_layers = 2"],
     ),
-    "context parallel": (("megatron",), ["megatron.context_parallel_size=2", "world_size=2"], ["context_parallel_size = 2"]),
 }
 if not CUDA:  # both are fine on a GPU machine with Transformer-Engine
     CONFIG_CASES["sequence parallel without TE"] = (
@@ -220,6 +219,11 @@ if not CUDA:  # both are fine on a GPU machine with Transformer-Engine
         ["sequence_parallel = True", "Transformer-Engine"],
     )
     CONFIG_CASES["TE spec without CUDA"] = (("megatron",), ["megatron.layer_spec=te"], ["layer_spec = 'te'", "needs CUDA"])
+    CONFIG_CASES["context parallel without TE"] = (
+        ("megatron",),
+        ["megatron.context_parallel_size=2", "world_size=2"],
+        ["context_parallel_size = 2", "TEDotProductAttention", "ulysses_sequence_parallel_size"],
+    )
 
 
 def _bad_configs(strategy, model_dir, empty_dir) -> dict:
