@@ -38,6 +38,7 @@ SCRIPTS = (
     "export_buckets",
     "rollout",
     "ray_dispatch",
+    "long_context",
     "gpu_throughput",
 )
 # The one column of each benchmark that the summary shows.
@@ -51,6 +52,7 @@ KEY = {
     "export_buckets": "bucketed/raw",
     "rollout": "vllm/hf",
     "ray_dispatch": "ray/torchrun",
+    "long_context": "sp2/sp1_act",
     "gpu_throughput": "mfu",
 }
 PROFILES = {"overhead": ["--case", "overhead"], "packing": ["--case", "packing"]}
@@ -74,7 +76,7 @@ def _profile_command(rep: dict) -> str | None:
 
 TIMEOUT_S = 420
 # Scripts that need longer (overhead: the RL-size rows run 4096-sequence steps on both backends).
-TIMEOUT_OVERRIDES_S = {"overhead": 2400}
+TIMEOUT_OVERRIDES_S = {"overhead": 2400, "long_context": 1800}
 # Full output of every script, the last run's results for --render-only and the --profiles dumps
 # (outputs/ is git-ignored).
 LOG = os.path.join(ROOT, "outputs", "bench", "run_all.log")
