@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from functools import partial
 
@@ -39,6 +40,7 @@ from engine_api.kit import (
     build_lr_scheduler,
     compute_device,
     ensure_process_group,
+    loss_mask_of,
     options_of,
     register_engine,
     sum_keep_grad,
@@ -62,7 +64,7 @@ class FSDPEngine(BaseEngine):
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
         out = fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
         sp = options_of(config, FSDPOptions).ulysses_sequence_parallel_size
-        if sp > 1 and not out:
+        if sp > 1 and not out and os.path.isdir(config.model.path or ""):  # (a missing directory is reported elsewhere)
             out += ulysses_problems(AutoConfig.from_pretrained(config.model.path), sp)
         return out
 
@@ -174,8 +176,9 @@ class FSDPEngine(BaseEngine):
         ``shard_data`` of the same global batch): they would split different sequences and
         hang in the first all-to-all. Collective over the world (one all-gather of a few numbers)."""
         try:
-            ids = batch["input_ids"]
-            mine = [float(batch.batch_size[0]), float(ids.offsets()[-1]), float(ids.values().double().sum())]
+            ids = batch["input_ids"].values().double()
+            weights = torch.arange(ids.numel(), device=ids.device, dtype=torch.float64) % 1009 + 1  # order matters
+            mine = [float(batch.batch_size[0]), float((ids * weights).sum()), float(loss_mask_of(batch).values().double().sum())]
         except (KeyError, AttributeError, TypeError, RuntimeError, ValueError):  # malformed: the step's validation names it
             mine = [math.nan] * 3
         # per DP rank, the largest and the smallest fingerprint of its SP ranks (two all-reduces)

@@ -110,7 +110,7 @@ def sp_forward(
         index = index // rows.shape[1] * (rows.shape[1] + extra) + index % rows.shape[1]
         rows = F.pad(rows, (0, extra))
         pos = torch.cat([pos, torch.arange(extra, device=pos.device).expand(pos.shape[0], extra)], 1)
-    shard = SequenceShard(group, pos)
+    shard = SequenceShard(group, pos, tail=extra)
     width, w, rank = rows.shape[1], shard.local_width, shard.rank
     if on_rows is not None:
         col = index % width
@@ -176,8 +176,9 @@ def packed_rows_exact(model: nn.Module, vocab_size: int, device: torch.device, h
 
 
 def _varlen_kernels(model: nn.Module) -> bool:
-    """Whether attention runs varlen kernels (cost per sequence, not per packed row)."""
-    return getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    """Whether attention runs varlen kernels (cost per sequence, not per packed row), also
+    under Ulysses' wrapper of them (``enginekit_ulysses_flash_attention_2``)."""
+    return (getattr(model.config, "_attn_implementation", None) or "").endswith("flash_attention_2")
 
 
 def packed_rows(

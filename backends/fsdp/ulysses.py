@@ -37,6 +37,7 @@ over every rank of its mesh, DP x SP, which the engine compensates
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from dataclasses import dataclass, field
@@ -60,10 +61,15 @@ class SequenceShard:
         positions: int64 ``[rows, width]``, the position ids of the whole rows (``width`` a
             multiple of the group size); rank ``i`` runs columns ``[i * width / sp, (i + 1) *
             width / sp)``.
+        tail: the last ``tail`` columns only widen the rows (their positions restart at 0, so
+            no position embedding overflows). No real token sees them (they come last, and
+            attention is causal), so the mask may treat them as part of the row's last
+            sequence: a row of one sequence keeps sdpa's mask-free causal kernel.
     """
 
     group: dist.ProcessGroup
     positions: torch.Tensor
+    tail: int = 0
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -89,7 +95,13 @@ class SequenceShard:
         bool ``[R, 1, W, W]`` (True: attend) for sdpa, additive ``dtype`` for eager."""
         key = (kernel, window, dtype)
         if key not in self._masks:
-            self._masks[key] = _build_mask(self.positions, kernel, window, dtype)
+            positions = self.positions
+            if self.tail:
+                positions = positions.clone()
+                positions[:, -self.tail :] = positions[:, -self.tail - 1 : -self.tail] + torch.arange(
+                    1, self.tail + 1, device=positions.device
+                )
+            self._masks[key] = _build_mask(positions, kernel, window, dtype)
         return self._masks[key]
 
 
@@ -157,13 +169,21 @@ def heads_to_seq(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- attention
-class _GroupsView:
-    """The attention module as the kernel should see it after KV heads were repeated: the
-    same module with fewer query heads per KV head."""
+class _KernelView:
+    """The attention module as the wrapped kernel must see it: after KV heads were repeated,
+    fewer query heads per KV head (``groups``); and a config whose attention implementation is
+    the kernel's own name (HF's flash path dispatches on ``module.config._attn_implementation``,
+    which the model config holds as the wrapper's name)."""
 
-    def __init__(self, module: nn.Module, groups: int) -> None:
+    def __init__(self, module: nn.Module, kernel: str, groups: int | None) -> None:
         self._module = module
-        self.num_key_value_groups = groups
+        if groups is not None:
+            self.num_key_value_groups = groups
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) != kernel:
+            config = copy.copy(config)  # shallow: only the implementation name differs
+            config._attn_implementation_internal = kernel
+        self.config = config
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
@@ -187,10 +207,11 @@ def _ulysses_attention(kernel: str):
             return inner(module, query, key, value, attention_mask, **kwargs)
         sp, kv_heads = shard.size, key.shape[1]
         repeat = sp // math.gcd(kv_heads, sp)
-        view = module
+        groups = None
         if repeat > 1:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-            view = _GroupsView(module, getattr(module, "num_key_value_groups", query.shape[1] // kv_heads) // repeat)
+            groups = getattr(module, "num_key_value_groups", query.shape[1] // kv_heads) // repeat
+        view = _KernelView(module, kernel, groups) if groups is not None or kernel == "flash_attention_2" else module
         q, k, v = (seq_to_heads(t, shard) for t in (query, key, value))
         if kernel == "flash_attention_2":
             mask = None
@@ -234,8 +255,8 @@ def apply_ulysses(model: nn.Module) -> None:
 def ulysses_problems(hf_config, sp: int) -> list[str]:
     """Why this model cannot run at ``engine.fsdp.ulysses_sequence_parallel_size = sp`` (empty
     when it can): the query heads must split evenly; attention that masks or scores anything
-    but causal packed sequences (attention sinks, chunked attention, non-causal layers) is not
-    what the wrapper's mask computes."""
+    but causal packed sequences (attention sinks, chunked attention, bidirectional attention,
+    non-causal layers) is not what the wrapper's mask computes."""
     field_ = "fsdp.ulysses_sequence_parallel_size"
     out = []
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -247,6 +268,8 @@ def ulysses_problems(hf_config, sp: int) -> list[str]:
         out.append(f"{field_} = {sp}: {model_type}'s attention sinks are per head and not split by Ulysses; fix: use 1 for this model")
     if getattr(text, "attention_chunk_size", None):
         out.append(f"{field_} = {sp}: chunked attention (attention_chunk_size) is not masked by Ulysses' causal mask; fix: use 1")
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        out.append(f"{field_} = {sp}: the model attends bidirectionally; Ulysses' mask is causal; fix: use 1 for this model")
     kinds = set(getattr(text, "layer_types", None) or ())
     odd = kinds - {"full_attention", "sliding_attention"}
     if odd:

@@ -26,7 +26,9 @@ padded rows, widened to a multiple of 2 x CP, are split by megatron's own
 ``get_batch_on_this_cp_rank`` (chunks ``i`` and ``2 CP - 1 - i``, its causal load balance);
 megatron's RoPE and TE's CP attention handle the rest. Each rank computes its chunks'
 per-token predictions, which are gathered (``engine_api.seq_split``) so every CP rank computes
-the whole loss; megatron DDP averages gradients over DP x CP (``StepSpec.grad_reduce_ranks``).
+the whole loss. megatron DDP averages gradients over DP x CP and megatron's schedule multiplies
+each micro-batch loss by CP (``forward_step_calc_loss``), so only the DP average is left for
+the loop to compensate (its default).
 """
 
 from __future__ import annotations
@@ -224,8 +226,8 @@ class MegatronEngine(BaseEngine):
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
             router=self.router,
-            # megatron DDP averages over DP x CP; each CP rank holds its chunks' part of the gradient
-            grad_reduce_ranks=self.dp_size * self.cp if self.cp > 1 else None,
+            # (CP: megatron DDP averages over DP x CP, and megatron's schedule multiplies every
+            # micro-batch loss by the CP size, forward_step_calc_loss: the CP part cancels there)
         )
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):

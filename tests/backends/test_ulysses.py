@@ -202,19 +202,29 @@ def test_sp4_repeats_kv_heads(models, results):
 
 def _mismatch_worker(rank, world, path):
     engine = engine_for(path, f"{SP}=2")
-    batch = make_test_batch(seed=rank)  # not the same global batch on both ranks
-    try:
-        with engine.eval_mode():
-            engine.infer_batch(engine.shard_data(batch))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    batch = make_test_batch()
+    cases = {
+        "another batch": make_test_batch(seed=rank),
+        "the same rows in another order": batch[torch.arange(batch.batch_size[0]).flip(0)] if rank else batch,
+        "the same batch": batch,
+    }
+    out = {}
+    for name, local in cases.items():
+        try:
+            with engine.eval_mode():
+                engine.infer_batch(local)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
 
 
 @pytest.mark.slow
 def test_sp_peers_with_different_batches_are_refused(models):
-    for message in run_distributed(_mismatch_worker, 2, models["llama"], timeout=300):
-        assert message is not None and "were given different batches" in message and "shard_data" in message
+    for got in run_distributed(_mismatch_worker, 2, models["llama"], timeout=300):
+        for case in ("another batch", "the same rows in another order"):
+            assert got[case] is not None and "were given different batches" in got[case] and "shard_data" in got[case], case
+        assert got["the same batch"] is None  # the control: the check does not refuse a good call
 
 
 # ----------------------------------------------------------------------------- resume across SP
@@ -263,10 +273,19 @@ def test_sp_must_divide_the_heads(tmp_path):
         build_engine(_config(path, 2))
 
 
-def test_attention_sinks_are_refused():
+def test_attention_sinks_are_refused():  # the GPT-OSS family
     from transformers import GptOssConfig
 
     from backends.fsdp.ulysses import ulysses_problems
 
     problems = ulysses_problems(GptOssConfig(num_attention_heads=4, num_key_value_heads=2), 2)
     assert problems and "attention sinks" in problems[0] and "use 1" in problems[0]
+
+
+def test_bidirectional_attention_is_refused():
+    from backends.fsdp.ulysses import ulysses_problems
+
+    causal = Gemma2Config(**TINY_DIMS, head_dim=8)
+    assert ulysses_problems(causal, 2) == []  # the control
+    problems = ulysses_problems(Gemma2Config(**TINY_DIMS, head_dim=8, use_bidirectional_attention=True), 2)
+    assert problems and "bidirectionally" in problems[0]
