@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.test_ppo import _run
+from tests.support.recipe_runs import run_ppo as _run
 
 MOE = ("tiny_model.family=qwen3_moe",)
 FLOAT_NOISE = 1e-5

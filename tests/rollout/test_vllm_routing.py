@@ -180,13 +180,19 @@ def test_gpu_check_names_this_test_in_its_report():
 
     (case,) = [c for c, path in NAMED_GPU_TESTS.items() if path == "tests/rollout/test_vllm_routing.py"]
     skipped = "SKIPPED [1] tests/rollout/test_vllm_routing.py:170: needs a CUDA device (GPU-only path); run on a GPU machine"
-    assert named_outcomes(f"x\n{skipped}\n1 skipped") == [
-        {"case": case, "outcome": "skipped", "reason": "needs a CUDA device (GPU-only path); run on a GPU machine"}
-    ]
+
+    def row(log: str) -> dict:  # this file's row (the report has one per named GPU test)
+        return next(r for r in named_outcomes(log) if r["case"] == case)
+
+    assert row(f"x\n{skipped}\n1 skipped") == {
+        "case": case,
+        "outcome": "skipped",
+        "reason": "needs a CUDA device (GPU-only path); run on a GPU machine",
+    }
     failed = "FAILED tests/rollout/test_vllm_routing.py::test_vllm_routed_experts_match_hf_router_logits - AssertionError"
-    assert named_outcomes(f"{skipped}\n{failed}")[0]["outcome"] == "failed"
-    assert named_outcomes("PASSED tests/rollout/test_vllm_routing.py::test_x")[0]["outcome"] == "passed"
-    assert named_outcomes("PASSED tests/other.py::test_x")[0]["outcome"] == "not run"
+    assert row(f"{skipped}\n{failed}")["outcome"] == "failed"
+    assert row("PASSED tests/rollout/test_vllm_routing.py::test_x")["outcome"] == "passed"
+    assert row("PASSED tests/other.py::test_x")["outcome"] == "not run"
 
 
 # ---------------------------------------------------------------------------------- GPU: vs HF
