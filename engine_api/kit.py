@@ -19,7 +19,8 @@ walks through them. Groups:
 * processes and placement: ``compute_device``, ``ensure_process_group``,
   ``process_group_timeout``, ``group_rank`` / ``group_size``, ``all_reduce``, ``barrier``,
   ``broadcast_tensors`` (tensor collectives only); ``relocate_module`` / ``relocate_state``;
-  splitting sequences over ranks: ``gather_dim1``, ``sum_keep_grad`` (``engine_api.seq_split``);
+  splitting sequences over ranks: ``gather_dim1``, ``sum_keep_grad``, ``outputs_from_columns``
+  (``engine_api.seq_split``);
 * checkpoints: ``ckpt_layout`` (``begin`` -> your files + ``save_extra`` -> ``commit``;
   ``open_checkpoint`` -> ``reading`` -> ``load_extra`` -> ``finish_load``), ``CorruptCheckpointError``;
 * rollout backends: ``BaseRollout``, ``RolloutEngineConfig``, ``SamplingParams``, ``Sample``,
@@ -56,7 +57,7 @@ from engine_api.optim import build_adamw
 from engine_api.registry import register_engine, unregister_engine
 from engine_api.rollout import BaseRollout, RolloutEngineConfig, Sample, SamplingParams, sample_seed
 from engine_api.rollout_registry import register_rollout
-from engine_api.seq_split import gather_dim1, sum_keep_grad
+from engine_api.seq_split import gather_dim1, outputs_from_columns, sum_keep_grad
 from engine_api.step import CallState, StepSpec, forward_backward_loop, validate_call, wants_routing
 
 
@@ -80,7 +81,7 @@ __all__ = [
     "DeferredNormalizer", "RETURN_PREDICTIONS", "build_adamw", "build_lr_scheduler",
     "pack", "unpack", "pad", "unpad", "relayout", "to_device", "make_batch", "validate_batch", "loss_mask_of", "token_log_probs",
     "token_entropy", "align_to_tokens", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
-    "ROUTING_FIELD", "NOT_ROUTED", "wants_routing", "gather_dim1", "sum_keep_grad",
+    "ROUTING_FIELD", "NOT_ROUTED", "wants_routing", "gather_dim1", "sum_keep_grad", "outputs_from_columns",
     "compute_device", "ensure_process_group", "process_group_timeout", "is_initialized", "group_rank", "group_size", "all_reduce",
     "barrier", "broadcast_tensors", "relocate_module", "relocate_state",
     "ckpt_layout", "CorruptCheckpointError",

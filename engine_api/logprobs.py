@@ -20,15 +20,24 @@ def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: t
     Returns:
         ``[total]`` log-probs, 0 at every sequence start.
     """
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, input_ids[1:, None]).squeeze(-1)
-    return align_to_tokens(logp, cu_seqlens)
+    return align_to_tokens(next_token_log_probs(logits[:-1], input_ids[1:]), cu_seqlens)
 
 
 def token_entropy(logits: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Entropy of the distribution that predicts each packed token (0 at sequence starts)."""
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return align_to_tokens(ent, cu_seqlens)
+    return align_to_tokens(next_token_entropy(logits[:-1]), cu_seqlens)
+
+
+def next_token_log_probs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """Per position, unaligned: ``log_softmax(logits)[..., next_ids]`` in fp32 (``logits``
+    ``[..., vocab]``, ``next_ids`` the token each position predicts, same leading shape)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, next_ids[..., None]).squeeze(-1)
+
+
+def next_token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per position, unaligned: the entropy of ``softmax(logits)`` in fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def align_to_tokens(pred_next: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

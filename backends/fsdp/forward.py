@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from backends.fsdp.ulysses import SP_KWARG, SequenceShard
-from engine_api.kit import align_to_tokens, gather_dim1, pack, pad, token_entropy, token_log_probs, unpack
+from engine_api.kit import align_to_tokens, gather_dim1, outputs_from_columns, pack, pad, token_entropy, token_log_probs, unpack
 
 # FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
 # in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs
@@ -117,25 +117,14 @@ def sp_forward(
         mine = (col >= rank * w) & (col < (rank + 1) * w)
         local_row = (index // width) * w + col - rank * w
         on_rows(rows.shape[0] * w, torch.where(mine, local_row, torch.full_like(local_row, -1)))
-    out = model(input_ids=shard.local(rows), position_ids=shard.local(pos), use_cache=False, **{SP_KWARG: shard})
-    logits = out.logits  # [R, width / sp, V]: this rank's columns
+    out = model(input_ids=shard.local(rows), position_ids=shard.local(pos), use_cache=False, **{SP_KWARG: shard})  # logits [R, w, V]
 
     def whole(per_column: torch.Tensor) -> torch.Tensor:
         # this rank's [R, w] -> every column's, in packed token order, less the last (it predicts nothing)
         return gather_dim1(per_column, group).reshape(-1)[index][:-1]
 
-    if head == "value":
-        values = align_to_tokens(whole(logits[..., 0].float()), packed.cu_seqlens)
-        return TensorDict({"values": unpack(values, ids)}, batch_size=mb.batch_size)
-    temperature = float(mb.get_non_tensor("temperature", 1.0))
-    logits = logits / temperature if temperature != 1.0 else logits
     following = shard.local(F.pad(rows[:, 1:], (0, 1)))  # the token after each column in its row
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    outputs = {"log_probs": unpack(align_to_tokens(whole(logp.gather(-1, following[..., None]).squeeze(-1)), packed.cu_seqlens), ids)}
-    if mb.get_non_tensor("calculate_entropy", False):
-        entropy = -(logp.exp() * logp).sum(-1)
-        outputs["entropy"] = unpack(align_to_tokens(whole(entropy), packed.cu_seqlens), ids)
-    return TensorDict(outputs, batch_size=mb.batch_size)
+    return outputs_from_columns(mb, out.logits, following, whole, head)
 
 
 def _layout(model: nn.Module, ids: torch.Tensor, packed, remove_padding: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -76,6 +76,7 @@ from engine_api.kit import (
     forward_backward_loop,
     gather_dim1,
     options_of,
+    outputs_from_columns,
     pack,
     pad,
     register_engine,
@@ -397,10 +398,8 @@ class MegatronEngine(BaseEngine):
         every padded row; each column's prediction about the next token of its row is computed
         here, gathered over the CP group (``engine_api.seq_split``), put back in row order and
         aligned as without CP."""
-        ids = mb["input_ids"]
-        cu = ids.offsets()
         s = real.shape[1]
-        padded, _ = _pad_rows(ids, s)
+        padded, _ = _pad_rows(mb["input_ids"], s)
         following = get_batch_on_this_cp_rank({"f": torch.nn.functional.pad(padded[:, 1:], (0, 1)).contiguous()})["f"]
         group = mpu.get_context_parallel_group()
 
@@ -410,17 +409,8 @@ class MegatronEngine(BaseEngine):
             order = torch.cat([parts[:, :, 0], parts[:, :, 1].flip(1)], dim=1)
             return order.reshape(local.shape[0], s)[real][:-1]
 
-        if self.config.model.head == "value":
-            return TensorDict({"values": unpack(align_to_tokens(whole(output[..., 0].float()), cu), ids)}, batch_size=mb.batch_size)
-        logits = output[..., : self.arch.vocab]
-        temperature = float(mb.get_non_tensor("temperature", 1.0))
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        out = {"log_probs": unpack(align_to_tokens(whole(logp.gather(-1, following[..., None]).squeeze(-1)), cu), ids)}
-        if mb.get_non_tensor("calculate_entropy", False):
-            out["entropy"] = unpack(align_to_tokens(whole(-(logp.exp() * logp).sum(-1)), cu), ids)
-        return TensorDict(out, batch_size=mb.batch_size)
+        head = self.config.model.head
+        return outputs_from_columns(mb, output if head == "value" else output[..., : self.arch.vocab], following, whole, head)
 
     def _collect(self, store: list, ctx: dict, keep: bool = True):
         """The per-micro-batch outputs (``keep``: else None) and this rank's loss contributions,

@@ -65,28 +65,19 @@ def _infer(path, *overrides, **meta):
     return {k: out[k].values().clone() for k in out.keys()}
 
 
-def _step(path, *overrides, **meta):
+def _step(path, *overrides, batch=None, calls=1, **meta):
+    """One optimizer step on this rank's shard of ``batch`` (default ``make_test_batch(**meta)``),
+    split into ``calls`` forward_backward calls; the first call's loss and metrics."""
     engine = engine_for(path, "optim.eps=1e-3", *overrides)
-    batch = make_test_batch(**meta)
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        _, loss, ctx = engine.forward_backward_step(engine.shard_data(batch))
-        norm = engine.optimizer_step()
-    metrics = {k: sum(v) / len(v) for k, v in ctx.get("metrics", {}).items()}
-    return {"loss": loss, "grad_norm": norm, "params": full_params(engine), "metrics": metrics}
-
-
-def _window(path, extra, calls, *overrides):
-    """One step split into ``calls`` forward_backward calls (hf_utils.one_step, any SP)."""
-    engine = engine_for(path, "optim.eps=1e-3", *extra, *overrides)
-    local = engine.shard_data(make_test_batch())
+    local = engine.shard_data(make_test_batch(**meta) if batch is None else batch)
     n = local.batch_size[0]
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        for i in range(calls):
-            engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls])
+        results = [engine.forward_backward_step(local[i * n // calls : (i + 1) * n // calls]) for i in range(calls)]
         norm = engine.optimizer_step()
-    return {"grad_norm": norm, "params": full_params(engine)}
+    _, loss, ctx = results[0]
+    metrics = {k: sum(v) / len(v) for k, v in ctx.get("metrics", {}).items()}
+    return {"loss": loss, "grad_norm": norm, "params": full_params(engine), "metrics": metrics}
 
 
 def _worker(rank, world, models):
@@ -100,7 +91,9 @@ def _worker(rank, world, models):
     llama = models["llama"]
     for mode in MODES:
         for variant, (extra, calls) in VARIANTS.items():
-            out["modes", mode, variant, sp] = _window(llama, extra, calls, f"loss_agg_mode={mode}", f"loss_agg_constant={CONSTANT}", size)
+            out["modes", mode, variant, sp] = _step(
+                llama, *extra, f"loss_agg_mode={mode}", f"loss_agg_constant={CONSTANT}", size, calls=calls
+            )
     out["values", sp] = _infer(llama, "model.head=value", size)
     out["lora", sp] = _step(llama, "model.lora.rank=4", "model.lora.alpha=8", size)
     # activation checkpointing: the recomputation in backward runs the all-to-alls again
@@ -109,20 +102,15 @@ def _worker(rank, world, models):
     moe = models["qwen3_moe_aux"]
     recorded = _infer(moe, size, return_routing=True)["routed_experts"]
     out["recorded", sp] = recorded
-    out["replay", sp] = _replay_step(moe, recorded, size)
+    out["replay", sp] = _step(moe, size, batch=_replay_batch(recorded))
     return out
 
 
-def _replay_step(path, recorded, *overrides):
-    """A training step that replays ``recorded`` (the routing of the same batch, gathered)."""
+def _replay_batch(recorded):
+    """The test batch replaying ``recorded`` (the routing of the same batch, gathered)."""
     batch = make_test_batch(replay_routing=True)
     batch["routed_experts"] = torch.nested.nested_tensor_from_jagged(recorded, batch["input_ids"].offsets())
-    engine = engine_for(path, "optim.eps=1e-3", *overrides)
-    with engine.train_mode():
-        engine.optimizer_zero_grad()
-        _, loss, ctx = engine.forward_backward_step(engine.shard_data(batch))
-        norm = engine.optimizer_step()
-    return {"loss": loss, "grad_norm": norm, "params": full_params(engine), "metrics": {k: v[0] for k, v in ctx["metrics"].items()}}
+    return batch
 
 
 @pytest.fixture(scope="module")
