@@ -1,5 +1,7 @@
-"""Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA, and no test leaves
-the megatron CPU compat layer (``backends.megatron.cpu_compat``) switched on in this process."""
+"""Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA, no test leaves
+the megatron CPU compat layer (``backends.megatron.cpu_compat``) switched on in this process, the
+long-lived worlds (``tests/support/worlds.py``) are closed when the session ends, and the time
+report (``tests/support/timing.py``) is printed at the end."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import sys
 
 import pytest
 import torch
+
+pytest_plugins = ["tests.support.timing", "tests.support.inner_loop"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,3 +34,9 @@ def _no_cpu_compat_left_behind():
     if left:
         compat.release_all()  # so the tests after this one run without it
         pytest.fail(f"the test left megatron's CPU compat layer in place: {left}; fix: cpu_compat.disable() / `with cpu_compat.active():`")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    worlds = sys.modules.get("tests.support.worlds")
+    if worlds is not None:
+        worlds.close_all()

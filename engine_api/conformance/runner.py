@@ -1,6 +1,10 @@
 """Run the conformance checks on N fresh processes and collect one report.
 
-Each launch spawns ``nproc`` processes. With ``nproc > 1`` they get the environment torchrun
+Each launch starts ``nproc`` processes, forked from multiprocessing's forkserver, which has
+imported torch, transformers, the kit and the backend's module once (a new interpreter spends
+5-10 s importing them; a fork from the server well under one). They are fresh processes in
+everything the checks touch: no engine, process group or RNG use happened in the server, and
+each rank takes the caller's environment as it is at the launch. With ``nproc > 1`` they get the environment torchrun
 gives (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), so the
 engines join that world as they would under torchrun; with ``nproc == 1`` they get none and
 take the plain-python path (a 1-rank group of their own). Phase-2 checks (resume,
@@ -14,6 +18,7 @@ its unfinished checks fail as timed out.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
 import queue
 import socket
@@ -130,11 +135,33 @@ def _resolvable(strategy: str) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+# What the forkserver imports before it forks ranks, besides the backend's own module.
+_PRELOAD = ["torch", "transformers", "tensordict", "engine_api.conformance.checks"]
+
+
+def _context(strategy: str):
+    """The forkserver context, with the backend's module added to what the server preloads when
+    it has not started yet (one server per process, shared with anything else that uses it;
+    a module the server lacks is imported by each rank instead, which is only slower)."""
+    from engine_api import registry
+
+    ctx = mp.get_context("forkserver")
+    server = getattr(mp_forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is None:
+        wanted = [*_PRELOAD, registry.get_engine_class(strategy).__module__]
+        have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+        ctx.set_forkserver_preload(have + [m for m in wanted if m not in have])
+    return ctx
+
+
 def _launch(env: dict, names: list[str], nproc: int, timeout_s: float) -> list[Outcome]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(env["strategy"])
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, env, names, results), daemon=False) for rank in range(nproc)]
+    caller_env = dict(os.environ)
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, nproc, port, env, names, results, caller_env), daemon=False) for rank in range(nproc)
+    ]
     for p in procs:
         p.start()
     per_check: dict[str, list[tuple[str, str]]] = {n: [] for n in names}
@@ -171,10 +198,12 @@ def _launch(env: dict, names: list[str], nproc: int, timeout_s: float) -> list[O
     return outcomes
 
 
-def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], results) -> None:
+def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], results, caller_env: dict) -> None:
     import torch
     from transformers.utils import logging as hf_logging
 
+    os.environ.clear()  # the caller's environment at the launch, not the older one of the server
+    os.environ.update(caller_env)
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per engine would bury the report
     hf_logging.set_verbosity_error()  # and the value-head load report (new `score` head: expected)
     # The kit's ranks form their own world: nothing inherited from a launcher the caller ran

@@ -25,6 +25,7 @@ was started.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
 import queue
@@ -41,6 +42,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tests.support import costs
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set by launchers; a test process may carry them (e.g. from a fixture's own group), and a
 # launched process must see only the ones its own launcher sets.
@@ -53,7 +56,17 @@ _GRACE_S = 5.0
 # After every rank reported, they get this long to exit by themselves before being killed.
 _EXIT_S = 30.0
 # What the forkserver imports before forking ranks (a module that fails to import is skipped).
-FORKSERVER_PRELOAD = ["tests.support.hf_utils", "backends.fsdp", "backends.megatron", "torch.distributed.checkpoint", "recipes.ppo"]
+FORKSERVER_PRELOAD = [
+    "tests.support.hf_utils",
+    "backends.fsdp",
+    "backends.megatron",
+    "torch.distributed.checkpoint",
+    "recipes.ppo",
+    "recipes.sft",
+    "engine_api.conformance.checks",
+    "tests.reference_engine",
+    "backends.rollout.vllm",  # with vllm itself (5 s of imports); skipped where vllm is not installed
+]
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -82,7 +95,12 @@ def mp_context(start_method: str = "spawn"):
     """The multiprocessing context for ranks; the forkserver preloads :data:`FORKSERVER_PRELOAD`."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        # One server per process, shared with the conformance kit's launcher: add to what it
+        # will preload while it has not started (once started, its list is fixed).
+        server = getattr(mp_forkserver, "_forkserver", None)
+        if server is not None and getattr(server, "_forkserver_pid", None) is None:
+            have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+            ctx.set_forkserver_preload(have + [m for m in FORKSERVER_PRELOAD if m not in have])
     return ctx
 
 
@@ -96,23 +114,34 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     env: dict | None = None,
-    start_method: str = "spawn",
+    fresh: bool = False,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be importable (a module-level function) and its arguments and return value
-    picklable. ``torch.distributed`` is initialised in each rank before ``fn`` runs and
-    destroyed after. Each rank's environment is :func:`launch_env` with ``env`` added, plus its
-    ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
-    ``start_method``: ``spawn`` or ``forkserver`` (see the module docstring).
+    picklable. ``torch.distributed`` is initialised in each rank before ``fn`` runs. Each
+    rank's environment is :func:`launch_env` with ``env`` added, plus its ``RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_RANK``.
+
+    By default ``fn`` runs in the long-lived world of ``world_size`` ranks
+    (:mod:`tests.support.worlds`: started once per test process, process state reset between
+    tasks). ``fresh=True`` starts new ranks for this call and destroys them after, for tests
+    whose subject is the process itself (start-up, exit, signals, a dead rank, what is read
+    from the environment at import or ``init_process_group``); ``start_method``: ``forkserver``
+    (ranks forked from the preloaded server) or ``spawn`` (new interpreters).
 
     Raises:
         RankError: with the failing rank's traceback, or which ranks hung on timeout.
     """
+    if not fresh:
+        from tests.support import worlds
+
+        return worlds.run_in_world(fn, world_size, *args, env=launch_env(**(env or {})), timeout=timeout)
     rank_env = launch_env(**(env or {}))
     ctx = mp_context(start_method)
     results: mp.Queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="ek_rdzv_") as tmp:
+    with costs.timed(f"new ranks ({start_method}, fresh=True)"), tempfile.TemporaryDirectory(prefix="ek_rdzv_") as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
             # Not daemonic, like torchrun's ranks: megatron's checkpoint writer starts helper
@@ -206,18 +235,31 @@ def _worker(fn, rank, world_size, init_method, results, args, rank_env) -> None:
 def python(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python ARGS`` (one process, no launcher) in the repo, output captured;
     ``env`` adds to :func:`launch_env`."""
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    with costs.timed("new interpreters (python, torchrun)"):
+        return subprocess.run(
+            [sys.executable, *args], cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout
+        )
 
 
 def torchrun(args: list[str], nproc: int, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node NPROC ARGS`` (one agent); ``env`` adds to :func:`launch_env`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    with costs.timed("new interpreters (python, torchrun)"):
+        return subprocess.run(cmd, cwd=REPO, env=launch_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
 
 
-def run_script(args: list[str], nproc: int = 1, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``ARGS`` on ``nproc`` processes: :func:`python` for one, :func:`torchrun` for more (so a
-    one-process run has no launcher, as a user's plain run)."""
+def run_script(
+    args: list[str], nproc: int = 1, timeout: float = 300, env: dict | None = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``ARGS`` on ``nproc`` processes, one with no launcher (a user's plain run), more with
+    torchrun's variables. By default in processes forked from the preloaded server
+    (:mod:`tests.support.forked`: the same run without 5-10 s of imports per process);
+    ``fresh=True``: :func:`python` for one, :func:`torchrun` for more, for tests whose subject
+    is the interpreter or the launcher (start-up, import-time output, torchrun itself)."""
+    if not fresh:
+        from tests.support.forked import run_forked
+
+        return run_forked(args, nproc=nproc, timeout=timeout, env=env)
     if nproc == 1:
         return python(args, timeout=timeout, env=env)
     return torchrun(args, nproc=nproc, timeout=timeout, env=env)
@@ -245,11 +287,13 @@ def torchrun_nodes(args: list[str], nnodes: int, timeout: float = 300, env: dict
             subprocess.Popen(cmd, cwd=REPO, env=launch_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     done = []
+    start = time.monotonic()
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     finally:
+        costs.record("new interpreters (python, torchrun)", time.monotonic() - start)
         for p in procs:
             if p.poll() is None:
                 p.kill()
