@@ -19,12 +19,10 @@ configuration (``test_kit_helpers.py`` pins the comparison helpers themselves).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from engine_api.conformance import CHECKS, run_conformance
+from tests.support.launch import run_script
 
 REFERENCE = "tests.reference_engine:ReferenceEngine"
 BROKEN = "tests.conformance.broken_engines:"
@@ -85,13 +83,14 @@ def test_the_kit_fails_a_broken_engine(bug):
 
 
 def test_cli_exit_status_and_summary():
-    """``python -m engine_api.conformance`` exits 1 on a failed check and 0 when all hold."""
-    args = [sys.executable, "-m", "engine_api.conformance"]
-    bad = subprocess.run([*args, BROKEN + "IgnoresTemperature", "--only", "temperature_entropy"], capture_output=True, text=True)
+    """``python -m engine_api.conformance`` exits 1 on a failed check and 0 when all hold (the
+    command forked from the preloaded server: ``launch.run_script``)."""
+    args = ["-m", "engine_api.conformance"]
+    bad = run_script([*args, BROKEN + "IgnoresTemperature", "--only", "temperature_entropy"])
     assert bad.returncode == 1 and "0 passed, 1 failed" in bad.stdout, bad.stdout + bad.stderr
-    good = subprocess.run([*args, REFERENCE, "--only", "temperature_entropy", "export_names"], capture_output=True, text=True)
+    good = run_script([*args, REFERENCE, "--only", "temperature_entropy", "export_names"])
     assert good.returncode == 0 and "2 passed, 0 failed" in good.stdout, good.stdout + good.stderr
-    unknown = subprocess.run([*args, "no_such_backend", "--only", "export_names"], capture_output=True, text=True)
+    unknown = run_script([*args, "no_such_backend", "--only", "export_names"])
     assert unknown.returncode == 1 and "not a registered engine" in unknown.stdout, unknown.stdout
 
 
@@ -112,11 +111,9 @@ def test_the_kit_ignores_a_launcher_environment_it_runs_under():
     """Started by torchrun (rank 0 runs the kit, the others exit 0), the kit's own processes
     must not try to join the launcher's world: here that world does not exist, so a leak would
     hang or fail."""
-    import os
-
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    args = [sys.executable, "-m", "engine_api.conformance", REFERENCE, "--only", "export_names"]
-    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    args = ["-m", "engine_api.conformance", REFERENCE, "--only", "export_names"]
+    result = run_script(args, timeout=300, env=env)
     assert result.returncode == 0 and "1 passed, 0 failed" in result.stdout, result.stdout + result.stderr[-2000:]
-    other = subprocess.run(args, capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=300)
+    other = run_script(args, timeout=300, env={**env, "RANK": "1"})
     assert other.returncode == 0 and "passed" not in other.stdout, other.stdout

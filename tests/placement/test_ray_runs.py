@@ -2,8 +2,10 @@
 trained weights at the same data-parallel size, whatever the placement, on one Ray node or two;
 a worker that dies is named and everything torn down; a cluster too small is refused.
 
-Each run is a real ``python -m recipes.*`` driver starting its own local Ray instance (or
-joining one started with ``ray start``), as a user runs it. Tolerance: the same arithmetic in
+Each run is a ``python -m recipes.*`` driver (forked from the preloaded server, see
+``tests/support/forked.py``; the killed-worker and SIGTERM tests start real interpreters)
+starting its own local Ray instance (or joining one started with ``ray start``), as a user
+runs it. Tolerance: the same arithmetic in
 the same order (one torch thread per rank under both launchers), so float noise only (rel 1e-6).
 """
 
@@ -23,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine_api import ckpt_layout
-from tests.support.launch import REPO, free_port, launch_env, python, torchrun
+from tests.support.launch import REPO, free_port, launch_env, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +46,10 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 
 
 def _run(cmd: list[str], out: Path, nproc: int = 1, env: dict | None = None) -> Path:
+    """``python CMD`` (the Ray driver, or the 1-process baseline) or, with ``nproc``, the torchrun
+    baseline, in processes forked from the preloaded server (``launch.run_script``)."""
     args = [*cmd, f"trainer.output_dir={out}"]
-    _ok(torchrun(args, nproc=nproc, timeout=600, env=env) if nproc > 1 else python(args, timeout=600, env=env))
+    _ok(run_script(args, nproc=nproc, timeout=600, env=env))
     return out
 
 
@@ -236,7 +240,7 @@ def test_vllm_rollout_on_its_own_pool_samples_from_the_current_weights(layout, t
             "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "trainer.log_samples_every=0", "data.batch_size=8",
             "algo.n_samples=4", "rollout.backend=vllm", *RAY, *VLLM_SPLIT[layout],
             "trainer.placement.pools.gen=1", "trainer.placement.roles.rollout=gen"]  # fmt: skip
-    _ok(python(args, timeout=600))
+    _ok(run_script(args, timeout=600))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 3
     for row in rows:

@@ -6,10 +6,7 @@ are refused. The expected keys and defaults are computed here from the dataclass
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import typing
 from pathlib import Path
@@ -24,6 +21,7 @@ from backends.megatron.options import MegatronOptions
 from engine_api.config import EngineConfig
 from engine_api.typed_config import load_typed
 from posttrain.cli import config_sections, parse_recipe_args
+from tests.support.launch import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {
@@ -239,9 +237,8 @@ def test_unknown_flags_and_non_overrides_are_refused(argv, named, capsys):
 
 
 def test_help_in_a_fresh_process():
-    """``python -m recipes.sft --help`` in a subprocess: exit 0, the whole description, the keys."""
-    env = {**os.environ, "COLUMNS": "122"}
-    proc = subprocess.run([sys.executable, "-m", "recipes.sft", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """``python -m recipes.sft --help`` in a process of its own: exit 0, the whole description, the keys."""
+    proc = run_script(["-m", "recipes.sft", "--help"], env={"COLUMNS": "122"}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert " ".join(_description(sft).split()) in " ".join(proc.stdout.split())
     assert "trainer.total_steps" in proc.stdout and max(map(len, proc.stdout.splitlines())) <= 120

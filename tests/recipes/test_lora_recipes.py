@@ -99,15 +99,14 @@ def test_grpo_with_lora_and_kl_learns_the_sorting_task(tmp_path):
     27): 0.035 over the first 5 -> 0.112 over the last 10 with the default rollout.seed 0;
     rollout.seed 1 and 2 were at 0.19 and 0.18 after 24 steps; criterion +0.05, while an
     untrained policy stays at ~0.04). Full fine-tuning learns faster (docs/recipes.md)."""
-    import subprocess
-    import sys
+    from tests.support import launch
 
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "recipes.ppo", "--config", str(ROOT / "configs" / "grpo_tiny.yaml"),
+        "-m", "recipes.ppo", "--config", str(ROOT / "configs" / "grpo_tiny.yaml"),
         *LORA_TOY, "actor.kl_coef=0.01", f"trainer.output_dir={out}", "trainer.total_steps=60", "trainer.progress_bar=false",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = launch.run_script(cmd, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-10:]) / 10

@@ -4,6 +4,10 @@ resumed steps equal an uninterrupted run's (``posttrain.preemption``).
 
 The signal arrives at a random point of a step (whenever the test sees a few steps logged), so
 the stop step differs run to run; every assertion is about that step, read from the log.
+
+The signalled runs are real interpreters (and a real torchrun agent): how the process takes a
+signal is the subject. The resumed and the reference runs are forked from the preloaded server
+(``launch.run_script``): what they prove is the resume itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from engine_api import ckpt_layout
-from tests.support.launch import REPO, launch_env, python
+from tests.support.launch import REPO, launch_env, run_script
 
 # The demo's cosine schedule spans trainer.total_steps: pinned, so the stopped, the resumed and
 # the reference run (each with its own total_steps) share one schedule.
@@ -67,13 +71,13 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_exact(tmp_path):
     assert f"SIGTERM received: stopped after step {stopped}" in proc.stdout
 
     total = stopped + 4
-    resumed = python([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
+    resumed = run_script([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     checkpoint = out / "checkpoints" / f"{ckpt_layout.PREFIX}{stopped}"
     assert f"trainer.resume: loaded checkpoint {checkpoint} (step {stopped})" in resumed.stdout
 
     ref = tmp_path / "ref"
-    full = python([*SFT, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300)
+    full = run_script([*SFT, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     split, whole = _losses(out, "loss"), _losses(ref, "loss")
     assert sorted(split) == list(range(1, total + 1))  # one line per step across the stop
@@ -92,11 +96,11 @@ def test_sigint_stops_rl_at_a_step_boundary_with_its_own_exit_code_and_resumes(t
     assert all(f"step {s}/400 | actor_loss " in proc.stdout for s in range(1, stopped + 1)), proc.stdout[-2000:]
 
     total = stopped + 2
-    resumed = python([*GRPO, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
+    resumed = run_script([*GRPO, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {stopped}); continuing at step {stopped + 1}" in resumed.stdout
     ref = tmp_path / "ref"
-    assert python([*GRPO, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300).returncode == 0
+    assert run_script([*GRPO, f"trainer.output_dir={ref}", f"trainer.total_steps={total}"], timeout=300).returncode == 0
     assert _losses(out, "actor_loss") == _losses(ref, "actor_loss")
     assert _losses(out, "reward") == _losses(ref, "reward")
 
@@ -112,15 +116,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     assert proc.returncode != 0  # torchrun reports the stop; the workers' own code is 143
     assert f"SIGTERM received: stopped after step {stopped}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert ckpt_layout.complete_steps(str(out / "checkpoints")) == [stopped]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *SFT]
-        + [f"trainer.output_dir={out}", f"trainer.total_steps={stopped + 2}", "trainer.resume=true"],
-        cwd=REPO,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_script([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={stopped + 2}", "trainer.resume=true"], nproc=2)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"(step {stopped}); continuing at step {stopped + 1}" in resumed.stdout
     assert sorted(_losses(out, "loss")) == list(range(1, stopped + 3))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -136,14 +134,14 @@ def test_one_config_key_switches_backend_with_the_same_losses(tmp_path):
     """The design's promise at recipe level: ``engine.strategy=megatron`` and nothing else
     changes; both backends start from the same HF directory and take the same steps.
 
-    Subprocesses, because megatron's parallel state is process-global. Tolerance: relative 1e-5
+    Separate processes, because megatron's parallel state is process-global. Tolerance: relative 1e-5
     per step (fp32; the two backends run different kernels, measured agreement ~1e-7).
     """
     losses = {}
     for strategy in ("fsdp", "megatron"):
         out = tmp_path / strategy
         args = [*_run_args(out, 6), f"engine.strategy={strategy}"]
-        proc = subprocess.run([sys.executable, "-m", "recipes.sft", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = launch.run_script(["-m", "recipes.sft", *args], timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         losses[strategy] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["fsdp"]) == len(losses["megatron"]) == 6

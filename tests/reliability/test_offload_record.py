@@ -147,7 +147,8 @@ def record_worker(rank, world, strategy, model_dir, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def followed(backend, model_dir, tmp_path_factory):
-    return run(record_worker, 1, backend, model_dir, str(tmp_path_factory.mktemp("ckpt")))[0]
+    # on a GPU the worker replaces the group: new ranks there
+    return run(record_worker, 1, backend, model_dir, str(tmp_path_factory.mktemp("ckpt")), fresh=CUDA)[0]
 
 
 DEVICE = "cuda" if CUDA else "cpu"

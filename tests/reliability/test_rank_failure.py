@@ -151,6 +151,7 @@ def _timeouts(rank, world):
 
 def test_the_timeout_comes_from_the_environment_and_subgroups_do_not_inherit_it():
     """Why backends must pass ``process_group_timeout()`` on to the groups they create."""
-    world, subgroup = run_distributed(_timeouts, 1, env={TIMEOUT_ENV: "17"}, start_method="forkserver")[0]
+    # a new rank: the worker replaces its group, reading the variable when it makes the new one
+    world, subgroup = run_distributed(_timeouts, 1, env={TIMEOUT_ENV: "17"}, fresh=True)[0]
     assert world == 17.0
     assert subgroup == 1800.0  # torch's default, not the world group's

@@ -54,8 +54,9 @@ def runs(tmp_path_factory):
         if (strategy, world) not in cache:
             root, layouts = str(tmp_path_factory.mktemp(f"resume_{strategy}_{world}")), resume_layouts(strategy, world)
             args = (strategy, model_dir, root, layouts)
-            first = run_distributed(T.resume_first, world, *args, timeout=400, start_method="forkserver")
-            second = run_distributed(T.resume_second, world, *args, timeout=400, start_method="forkserver")
+            # New ranks for each half, as a resumed job has: nothing in memory carries over.
+            first = run_distributed(T.resume_first, world, *args, timeout=400, fresh=True)
+            second = run_distributed(T.resume_second, world, *args, timeout=400, fresh=True)
             cache[strategy, world] = (first, second)
         return cache[strategy, world]
 
@@ -93,7 +94,7 @@ PPO_KEYS = ("step", "reward", "entropy", "actor_loss", "actor_grad_norm", "criti
 
 def _ppo(out, steps: int, *extra: str) -> list[dict]:
     argv = [*PPO_ARGS, f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.checkpoint_every=2", *extra]
-    run_distributed(T.ppo_main, 2, argv, timeout=400, start_method="forkserver")
+    run_distributed(T.ppo_main, 2, argv, timeout=400, fresh=True)  # a job per call, as resumed jobs are
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -1,12 +1,12 @@
-"""Running the PPO / GRPO recipe as a user does (a fresh ``python -m recipes.ppo`` process) for
-the recipe tests, with the console checked for library noise."""
+"""Running the PPO / GRPO recipe as a user does (``python -m recipes.ppo``) for the recipe tests,
+with the console checked for library noise."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.support import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small batches for the tests that only need a few quick steps.
@@ -24,11 +24,14 @@ NOISE = (
 )
 
 
-def run_ppo(out: Path, config: str, steps: int, *extra: str, fast: bool = True) -> list[dict]:
-    """``steps`` steps of ``config`` in a fresh process (with :data:`FAST`'s small batches
-    unless ``fast`` is False); returns the metrics rows."""
+def run_ppo(out: Path, config: str, steps: int, *extra: str, fast: bool = True, fresh: bool = False) -> list[dict]:
+    """``steps`` steps of ``config`` in a new process (with :data:`FAST`'s small batches
+    unless ``fast`` is False); returns the metrics rows.
+
+    The process is forked from the preloaded server (``launch.run_script``) unless ``fresh``:
+    a new interpreter, whose console then also shows what the libraries print while they are
+    imported (the runs that check the console for it pass ``fresh=True``)."""
     cmd = [
-        sys.executable,
         "-m",
         "recipes.ppo",
         "--config",
@@ -39,7 +42,7 @@ def run_ppo(out: Path, config: str, steps: int, *extra: str, fast: bool = True) 
         *(FAST if fast else ()),
         *extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = launch.run_script(cmd, timeout=600, fresh=fresh)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Issue 13: what libraries print although nothing is wrong stays off the console; the
     # expected value-head init is said once, in one line.
