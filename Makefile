@@ -2,11 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (2: CI's cores); whole test files go to one worker
+# (--dist loadfile), so a module's shared fixtures are built once. docs/testing.md: why and measured.
+TEST_WORKERS ?= 2
 
-.PHONY: test lint format install clean run sft bench gpu-check gpu-wheels mutate
+.PHONY: test test-fast lint format install clean run sft bench gpu-check gpu-wheels mutate constraints
 
-# The stamp is rebuilt when pyproject.toml changes, so new dependencies get installed.
-$(VENV)/.installed: pyproject.toml ci/setup_venv.sh
+# The stamp is rebuilt when pyproject.toml or the pins change, so new dependencies get installed.
+$(VENV)/.installed: pyproject.toml ci/setup_venv.sh ci/constraints.txt
 	bash ci/setup_venv.sh $(VENV)
 	touch $@
 
@@ -20,8 +23,19 @@ format: install
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
+# The whole suite; ends with the 25 slowest tests, the costliest files, the fixed costs and the total.
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+
+# The inner loop while developing: every test that starts no process (ranks, scripts, servers), in
+# a few minutes; the others are skipped with the reason. CI runs everything (`make test`).
+test-fast: install
+	$(PY) -m pytest --in-process -n $(TEST_WORKERS) --dist loadfile -q -rfE $(PYTEST_ARGS)
+
+# Regenerate ci/constraints.txt (the CI environment's exact versions) from a fresh resolve; then
+# run the suite on it and commit the file only if green (docs/testing.md: when and how to bump).
+constraints:
+	bash ci/regen_constraints.sh
 
 # The demo: PPO (critic + GAE) on a digit-sorting task through the roles and the FSDP engine
 # (configs/ppo_tiny.yaml). Overrides: make run ARGS="engine.strategy=megatron trainer.total_steps=60";
