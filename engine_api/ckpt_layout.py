@@ -236,13 +236,19 @@ def writing(tmp: str):
     try:
         yield
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised with the checkpoint named
-        # Every rank whose writer failed removes what it can; DCP fails all ranks together after
-        # their writes, and a rank failing alone leaves its peers waiting in commit's barrier.
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Rank 0, which created ``tmp``, removes it; the other ranks leave it: a rank failing
+        # alone (its disk full) must not delete the directory its peers are still writing, or
+        # their errors would name a vanished file instead of the cause (they fail in commit's
+        # barrier when it exits). What is left is never loaded and the next save's begin()
+        # removes it. DCP fails all ranks together after their writes, rank 0 included.
+        owner = group_rank(None) == 0
+        if owner:
+            shutil.rmtree(tmp, ignore_errors=True)
         root = os.path.dirname(tmp)
+        left = "was removed" if owner else "is removed by rank 0 or the next save"
         raise CheckpointError(
             f"saving checkpoint {os.path.join(root, os.path.basename(tmp)[len(TMP) :])} failed: {_explain(exc, root)}; the "
-            f"incomplete save ({tmp}) was removed, the checkpoints saved before are intact"
+            f"incomplete save ({tmp}) {left}, the checkpoints saved before are intact"
         ) from exc
 
 
