@@ -6,9 +6,9 @@ aborted in C++ static destruction (``terminate called without an active exceptio
 intermittently, on both backends, so the job was marked failed. The engine now destroys the
 process groups it created at interpreter exit (``engine_api.dist._teardown_own_group``).
 
-What is asserted: every run of ``exit_script.py`` exits 0 with every rank's output printed
-(repeated: the abort was intermittent), and, deterministically, that no process group is left
-alive for interpreter shutdown on any rank (recorded by an ``atexit`` handler that runs after
+What is asserted: a run of ``exit_script.py`` exits 0 with every rank's output printed and,
+deterministically (the abort itself was intermittent), that no process group is left alive for
+interpreter shutdown on any rank (recorded by an ``atexit`` handler that runs after
 the engine's), and that a plain ``python`` run leaves no rendezvous file behind.
 """
 
@@ -25,7 +25,10 @@ from tests.support.hf_utils import make_model
 pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "exit_script.py")
-RUNS = 2  # per backend; each run is a fresh torchrun job
+# Per backend; each run is a fresh torchrun job. One: the abort was intermittent, so a repeat
+# caught it only sometimes, while ``group_alive=False`` on every rank (no process group left
+# for C++ static destruction, the abort's cause) is checked deterministically by every run.
+RUNS = 1
 
 
 @pytest.fixture(scope="module")
