@@ -29,10 +29,14 @@ Conventions every backend follows (the rollout conformance kit checks them:
 * **Stops.** A response ends after a token of ``stop_token_ids`` (kept in the response), after
   the token that completes one of ``stop`` strings in its decoded text (kept; needs a
   tokenizer), or at ``max_tokens``. ``finish_reason`` is ``"stop"`` or ``"length"``.
-* **Weight updates are atomic.** The base class stages a whole update: each chunk's names and
-  shapes are checked against the model's (``weight_shapes``) as it arrives, and only a complete
-  update (every weight received) is applied, at ``finish_weight_update``. A refused chunk or an
-  incomplete update leaves the previous weights and version in place. Staging holds one copy
+* **Weight updates are atomic.** The base class stages a whole update: each chunk is checked
+  as it arrives, before any of it is staged: names and shapes against the model's
+  (``weight_shapes``), and each tensor's kind (a dense, plain ``torch.Tensor`` with data: not a
+  meta, sparse or un-gathered ``DTensor`` one), dtype (floating point: an integer or bool tensor
+  is refused, never cast into a weight) and values (finite). Only a complete update (every
+  weight received) is applied, at ``finish_weight_update``, so a backend's apply never meets a
+  tensor it cannot load. A refused chunk or an incomplete update leaves the previous weights
+  and version in place, and the next update starts clean. Staging holds one copy
   of the incoming weights (the export yields fresh full tensors anyway); streaming into the
   engine per chunk would save that memory at the cost of atomicity.
 * **Versions.** Every sample carries the ``weight_version`` of the weights that produced it:
@@ -238,6 +242,22 @@ class BaseRollout(abc.ABC):
         """The longest prompt + response this engine accepts (None: unknown)."""
         return self.config.max_model_len
 
+    # ------------------------------------------------------------------ before building
+    @classmethod
+    def model_problems(cls, config: RolloutEngineConfig) -> list[str]:
+        """What makes ``config``'s model unusable by this backend, found from its files alone
+        (no engine is built, nothing heavy is imported): each a line naming the value and the
+        fix. Recipes call it at load, before the data and the training engines, so a refusal
+        costs seconds, not a model build. Default: nothing; the engine's constructor stays the
+        authority (it raises what this misses)."""
+        return []
+
+    @classmethod
+    def expected_max_model_len(cls, config: RolloutEngineConfig) -> int | None:
+        """The ``max_model_len`` an engine built from ``config`` will have, from files alone
+        (None: not known before building). Default: ``config.max_model_len``."""
+        return config.max_model_len
+
     # ------------------------------------------------------------------ weight updates
     def begin_weight_update(self, version: int) -> None:
         """Open an update to weights ``version`` (an int, not below the current one: re-sending
@@ -264,13 +284,25 @@ class BaseRollout(abc.ABC):
         assert self._shapes is not None
         pairs = list(chunk)
         for name, tensor in pairs:
-            want = self._shapes.get(name)
+            want = self._shapes.get(name) if isinstance(tensor, torch.Tensor) else None
             if want is None or tuple(tensor.shape) != want:
                 self.abort_weight_update()
-                got = "is not a weight of the rollout model" if want is None else f"has shape {tuple(tensor.shape)}, the model {want}"
+                if not isinstance(tensor, torch.Tensor):
+                    got, fix = f"is a {type(tensor).__name__}, not a tensor", "send (name, torch.Tensor) pairs"
+                elif want is None:
+                    got, fix = "is not a weight of the rollout model", "build the trainer and the rollout from the same HF model directory"
+                else:
+                    got = f"has shape {tuple(tensor.shape)}, the model {want}"
+                    fix = "build the trainer and the rollout from the same HF model directory"
                 raise ValueError(
-                    f"weight update: {name!r} {got}; the update is refused and weights version {self._version} stay; "
-                    "fix: build the trainer and the rollout from the same HF model directory"
+                    f"weight update: {name!r} {got}; the update is refused and weights version {self._version} stay; fix: {fix}"
+                )
+            problem = unloadable(tensor)
+            if problem is not None:
+                self.abort_weight_update()
+                raise ValueError(
+                    f"weight update: {name!r} {problem[0]}; the update is refused and weights version {self._version} stay; "
+                    f"fix: {problem[1]}"
                 )
         for name, tensor in pairs:
             self._staged[name] = tensor.detach()
@@ -330,6 +362,13 @@ class BaseRollout(abc.ABC):
             raise ValueError(f"version = {version!r}: must be an int >= the current weight version {self._version}; fix: count syncs up")
         if not adapter:
             raise ValueError("load_adapter: the adapter has no tensors; fix: export the LoRA engine's adapters")
+        for name, tensor in adapter.items():
+            problem = unloadable(tensor) if isinstance(tensor, torch.Tensor) else (f"is a {type(tensor).__name__}", "send tensors")
+            if problem is not None:
+                raise ValueError(
+                    f"load_adapter: {name!r} {problem[0]}; the adapter is refused and weights version {self._version} stay; "
+                    f"fix: {problem[1]}"
+                )
         self._load_adapter(dict(adapter), dict(lora), version)
         self._version = version
 
@@ -391,6 +430,34 @@ class BaseRollout(abc.ABC):
 
     def _shutdown(self) -> None:
         return None
+
+
+def unloadable(tensor: torch.Tensor) -> tuple[str, str] | None:
+    """Why ``tensor`` cannot be loaded into a model's weight, with the fix, or None.
+
+    A weight must be a plain dense tensor with data (not a ``DTensor`` shard, whose shape is the
+    global one while it holds only the local part; not meta, not sparse), of a floating-point
+    dtype (a cast of int64 / bool values into a float weight is never what was meant; any
+    float dtype is fine, the engine casts fp32 to bf16 as usual), and finite (NaN / inf
+    weights make every log-prob NaN while generation goes on)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return (
+            f"is a {type(tensor).__name__} (e.g. an un-gathered DTensor shard), not a plain tensor",
+            "send full tensors (DTensor.full_tensor(), or the engine's export_weights())",
+        )
+    if tensor.is_meta:
+        return "is on the meta device (it holds no data)", "materialise the weights before sending them (export_weights())"
+    if tensor.layout != torch.strided:
+        return f"has layout {tensor.layout}, not dense", "send dense tensors (.to_dense())"
+    if not tensor.is_floating_point():
+        return (
+            f"has dtype {tensor.dtype}, not a floating-point one (it would be cast silently)",
+            "send the trainer's floating-point weights; an integer or bool tensor is not a weight",
+        )
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        return f"has {bad} non-finite value(s) (NaN / inf)", "find where the trainer's weights went non-finite; do not sync them"
+    return None
 
 
 def chunk_pairs(named: Iterable[tuple[str, torch.Tensor]], chunk_mb: float | None) -> Iterator[list[tuple[str, torch.Tensor]]]:

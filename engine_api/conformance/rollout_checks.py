@@ -373,17 +373,31 @@ def check_versions(kit: Kit) -> str:
     return f"every sample stamped {v}; same version re-sent, lower refused, generate and begin refused while open; abort keeps {v} (max|diff| {worst})"
 
 
+def _unloadable_versions(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A weight as a sender may get it wrong: same name and shape, but nothing a model can load."""
+    nan = tensor.detach().clone()
+    nan.view(-1)[nan.numel() // 2] = float("nan")
+    return [
+        ("a meta tensor", torch.empty_like(tensor, device="meta")),
+        ("a sparse tensor", tensor.detach().to_sparse()),
+        ("an int64 tensor", tensor.detach().long()),
+        ("a bool tensor", tensor.detach() > 0),
+        ("a NaN value", nan),
+    ]
+
+
 @rollout_check("refuse_bad_sync")
 def check_refuse_bad_sync(kit: Kit) -> str:
-    """An update with an unknown name or a wrong shape raises ValueError naming the tensor, one missing a tensor raises at finish; each leaves the weights and version as they were."""
+    """An update with an unknown name, a wrong shape, or a tensor no model can load (meta, sparse, int64, bool, NaN: never cast or half-applied) raises ValueError naming the tensor, one missing a tensor raises at finish; each leaves the weights and version as they were, and a clean update after them applies."""
     e, version = kit.engine, kit.version + 1
     named = kit.perturbed(seed=3)
     head, (victim, tensor), tail = named[:3], named[len(named) // 2], named[3:]
     bad_name = "model.layers.0.self_attn.no_such_proj.weight"
+    good = named[len(named) // 2 + 1]  # a valid tensor in the same chunk, before the bad one
     cases = [
         ("an unknown name", bad_name, [(bad_name, tensor)]),
         ("a wrong shape", victim, [(victim, tensor.reshape(-1)[:-1].clone())]),
-    ]
+    ] + [(what, victim, [good, (victim, bad)]) for what, bad in _unloadable_versions(tensor)]
     for what, name, bad in cases:
         e.begin_weight_update(version)
         e.update_weights(head)  # staged before the bad chunk: must not be applied either
@@ -401,7 +415,16 @@ def check_refuse_bad_sync(kit: Kit) -> str:
     finally:
         e.abort_weight_update()
     worst = still_serving(kit, f"the refused update without {missing}")
-    return f"unknown name, wrong shape and missing {missing!r} refused; weights and version {kit.version} kept (max|diff| {worst})"
+    # The refusals left nothing behind: a clean update applies and advances the version.
+    before = kit.expected
+    e.sync_weights(named, version=version, chunk_mb=CHUNK_MB)
+    after, _ = _verify_update(
+        kit, kit.with_update(named), version, f"a clean sync_weights(version={version}) after the refusals", before, named
+    )
+    return (
+        f"{len(cases)} bad chunks ({', '.join(w for w, _, _ in cases)}) and missing {missing!r} refused; weights and version kept "
+        f"(max|diff| {worst}); a clean update after them applied (max|diff| {after})"
+    )
 
 
 # ----------------------------------------------------------------------------- the run

@@ -124,6 +124,26 @@ def test_sync_passes_the_bucket_size_and_loads_the_same_weights(tmp_path, monkey
     assert any("sync_bucket_mb = 0: must be a number > 0 of MB or null; fix:" in p for p in problems), problems
 
 
+def test_sync_chunks_hold_chunk_mb_of_bytes_whatever_the_dtype():
+    """``chunk_mb`` is a memory budget: a chunk closes at the first tensor that brings it to
+    ``chunk_mb`` MB of bytes (not elements: fp32 chunks would be 4x the size asked for)."""
+    from engine_api.rollout import chunk_pairs
+
+    mib = 2**20
+    for dtype, per_chunk in ((torch.float32, 4), (torch.bfloat16, 8), (torch.float64, 2)):
+        named = [(f"w{i}", torch.zeros(2**16, dtype=dtype)) for i in range(10)]  # 256 KiB in fp32
+        chunks = list(chunk_pairs(named, 1.0))
+        sizes = [sum(t.numel() * t.element_size() for _, t in c) for c in chunks]
+        assert [len(c) for c in chunks[:-1]] == [per_chunk] * (len(chunks) - 1), (dtype, [len(c) for c in chunks])
+        assert all(size == mib for size in sizes[:-1]) and 0 < sizes[-1] <= mib, (dtype, sizes)
+        assert [n for c in chunks for n, _ in c] == [n for n, _ in named]  # every tensor once, in order
+    # Tensors of mixed sizes: each chunk reaches the budget only with its last tensor.
+    mixed = [(f"m{i}", torch.zeros(n)) for i, n in enumerate([300_000, 10, 100_000, 200_000, 5, 400_000, 70_000])]
+    for chunk in list(chunk_pairs(mixed, 1.0))[:-1]:
+        size = [t.numel() * t.element_size() for _, t in chunk]
+        assert sum(size) >= mib > sum(size[:-1]), size
+
+
 def test_a_refused_sync_keeps_the_old_weights_and_names_the_tensor(tmp_path):
     """A trainer whose model differs from the rollout's (another width): the update is refused
     naming a tensor, the engine keeps its version and its weights (same samples as before)."""

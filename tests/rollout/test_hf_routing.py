@@ -56,10 +56,10 @@ def test_dense_model_and_backends_without_routing_are_refused(tmp_path):
         build_rollout("hf", RolloutEngineConfig(dense, return_routing=True))
 
 
-def _gathered(rank, world, model_dir):
+def _gathered(rank, world, model_dir, prompts=PROMPTS):
     engine = build_rollout("hf", RolloutEngineConfig(model_dir, return_routing=True))
     rollout = Rollout(source=None, engine=engine, config=RolloutConfig(max_new_tokens=5, seed=3), stop_token_ids=[5])
-    batch = rollout.generate(PROMPTS, seed_offset=1)
+    batch = rollout.generate(prompts, seed_offset=1)
     return batch["input_ids"].values().clone(), batch["rollout_routed_experts"].values().clone(), batch["input_ids"].offsets().clone()
 
 
@@ -67,6 +67,12 @@ def test_two_ranks_gather_the_single_rank_routing(models):
     alone = run_distributed(_gathered, 1, models["qwen3_moe"], timeout=300)[0]
     for got in run_distributed(_gathered, 2, models["qwen3_moe"], timeout=300):
         for a, b in zip(got, alone, strict=True):
+            assert torch.equal(a, b)
+    # One prompt for 2 ranks: rank 1 samples nothing and knows no routing shape of its own; the
+    # ranks agree on it (L layers x top-k) before the gather, so both get the single-rank routing.
+    one = run_distributed(_gathered, 1, models["qwen3_moe"], PROMPTS[:1], timeout=300)[0]
+    for got in run_distributed(_gathered, 2, models["qwen3_moe"], PROMPTS[:1], timeout=300):
+        for a, b in zip(got, one, strict=True):
             assert torch.equal(a, b)
     ids, routing, offsets = alone
     assert routing.shape == (ids.shape[0], 2, 2)

@@ -74,3 +74,37 @@ def test_a_failing_rank_makes_every_rank_raise(tmp_path):
         run_distributed(_generate, 2, model_dir, "hf", 1, timeout=120)
     text = str(info.value)
     assert "rollout generation failed" in text and "simulated engine failure" in text
+
+
+def _sync_an_ungathered_shard(rank: int, world: int, model_dir: str):
+    """Each rank holds the trainer's weights, the last of them as a DTensor sharded over the 2
+    ranks (its shape is the global one, its data half of it): what a sync that forgot to gather
+    sends. The engine must refuse it before applying anything, then take the gathered update."""
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    engine = build_rollout("hf", RolloutEngineConfig(model_path=model_dir))
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    files = load_file(f"{model_dir}/model.safetensors")
+    named = [(n, t + 0.01) for n, t in files.items() if n in engine.weight_shapes()]
+    last, full = named[-1]
+    shard = distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)])
+    try:
+        engine.sync_weights([*named[:-1], (last, shard)], version=1, chunk_mb=None)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    unchanged = all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    version_after_refusal = engine.weight_version
+    engine.sync_weights([*named[:-1], (last, shard.full_tensor())], version=1, chunk_mb=None)
+    applied = torch.equal(engine.model.state_dict()[last], full)
+    return refused, unchanged, version_after_refusal, engine.weight_version, applied, last
+
+
+def test_an_ungathered_dtensor_shard_is_refused_and_nothing_is_applied(tmp_path):
+    model_dir = _model(tmp_path / "m")
+    for refused, unchanged, version_after_refusal, version, applied, last in run_distributed(_sync_an_ungathered_shard, 2, model_dir):
+        assert refused is not None and repr(last) in refused and "DTensor" in refused, refused
+        assert unchanged and version_after_refusal == 0  # not one weight of the update was applied
+        assert version == 1 and applied  # and the gathered update after it goes through

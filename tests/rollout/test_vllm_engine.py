@@ -44,6 +44,7 @@ def _lifecycle(rank: int, world: int, model_dir: str):
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate([torch.tensor([1, 4, 5])], SamplingParams(max_tokens=4), [0])
     engine.resume_memory()
+    reload_warnings = _sync_own_weights(engine, model_dir)
     engine.shutdown()
     engine.shutdown()  # idempotent
     total = torch.ones(1)
@@ -55,7 +56,46 @@ def _lifecycle(rank: int, world: int, model_dir: str):
         "generated": len(out[0][0].token_ids),
         "released": released,
         "world_after_shutdown": int(total.item()),
+        "reload_warnings": reload_warnings,
     }
+
+
+def _sync_own_weights(engine, model_dir: str) -> list[str]:
+    """A weight update of the model's own weights; returns what vLLM's layerwise reload warned."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger, grab = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise"), Grab(logging.WARNING)
+    logger.addHandler(grab)
+    try:
+        shapes = engine.weight_shapes()
+        engine.sync_weights([(n, t) for n, t in load_file(f"{model_dir}/model.safetensors").items() if n in shapes], version=1)
+    finally:
+        logger.removeHandler(grab)
+    return [r for r in records if "Failed to load weights" in r]
+
+
+def test_only_the_rotary_reload_warning_is_dropped():
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every update (its computed
+    cos/sin cache counts as loadable); the filter drops that line only, never the same
+    warning for a layer whose weights really were not sent."""
+    import logging
+
+    from backends.rollout.vllm import RotaryReloadNoise
+
+    def record(layer):
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)
+
+    noise = RotaryReloadNoise()
+    assert not noise.filter(record("RotaryEmbedding")) and not noise.filter(record("Llama3RotaryEmbedding"))
+    assert noise.filter(record("QKVParallelLinear")) and noise.filter(record("FusedMoE"))
 
 
 def test_the_engine_leaves_the_trainers_process_state_alone(tmp_path):
@@ -65,3 +105,4 @@ def test_the_engine_leaves_the_trainers_process_state_alone(tmp_path):
     assert result["generated"] == 4
     assert result["released"] is False  # CPU: nothing to free, recorded as a no-op
     assert result["world_after_shutdown"] == 1
+    assert result["reload_warnings"] == []  # a clean update: no "Failed to load weights" for the rotary cache
