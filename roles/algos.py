@@ -10,7 +10,9 @@ same-shape tensors; losses are returned *per token* and reduced by the caller wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,6 +58,28 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 
         centred = s - s.mean()
         advantages[idx] = centred / (s.std() + eps) if norm_by_std else centred
     return advantages
+
+
+def group_reward_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """How much learning signal a step's rewards carry, per prompt group (TRL's names):
+
+    * ``frac_reward_zero_std``: the share of groups whose rewards are all equal. Under GRPO such
+      a group's advantages are exactly 0, so it adds nothing to the gradient; at 1.0 the whole
+      step is a no-op (loss, grad norm and KL 0).
+    * ``reward_std``: the mean over groups of the rewards' std (unbiased, as in
+      :func:`grpo_advantages`).
+
+    Groups of one sample (PPO with ``n_samples = 1``) have no spread to measure: then both are
+    over the whole batch as one group.
+    """
+    groups = [scores[group_ids == g].double() for g in torch.unique(group_ids)]
+    if all(g.numel() < 2 for g in groups):
+        groups = [scores.double()]
+    groups = [g for g in groups if g.numel() >= 2]
+    if not groups:
+        return {"frac_reward_zero_std": 1.0, "reward_std": 0.0}
+    flat = [bool(g.max() == g.min()) for g in groups]
+    return {"frac_reward_zero_std": sum(flat) / len(groups), "reward_std": float(torch.stack([g.std() for g in groups]).mean())}
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -189,6 +213,36 @@ class RolloutCorrectionConfig:
         """The MIS lower bound: ``threshold_lower``, or ``1 / threshold`` when it is None."""
         return 1.0 / self.threshold if self.threshold_lower is None else self.threshold_lower
 
+    def verl_keys(self) -> dict[str, Any]:
+        """The same correction in verl 0.9.1's ``algorithm.rollout_correction`` keys (decoupled
+        mode, ``bypass_mode: false``), for a user moving a config between the two.
+
+        TIS is ``rollout_is: token | sequence`` with ``rollout_is_threshold`` the cap (a single
+        number: verl's ``"L_U"`` string there is IcePop, which zeroes weights outside the band but
+        keeps the raw weights inside it: neither TIS nor MIS). MIS is verl's rejection sampling
+        with the k1 statistic, ``token_k1`` / ``seq_sum_k1``, whose threshold ``"L_U"`` bounds
+        ``-d = log(pi_rollout / pi_old)``, the inverse of ``w`` here: ``[threshold_lower,
+        threshold]`` on ``w`` is ``"{1/threshold}_{1/threshold_lower}"`` in verl (so a band
+        ported digit for digit masks other tokens). verl 0.9.1 has no
+        ``rollout_rs_threshold_lower`` key; ``threshold_lower = 0`` (TRL's mask above the cap
+        only) is ``"{1/threshold}_inf"``."""
+        if self.mode == "off":
+            return {"rollout_is": None, "rollout_rs": None}
+        if self.mode == "tis":
+            return {
+                "rollout_is": self.level,
+                "rollout_is_threshold": float(self.threshold),
+                "rollout_is_batch_normalize": False,
+                "rollout_rs": None,
+            }
+        lower = self.lower_bound()
+        upper_k1 = math.inf if lower == 0 else 1.0 / lower
+        return {
+            "rollout_is": None,
+            "rollout_rs": "token_k1" if self.level == "token" else "seq_sum_k1",
+            "rollout_rs_threshold": f"{1.0 / self.threshold!r}_{upper_k1!r}",
+        }
+
 
 def rollout_correction(
     old_log_probs: torch.Tensor,
@@ -219,7 +273,10 @@ def rollout_correction(
           ``masked_frac`` (MIS: share removed; else 0).
 
     Raises:
-        ValueError: an invalid ``config`` (its ``_problems``).
+        ValueError: an invalid ``config`` (its ``_problems``), or a non-finite old or rollout
+            log-prob on a response token: its weight would be NaN, which MIS's bounds cannot
+            see (every comparison with NaN is false, so the token would be kept) and TIS would
+            turn into a NaN loss.
     """
     problems = config._problems()
     if problems:
@@ -227,6 +284,20 @@ def rollout_correction(
     response = mask.detach() > 0
     if config.mode == "off":
         return response.to(torch.float32), mask, {}
+    for field, values in (("rollout_log_probs", rollout_log_probs), ("old_log_probs", old_log_probs)):
+        bad = response & ~torch.isfinite(values.detach())
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            sequence = int(torch.searchsorted(offsets.to(bad.device), torch.tensor(first, device=bad.device), right=True)) - 1
+            raise ValueError(
+                f"rollout correction (mode = {config.mode}): {field} has {int(bad.sum())} non-finite value(s) on response tokens "
+                f"(first: sequence {sequence}, value {float(values[first])}); the importance weights would be NaN; fix: "
+                + (
+                    "check the rollout engine: NaN log-probs come from non-finite weights or logits"
+                    if field == "rollout_log_probs"
+                    else "the policy's own log-probs are non-finite: check the trainer's weights"
+                )
+            )
     dtype = torch.promote_types(old_log_probs.dtype, torch.float32)
     log_w = torch.where(response, old_log_probs.detach().to(dtype) - rollout_log_probs.detach().to(dtype), 0.0)
     if config.level == "sequence":

@@ -26,3 +26,30 @@ def test_packed_log_probs_and_entropy_match_per_sequence_computation():
             assert abs(float(got_lp[start + t]) - want_lp) < 1e-5
             assert abs(float(got_ent[start + t]) - want_ent) < 1e-5
         start += n
+
+
+def test_low_precision_logits_give_float32_log_probs_and_entropy():
+    """Models run in bf16 / fp16 (``engine.fsdp.param_dtype``, a bf16 rollout): the log-probs and
+    entropy the losses and the rollout parity use are computed in fp32 from those logits, equal
+    to the fp32 computation on the same values; a log_softmax in the logits' own precision is off
+    by far more than float noise here (checked, so the comparison can tell the two apart)."""
+    from engine_api.logprobs import next_token_entropy, next_token_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 7)
+    b = make_batch([torch.randint(0, 4000, (n,), generator=g) for n in lengths])
+    p = pack(b["input_ids"])
+    wide = torch.randn(p.input_ids.shape[0], 4000, generator=g) * 4  # a real vocabulary's spread
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = wide.to(dtype)
+        ref = logits.float()
+        got_lp, want_lp = token_log_probs(logits, p.input_ids, p.cu_seqlens), token_log_probs(ref, p.input_ids, p.cu_seqlens)
+        got_ent, want_ent = token_entropy(logits, p.cu_seqlens), token_entropy(ref, p.cu_seqlens)
+        assert got_lp.dtype == got_ent.dtype == torch.float32, dtype
+        torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_ent, want_ent, rtol=0, atol=1e-5)
+        ids = p.input_ids[1:]
+        torch.testing.assert_close(next_token_log_probs(logits[:-1], ids), next_token_log_probs(ref[:-1], ids), rtol=0, atol=1e-6)
+        torch.testing.assert_close(next_token_entropy(logits), next_token_entropy(ref), rtol=0, atol=1e-5)
+        low = torch.log_softmax(logits[:-1], -1).gather(-1, ids[:, None]).squeeze(-1).float()
+        assert (low - next_token_log_probs(ref[:-1], ids)).abs().max() > 1e-3, dtype

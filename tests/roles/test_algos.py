@@ -230,3 +230,18 @@ def test_kl_penalty_and_metrics_enter_the_actor_loss_as_worked_by_hand():
     assert math.isclose(metrics["pg_loss"], 1.0, abs_tol=1e-6) and math.isclose(metrics["kl"], kl, abs_tol=1e-6)
     assert math.isclose(metrics["clipfrac"], 1 / 3, abs_tol=1e-6)  # only token 1 (dual clip) of 3
     assert math.isclose(metrics["ratio_mean"], 4.0, abs_tol=1e-5)  # (10 + 1 + 1) / 3
+
+
+def test_group_reward_stats_count_the_groups_without_spread():
+    from roles.algos import group_reward_stats
+
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 2.0, 2.0, 2.0])
+    groups = torch.arange(9) // 3  # [1, 1, 1] flat, [0, 1, 0.5] spread, [2, 2, 2] flat
+    stats = group_reward_stats(scores, groups)
+    assert stats["frac_reward_zero_std"] == pytest.approx(2 / 3)
+    assert stats["reward_std"] == pytest.approx(float(torch.tensor([0.0, 1.0, 0.5]).std()) / 3)
+    flat = group_reward_stats(torch.zeros(8), torch.arange(8) // 4)
+    assert flat == {"frac_reward_zero_std": 1.0, "reward_std": 0.0}
+    # Groups of one (PPO, n_samples = 1): the batch is the one group whose spread is measured.
+    alone = group_reward_stats(torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.arange(4))
+    assert alone == {"frac_reward_zero_std": 0.0, "reward_std": pytest.approx(float(torch.tensor([0.0, 1.0, 1.0, 0.0]).std()))}

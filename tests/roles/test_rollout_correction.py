@@ -314,10 +314,17 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("hf") / "llama", "llama")
 
 
-def _actor(model_dir, correction: RolloutCorrectionConfig) -> Actor:
+def _actor(model_dir, correction: RolloutCorrectionConfig, impl: str = "engine"):
+    """The engine role, or the legacy FSDP worker's actor (``use_legacy_worker_impl=enable``):
+    both must train on the corrected batch whose metrics they report."""
     from engine_api import build_engine, load_config
 
-    engine = build_engine(load_config(None, ["strategy=fsdp", f"model.path={model_dir}", "optim.lr=0.01", "micro_batch_size=2"]))
+    config = load_config(None, ["strategy=fsdp", f"model.path={model_dir}", "optim.lr=0.01", "micro_batch_size=2"])
+    if impl == "legacy":
+        from roles.legacy.roles import LegacyActor
+
+        return LegacyActor(config, ActorConfig(rollout_correction=correction))
+    engine = build_engine(config)
     engine.init_model()
     return Actor(engine, ActorConfig(rollout_correction=correction))
 
@@ -336,12 +343,13 @@ def _engine_batch(actor):
     return batch, shift
 
 
+@pytest.mark.parametrize("impl", ["engine", "legacy"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_actor_update_applies_tis_through_sharding_and_micro_batches(model_dir, level):
+def test_actor_update_applies_tis_through_sharding_and_micro_batches(model_dir, level, impl):
     """First step: ratio 1, so the global loss (3 micro-batches of 2) is the token-mean of
     -A * min(w, 2), with w from the batch's own log ratios; the metrics ride on every dict."""
     correction = RolloutCorrectionConfig(mode="tis", level=level, threshold=2.0)
-    actor = _actor(model_dir, correction)
+    actor = _actor(model_dir, correction, impl)
     batch, shift = _engine_batch(actor)
     mask, adv = batch["loss_mask"].values(), batch["advantages"].values()
     d = shift * mask
@@ -358,9 +366,10 @@ def test_actor_update_applies_tis_through_sharding_and_micro_batches(model_dir, 
     assert "rollout_is_weights" not in batch.keys()
 
 
-def test_actor_update_applies_mis(model_dir):
+@pytest.mark.parametrize("impl", ["engine", "legacy"])
+def test_actor_update_applies_mis(model_dir, impl):
     correction = RolloutCorrectionConfig(mode="mis", threshold=2.0)
-    actor = _actor(model_dir, correction)
+    actor = _actor(model_dir, correction, impl)
     batch, shift = _engine_batch(actor)
     mask, adv = batch["loss_mask"].values(), batch["advantages"].values()
     kept = mask * ((shift >= -math.log(2.0)) & (shift <= math.log(2.0))).float()
@@ -370,3 +379,68 @@ def test_actor_update_applies_mis(model_dir):
     assert math.isclose(metrics[0]["loss"], want, rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(metrics[0]["rollout_correction/masked_frac"], float(1 - kept.sum() / mask.sum()), rel_tol=1e-6)
     assert batch["loss_mask"].values().tolist() == mask.tolist()
+
+
+@pytest.mark.parametrize("field", ["rollout_log_probs", "old_log_probs"])
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_non_finite_log_probs_on_the_response_are_refused_naming_the_field(field, mode, level):
+    """A NaN weight is invisible to MIS's bounds (every comparison with NaN is false: the token
+    would be kept, masked_frac 0) and turns TIS's loss into NaN: refused instead, naming the
+    field and where. The same values off the response (prompt positions) do not matter."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        rollout, old = ROLLOUT.clone(), OLD.clone()
+        (rollout if field == "rollout_log_probs" else old)[5] = bad  # B's first response token
+        with pytest.raises(ValueError, match=rf"{field} has 1 non-finite value\(s\) on response tokens \(first: sequence 1"):
+            rollout_correction(old, rollout, torch.tensor(MASK), OFFSETS, RolloutCorrectionConfig(mode=mode, level=level))
+        (rollout if field == "rollout_log_probs" else old)[5] = (ROLLOUT if field == "rollout_log_probs" else OLD)[5]
+        (rollout if field == "rollout_log_probs" else old)[4] = bad  # a prompt position: not a response token
+        weights, _, metrics = rollout_correction(old, rollout, torch.tensor(MASK), OFFSETS, RolloutCorrectionConfig(mode=mode, level=level))
+        assert torch.isfinite(weights).all() and all(math.isfinite(v) for v in metrics.values())
+
+
+def _verl_rejection_keep(d: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, rollout_rs: str, spec: str) -> torch.Tensor:
+    """verl 0.9.1's rejection mask for its k1 options, written from its documented rule
+    (``trainer/ppo/rollout_corr_helper.py``: ``compute_rollout_rejection_mask``): ``"L_U"`` (or a
+    single ``U``, meaning ``L = 1/U``) bounds ``k1 = -log_ratio``, ``log_ratio = old - rollout``,
+    per token (``token_k1``) or summed over a sequence's response (``seq_sum_k1``), inclusive."""
+    lower, _, upper = spec.partition("_") if "_" in spec else (str(1 / float(spec)), "_", spec)
+    lo, hi = math.log(float(lower)), math.log(float(upper))
+    k1 = -d.clamp(-20, 20) * mask
+    if rollout_rs == "token_k1":
+        return ((k1 >= lo) & (k1 <= hi)) | (mask == 0)
+    lengths = offsets.diff()
+    seq = torch.stack([s.sum() for s in k1.split(lengths.tolist())])
+    return torch.repeat_interleave((seq >= lo) & (seq <= hi), lengths) | (mask == 0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize(("threshold", "lower"), [(2.0, None), (3.0, 0.5), (1.5, 0.0), (5.0, 0.9)])
+def test_the_verl_mapping_masks_the_same_tokens_as_verl(level, threshold, lower):
+    """``RolloutCorrectionConfig.verl_keys()`` (the table in docs/rollout-correction.md): the
+    MIS band here and verl's rejection sampling under the mapped keys keep the same tokens, on
+    log ratios spread over [-1.5, 1.5] (about a third of them outside each band), asymmetric
+    bands included. A band ported digit for digit (``"0.5_3.0"``) masks other tokens."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 3, 8, 2, 6, 4, 7, 1] * 4)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    mask = torch.cat([torch.cat([torch.zeros(1), torch.ones(int(n) - 1)]) for n in lengths])
+    scale = 1.5 if level == "token" else 0.6  # sequence sums spread wider
+    d = (torch.rand(int(offsets[-1]), generator=g) * 2 - 1) * scale
+    rollout = -torch.rand(int(offsets[-1]), generator=g) * 3
+    config = RolloutCorrectionConfig(mode="mis", level=level, threshold=threshold, threshold_lower=lower)
+    _, ours, metrics = rollout_correction(rollout + d, rollout, mask, offsets, config)
+    keys = config.verl_keys()
+    assert keys["rollout_is"] is None and keys["rollout_rs"] == {"token": "token_k1", "sequence": "seq_sum_k1"}[level]
+    theirs = _verl_rejection_keep(d, offsets, mask, keys["rollout_rs"], keys["rollout_rs_threshold"])
+    assert torch.equal(ours > 0, theirs & (mask > 0))
+    assert 0.05 < metrics["rollout_correction/masked_frac"] < 0.95  # both sides of the band are exercised
+    if lower not in (None, 1 / threshold):
+        naive = _verl_rejection_keep(d, offsets, mask, keys["rollout_rs"], f"{lower}_{threshold}" if lower else f"{threshold}")
+        assert not torch.equal(ours > 0, naive & (mask > 0))
+
+
+def test_the_verl_mapping_of_tis_and_off():
+    tis = RolloutCorrectionConfig(mode="tis", level="sequence", threshold=3.0).verl_keys()
+    assert tis == {"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_is_batch_normalize": False, "rollout_rs": None}
+    assert RolloutCorrectionConfig().verl_keys() == {"rollout_is": None, "rollout_rs": None}
