@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from engine_api.losses import AGG_MODES
-from engine_api.typed_config import check
+from engine_api.typed_config import SIBLING, check
 
 DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("lm", "value")
@@ -213,13 +213,24 @@ class OptimConfig:
             out.append(
                 _p("total_steps", self.total_steps, "must be positive", "set optim.total_steps to the run's optimizer steps, or null")
             )
-        elif self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+        elif self.lr_schedule != "constant" and self.total_steps is None:
             out.append(
                 _p(
                     "total_steps",
                     self.total_steps,
-                    f"lr_schedule={self.lr_schedule} needs total_steps > warmup_steps",
-                    "set optim.total_steps to the run's optimizer steps",
+                    f"lr_schedule={self.lr_schedule} needs the run's length",
+                    f"set {SIBLING}total_steps to the run's optimizer steps (a recipe sets it from trainer.total_steps)",
+                )
+            )
+        elif self.lr_schedule != "constant" and self.total_steps <= self.warmup_steps:
+            # Usually a short run of a config sized for a long one: the warmup is what to change.
+            out.append(
+                _p(
+                    "warmup_steps",
+                    self.warmup_steps,
+                    f"lr_schedule={self.lr_schedule} needs warmup_steps < total_steps = {self.total_steps} (the run's optimizer steps)",
+                    f"set {SIBLING}warmup_steps below {self.total_steps} (about 10% of the run: {self.total_steps // 10}), or run "
+                    "more steps (in a recipe: trainer.total_steps)",
                 )
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:

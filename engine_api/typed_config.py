@@ -75,6 +75,7 @@ def load_typed(
     source: str | os.PathLike | Mapping | None = None,
     overrides: Sequence[str] = (),
     sections: Mapping[type, SectionResolver] | None = None,
+    value_problems: list[str] | None = None,
 ) -> T:
     """Merge ``source`` (a YAML path or a mapping) and dot-list ``overrides`` onto ``schema``.
 
@@ -82,6 +83,11 @@ def load_typed(
     (``sections``, by default those registered with :func:`register_sections`) has the keys
     of its node that are not fields routed by it, so a plug-in section (a backend's options)
     is validated like every other key.
+
+    ``value_problems``: a list to receive the problems instead of raising on them, for a caller
+    that shows the config anyway (``--print-config``): every problem found while a config could
+    still be built (invalid values, values left to the user, keys that were skipped); when
+    nothing could be built, it raises as usual.
 
     Returns:
         An instance of the frozen dataclass ``schema``.
@@ -106,6 +112,9 @@ def load_typed(
         obj = _replace_at(obj, path, spec.target, value)
     if obj is None:
         raise ValueError(_format(problems))
+    if value_problems is not None:
+        value_problems.extend(problems + check(obj))
+        return obj
     problems += check(obj)
     if problems:
         raise ValueError(_format(problems))
@@ -221,6 +230,12 @@ def _replace_at(obj: Any, path: str, target: str, value: Any) -> Any:
     return dataclasses.replace(obj, **{head: _replace_at(getattr(obj, head), rest, target, value)})
 
 
+# Written before a key in a ``_problems`` message (``f"{SIBLING}warmup_steps"``) to name another
+# key of the same section by its full path (``engine.optim.warmup_steps`` in a recipe,
+# ``optim.warmup_steps`` in an engine config): a fix must name the key the user types.
+SIBLING = "\x00"
+
+
 def check(obj: Any, prefix: str = "") -> list[str]:
     """Every problem reported by ``_problems()`` of ``obj`` and its nested dataclasses."""
     found: list[str] = []
@@ -232,7 +247,7 @@ def check(obj: Any, prefix: str = "") -> list[str]:
             found.append(f"{prefix}{f.name} = {value!r}: not a finite number; fix: give a finite value (NaN and inf are never valid)")
     own = getattr(obj, "_problems", None)
     if own is not None:
-        found += [f"{prefix}{p}" for p in own()]
+        found += [f"{prefix}{p}".replace(SIBLING, prefix) for p in own()]
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         # A nested section that names itself (a backend's options) is reported under that name.

@@ -473,8 +473,10 @@ def parse_recipe_args(
         (the config path, the overrides), for ``load_typed(config_cls, path, overrides)``.
 
     Raises:
-        SystemExit: after ``--help`` / ``--print-config`` (0) or on a bad argument (2).
-        ValueError: ``--print-config`` with a config that does not load (the loader's error).
+        SystemExit: after ``--help`` / ``--print-config`` (0; 1 when ``--print-config`` printed a
+            config with invalid values, listed on stderr after it) or on a bad argument (2).
+        ValueError: ``--print-config`` with a config that does not load at all (unknown keys,
+            type errors: the loader's error).
     """
     parser = build_parser(prog, description, default_config)
     args = parser.parse_intermixed_args(argv)
@@ -501,7 +503,15 @@ def parse_recipe_args(
         parser.print_help(sys.stdout)
         parser.exit(0)
     if args.print_config:
-        sys.stdout.write(config_yaml(load_typed(config_cls, path, args.overrides)))
+        # Printed even when values are invalid (what was loaded is what the user needs to see),
+        # then the problems, and a non-zero exit: such a config does not run.
+        problems: list[str] = []
+        sys.stdout.write(config_yaml(load_typed(config_cls, path, args.overrides, value_problems=problems)))
         sys.stdout.flush()
+        if problems:
+            print(f"{len(problems)} config problem(s) (a run refuses this config):", file=sys.stderr)
+            for line in problems:
+                print(f"  - {line}", file=sys.stderr)
+            parser.exit(1)
         parser.exit(0)
     return path, list(args.overrides)

@@ -13,11 +13,18 @@ only recorded again.
 
 Under torchrun, the agent forwards its SIGTERM to every worker and kills them 30 s later
 (``torch.distributed.elastic``): the step in flight plus the save must fit in that window.
+
+Before the first step (the engines being built: minutes with vLLM, which may also compile
+kernels) there is nothing to save: :func:`stop_while_starting` turns a signal there into a
+one-line reason and exit ``128 + signal`` instead of whatever the library in progress makes of
+it (vLLM's crash dump when its compiler child is killed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
 from types import FrameType
 
@@ -88,3 +95,29 @@ class PreemptionGuard:
         flag = torch.tensor([1000 - local if local else 0], dtype=torch.int64, device=comm_device(None))
         agreed = int(all_reduce(flag, "max", None).item())
         return 1000 - agreed if agreed else None
+
+
+@contextlib.contextmanager
+def stop_while_starting(what: str):
+    """While the block runs (``what``: e.g. "building the engines"), SIGTERM / SIGINT end the
+    run at once: one line on stderr saying why, then ``SystemExit(128 + signal)`` raised in the
+    main thread, so ``finally`` blocks still tear down what was started. Nothing has been
+    trained, so nothing is saved. Off the main thread it does nothing (handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        print(
+            f"{signal.Signals(signum).name} received while {what} (before the first step): nothing trained, nothing to save; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

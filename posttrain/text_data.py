@@ -694,6 +694,9 @@ class ChatEncoder:
             raise ValueError(f"row {source}: no assistant turn, so nothing to learn; fix: add one or drop the row")
         if self.cfg.loss_on == "last_turn":
             turns = turns[-1:]
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and m.get("content") is None:
+                self._require_rendered_tool_calls(messages, i, source)
         full = self._render(messages, False, source)
         spans: list[tuple[int, int]] = []
         for i in turns:
@@ -709,6 +712,28 @@ class ChatEncoder:
                 )
             spans.append((len(start), len(end)))
         return self._tokenize_spans(full, spans)
+
+    def _require_rendered_tool_calls(self, messages: list[dict], i: int, source: str) -> None:
+        """An assistant turn with ``content: null`` and ``tool_calls`` is only its calls: the
+        template must render them. One that ignores ``tool_calls`` writes the content instead
+        (Jinja prints null as ``None``) and drops the call, so the turn would be trained as
+        the word None; refused, naming the row."""
+        start = self._render(messages[:i], True, source) if i else ""
+        text = self._render(messages[: i + 1], False, source)[len(start) :]
+        names = [
+            str(call.get("function", {}).get("name") or call.get("name") or "")
+            for call in messages[i]["tool_calls"]
+            if isinstance(call, dict)
+        ]
+        names = [n for n in names if n]
+        if (names and all(n in text for n in names)) or (not names and "None" not in text):
+            return
+        raise ValueError(
+            f"row {source}: message {i} (assistant) has content null and tool_calls {names or messages[i]['tool_calls']}, but the "
+            f"chat template does not render tool calls (that turn renders as {text[:80]!r}): the call would be dropped and "
+            "the turn trained as the word None; fix: a chat template that renders tool_calls (usually the model's own), "
+            "or give the call as the message's text content"
+        )
 
     def _tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         try:
@@ -758,6 +783,9 @@ class ChatEncoder:
         elif _is_sharegpt(value):
             value = sharegpt_to_messages(value, source)
         value = _check_messages(value, source)
+        for i, m in enumerate(value):
+            if m["role"] == "assistant" and m.get("content") is None:
+                self._require_rendered_tool_calls(value, i, source)
         text = self._render(value, True, source)
         return self._ids(text), text
 
@@ -857,10 +885,16 @@ def _check_messages(messages: object, source: str) -> list[dict]:
     return out
 
 
-def _column(row: Row, key: str, name: str) -> object:
+def _column(row: Row, key: str, name: str, fmt: str | None = None) -> object:
     if key not in row.values:
-        hint = " (or data.format=sharegpt for ShareGPT rows)" if name == "messages_key" and "conversations" in row.values else ""
-        raise ValueError(f"row {row.source}: no column {key!r} (data.{name}); columns: {sorted(row.values)}; fix: set data.{name}{hint}")
+        fix = f"set data.{name} to one of the columns"
+        if name == "messages_key" and fmt == "sharegpt" and "conversations" in row.values:
+            # data.format=sharegpt is set; a messages_key left over from a messages config
+            # (e.g. the examples' `messages: messages`) is what points elsewhere.
+            fix = "set data.messages_key=conversations, or null (each format's usual column)"
+        elif name == "messages_key" and "conversations" in row.values:
+            fix = "for ShareGPT rows set data.format=sharegpt and data.messages_key=null (or conversations)"
+        raise ValueError(f"row {row.source}: no column {key!r} (data.{name}); columns: {sorted(row.values)}; fix: {fix}")
     return row.values[key]
 
 
@@ -913,7 +947,7 @@ class SFTDataset:
         for row in read_rows(files, key, cfg.max_row_bytes, cfg.split_for(key)):
             self.counts.rows += 1
             if cfg.format in ("messages", "sharegpt"):
-                chat = _column(row, cfg.messages_column, "messages_key")
+                chat = _column(row, cfg.messages_column, "messages_key", cfg.format)
                 ids, mask = enc.conversation(sharegpt_to_messages(chat, row.source) if cfg.format == "sharegpt" else chat, row.source)
             else:
                 ids, mask = enc.prompt_response(

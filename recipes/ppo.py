@@ -40,15 +40,15 @@ from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.plots import plot_run
-from posttrain.preemption import Preempted, PreemptionGuard
+from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.rewards import RewardConfig
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
-from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles  # noqa: F401 (re-exported)
+from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles, rollout_model_problems  # noqa: F401 (re-exported)
 from roles.actor import ActorConfig, routing_for_update
-from roles.algos import gae, grpo_advantages
+from roles.algos import gae, group_reward_stats, grpo_advantages
 from roles.critic import CriticConfig
 from roles.factory import build_roles
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
@@ -190,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
     lora = cfg.engine.model.lora.enabled
     warn(demo_setting_warnings("rl", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
+    cfg = _fit_rollout_to_cpu(cfg, rank() == 0)
     try:
         try:
             return run(with_model_path(_fit_tiny_model(cfg)))
@@ -201,6 +202,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if started and is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _fit_rollout_to_cpu(cfg: PPOConfig, rank0: bool) -> PPOConfig:
+    """On a machine without CUDA (and not on Ray, whose workers may have GPUs), vLLM in bf16 / fp16
+    spends many minutes compiling its CPU kernels before the first step (measured: no step in 20
+    minutes with the GRPO example): its rollout runs in float32 instead, with a one-line warning
+    naming the key. Every other setting is unchanged."""
+    r = cfg.rollout
+    if r.backend != "vllm" or r.dtype == "float32" or torch.cuda.is_available() or cfg.trainer.launcher == "ray":
+        return cfg
+    warn(
+        [
+            f"rollout.dtype = {r.dtype} with rollout.backend = vllm on a machine without CUDA: vLLM's CPU {r.dtype} kernels compile "
+            "for many minutes before the first step; using float32 (set rollout.dtype=float32 to silence this, or rollout.backend=hf)"
+        ],
+        rank0,
+    )
+    return replace(cfg, rollout=replace(r, dtype="float32"))
 
 
 def _fit_tiny_model(cfg: PPOConfig) -> PPOConfig:
@@ -223,10 +242,14 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     """
     t = cfg.trainer
     rank0 = (dist.get_rank() if is_initialized() else 0) == 0
-    source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
     if cfg.data.max_response_length is not None:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
-    placed = place_roles(cfg, source)
+    refused = rollout_model_problems(cfg)  # from the model's files: before the data and any engine
+    if refused:
+        raise ValueError("; ".join(refused))
+    source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
+    with stop_while_starting("building the engines"):
+        placed = place_roles(cfg, source)
     actor, critic, reference, rollout = placed.actor, placed.critic, placed.reference, placed.rollout
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
@@ -236,15 +259,21 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     guard = SkipGuard(t.max_consecutive_skips)
     bar = None
     val_reward = None
+    no_signal_warned = False
     what = "your data" if cfg.data.from_files else "digit sorting"
     title = f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}"
+    began = False  # a refused resume writes nothing, not even the plots
     try:
         start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
+        began = True
         bar = progress_bar(t, start, rank0, "rl")
         with open_loggers(cfg, t, start, rank0, bar) as run_log, PreemptionGuard() as preemption:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
                 m = rl_step(cfg, step, actor, critic, reference, rollout, source, samples=samples)
+                if critic is None and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
+                    no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
+                    warn([no_signal_warning(step + 1, cfg.algo.n_samples)], rank0)
                 if samples:
                     run_log.log_samples(step + 1, m.pop("samples"))
                 rewards.append(m["reward"])
@@ -266,12 +295,20 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                     if not saved:
                         _save(actor, critic, ckpt_dir, step + 1)
                     raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
-        hf_dir = placed.save_hf(os.path.join(t.output_dir, "hf"), t.save_hf_format) if t.save_hf else None
+        hf_dir = None
+        if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
+            with PreemptionGuard() as late:
+                hf_dir = placed.save_hf(os.path.join(t.output_dir, "hf"), t.save_hf_format)
+                signum = late.stop_requested()
+            if signum is not None:
+                if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
+                    _save(actor, critic, ckpt_dir, t.total_steps)
+                raise Preempted(signum, t.total_steps, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{t.total_steps}"))
     finally:
         if bar is not None:
             bar.close()
         placed.close()
-        if rank0 and os.path.exists(metrics_path):
+        if rank0 and began and os.path.exists(metrics_path):
             plot_run(metrics_path, t.output_dir, title)
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
     summary = {
@@ -341,6 +378,16 @@ def validate(source, rollout: Rollout, chunk: int) -> float | None:
     return total / len(prompts)
 
 
+def no_signal_warning(step: int, n_samples: int) -> str:
+    """The one-time warning of a GRPO step where every prompt group had identical rewards."""
+    return (
+        f"GRPO step {step}: every prompt group's {n_samples} responses got the same reward (frac_reward_zero_std = 1), so "
+        "every advantage, the loss and the gradient are exactly 0 and the policy did not change; if this persists (see "
+        "frac_reward_zero_std in the metrics) the run cannot learn: use a denser reward (partial credit), more samples per "
+        "prompt (algo.n_samples), or prompts the model can sometimes solve"
+    )
+
+
 def _responses(batch) -> list[torch.Tensor]:
     return [batch["input_ids"][i][int(batch["prompt_len"][i]) :] for i in range(len(batch["prompt_len"]))]
 
@@ -397,6 +444,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     out = {
         "step": step + 1,
         "reward": float(scores.mean()),
+        **group_reward_stats(scores, torch.arange(len(scores)) // n),
         "entropy": float((old["entropy"].values() * mask).sum() / mask.sum()),
         "response_len": float(mask.sum() / len(scores)),
         "actor_loss": _mean([m["loss"] for m in actor_m]),
@@ -465,19 +513,44 @@ def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):
 
 def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
     """Load the newest step that every role checkpointed completely and that verifies for
-    every role; 0 when there is none (a save killed between the actor's and the critic's
-    checkpoint leaves the actor a step ahead; a step that fails verification is skipped
-    loudly, ``posttrain.trainer_utils.load_newest_valid``)."""
+    every role; 0 when the actor has no checkpoint (a fresh run). A save killed between the
+    actor's and the critic's checkpoint leaves the actor a step ahead (the common step is
+    loaded); a step that fails verification is skipped loudly
+    (``posttrain.trainer_utils.load_newest_valid``).
+
+    Raises:
+        ValueError: the actor has checkpoints but no step is complete for every role of this
+            run (a role's checkpoints are gone, or the run now has a critic the checkpoints
+            never had): before anything is written.
+    """
     roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     roots = {name: os.path.join(ckpt_dir, name) for name in roles}
     latest = ckpt_layout.latest_checkpoint(roots["actor"])
     if latest is None:
         return 0
     newest = int(os.path.basename(latest)[len(ckpt_layout.PREFIX) :])  # honour `latest` (rollbacks)
-    common = set.intersection(*(set(ckpt_layout.complete_steps(r)) for r in roots.values()))
+    have = {name: set(ckpt_layout.complete_steps(r)) for name, r in roots.items()}
+    common = set.intersection(*have.values())
     steps = sorted((s for s in common if s <= newest), reverse=True)
     if not steps:
-        return 0
+        # The actor has checkpoints but not every role of this run has one of the same step:
+        # starting over would overwrite the actor's checkpoints and the metrics. Stop first.
+        lacking = [name for name in roles if not have[name]]
+        why = (
+            f"the {' and '.join(lacking)} has no complete checkpoint in {', '.join(roots[n] for n in lacking)}"
+            if lacking
+            else "no step is checkpointed completely by every role (" + "; ".join(f"{n}: {sorted(have[n])}" for n in roles) + ")"
+        )
+        hint = (
+            " (were these checkpoints written by a GRPO run, which has no critic? resume with the run's own algo.advantage)"
+            if "critic" in lacking and not os.path.isdir(roots["critic"])
+            else ""
+        )
+        raise ValueError(
+            f"trainer.resume=true: the actor has checkpoints up to step {newest} in {roots['actor']}, but {why}{hint}; starting "
+            "over would overwrite them, so nothing was written; fix: restore the missing checkpoints, resume with the settings "
+            "of the run that wrote them, or start a fresh run in another trainer.output_dir"
+        )
 
     def load_step(step: int) -> int:
         for name, role in roles.items():

@@ -41,7 +41,7 @@ from posttrain.export import save_hf
 from posttrain.loggers import RunLog
 from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
-from posttrain.preemption import Preempted, PreemptionGuard
+from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
@@ -163,7 +163,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     cfg = with_model_path(cfg)
     data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 
-    trainer = place_trainer(cfg, data)
+    with stop_while_starting("building the engine"):
+        trainer = place_trainer(cfg, data)
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
     bar = None
     try:
@@ -172,10 +173,21 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         bar = progress_bar(tc, start, rank0, "sft")
         with open_loggers(cfg, tc, start, rank0, bar) as run_log:
             losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
-            evaluation = trainer.evaluate()
-            if evaluation["eval_loss"] is not None:
-                run_log.message(_val_line("final evaluation", evaluation))
-        hf_dir = trainer.save_hf(os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
+            # A signal during the final evaluation or the export must not lose the trained
+            # state: recorded, the stage in progress finishes, then the run stops saved.
+            with PreemptionGuard() as late:
+                evaluation = trainer.evaluate()
+                if evaluation["eval_loss"] is not None:
+                    run_log.message(_val_line("final evaluation", evaluation))
+                signum = late.stop_requested()
+                hf_dir = None
+                if signum is None and tc.save_hf:
+                    hf_dir = trainer.save_hf(os.path.join(tc.output_dir, "hf"), tc.save_hf_format)
+                    signum = late.stop_requested()
+            if signum is not None:
+                if not (tc.checkpoint_every or start >= tc.total_steps):  # the last step is not saved yet
+                    trainer.save_checkpoint(ckpt_dir, tc.total_steps)
+                raise Preempted(signum, tc.total_steps, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{tc.total_steps}"))
         world_size = trainer.world_size()
     finally:
         if bar is not None:

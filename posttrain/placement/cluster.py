@@ -75,6 +75,31 @@ class WorkerGroup:
         return f"{'+'.join(self.roles)} rank {rank} of pool {self.pool!r}{where}"
 
 
+def _ray_start_failure(address: str | None, exc: BaseException) -> str:
+    """What ``ray.init`` failing means for this run, and the knobs, in one message."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()  # what a half-started local instance left
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if address is not None:
+        return (
+            f"trainer.ray_address = {address!r}: could not join the Ray cluster ({type(exc).__name__}: {first}); fix: start it "
+            "(`ray start --head`) or correct the address, or run without Ray (trainer.launcher=torchrun)"
+        )
+    slow = "timed out during startup" in str(exc)
+    cause = (
+        "its raylet did not register within the 30 s Ray 2.x waits (a fixed limit in ray._private.node): most often a busy or slow machine"
+        if slow
+        else "it failed to start"
+    )
+    return (
+        f"trainer.launcher = 'ray': the local Ray instance did not start ({type(exc).__name__}: {first}); {cause}; fix: start "
+        "the instance yourself, which waits as long as it needs (`ray start --head --num-cpus N`), and join it with "
+        "trainer.ray_address=auto; or run without Ray: trainer.launcher=torchrun (the same run on one node)"
+    )
+
+
 class RayCluster:
     """The Ray side of a run: pools, worker groups, calls, teardown. Use as a context manager.
 
@@ -108,7 +133,10 @@ class RayCluster:
                 self._started_ray = True
             else:
                 kwargs["address"] = self.address
-            ray.init(**kwargs)
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+                raise RuntimeError(_ray_start_failure(self.address, exc)) from exc
         try:
             self._bundle = self._worker_bundle()
             self._check_resources()

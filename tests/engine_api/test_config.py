@@ -86,6 +86,12 @@ def test_all_problems_are_reported_at_once():
     [
         ("loss_agg_mode=seq-mean-token-sum-norm", "loss_agg_constant = None"),
         ("optim.lr_schedule=cosine", "optim.total_steps = None"),
+        # a short run of a config with warmup: the fix is the warmup, named by the key to type
+        (
+            "optim.lr_schedule=cosine,optim.total_steps=3,optim.warmup_steps=5",
+            "optim.warmup_steps = 5: lr_schedule=cosine needs warmup_steps < total_steps = 3 (the run's optimizer steps); "
+            "fix: set optim.warmup_steps below 3",
+        ),
         ("strategy=megatron,megatron.sequence_parallel=true", "needs tensor_model_parallel_size > 1"),
         ("strategy=megatron,megatron.virtual_pipeline_model_parallel_size=2", "megatron.virtual_pipeline_model_parallel_size = 2"),
         ("model.head=policy", "model.head = 'policy'"),
@@ -205,3 +211,21 @@ def test_fsdp_size_must_divide_the_world_size():
     assert problems_of(EngineConfig(world_size=4, backend=FSDPOptions(fsdp_size=-1))) == []
     with pytest.raises(ValueError, match=r"fsdp\.fsdp_size = 3: does not divide the world size 4"):
         load_config(None, ["fsdp.fsdp_size=3", "world_size=4"])
+
+
+@pytest.mark.parametrize("example", ["qwen2.5-0.5b-sft.yaml", "llama-3.2-1b-sft.yaml"])
+def test_a_short_run_of_an_example_names_the_warmup_key(example, tmp_path):
+    """A 5-step trial of an example config sized for 500: the fix names the key the user types
+    (engine.optim.warmup_steps), not optim.total_steps, which the recipe sets itself."""
+    from engine_api.typed_config import load_typed
+    from recipes.sft import SFTConfig
+
+    with pytest.raises(ValueError) as err:
+        load_typed(
+            SFTConfig,
+            f"configs/examples/{example}",
+            [f"engine.model.path={tmp_path}", "data.train_files=[x.jsonl]", "trainer.total_steps=5"],
+        )
+    msg = str(err.value)
+    assert "fix: set engine.optim.warmup_steps below 5" in msg and "trainer.total_steps" in msg, msg
+    assert "optim.total_steps" not in msg and "\x00" not in msg

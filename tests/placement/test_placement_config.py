@@ -88,3 +88,43 @@ def test_placement_problems_is_pure():
     p = PlacementConfig(pools={"a": 1, "b": 2}, roles={"rollout": "b"})
     assert placement_problems(p, ("actor", "rollout")) == []
     assert p.assignment(("actor", "critic", "rollout")) == {"actor": "a", "critic": "a", "rollout": "b"}
+
+
+def test_unlisted_roles_follow_the_actor_wherever_it_is():
+    """The actor placed on a pool that is not the first: the roles ``roles`` does not list land
+    with it (colocated, as documented), never on the first pool."""
+    cfg = _ppo(
+        "actor.kl_coef=0.01",
+        "trainer.placement.pools.gen=1",
+        "trainer.placement.pools.train=2",
+        "trainer.placement.roles.actor=train",
+        "trainer.placement.roles.rollout=gen",
+    )
+    assert list(cfg.trainer.placement.pool_sizes()) == ["gen", "train"]
+    where = cfg.trainer.placement.assignment(rl_roles(cfg))
+    assert where == {"actor": "train", "reference": "train", "critic": "train", "rollout": "gen"}
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.9:6379"])
+def test_a_ray_start_that_fails_is_named_with_its_knobs(monkeypatch, address):
+    """On a busy machine ``ray.init`` of a local instance raises Ray's bare "The current node
+    timed out during startup" (a fixed 30 s wait): the run says what it means and what to do
+    (start the instance yourself and join it, or torchrun), keeping Ray's error as the cause."""
+    import ray
+
+    from posttrain.placement.cluster import RayCluster
+
+    def slow_start(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet failed to startup")
+
+    monkeypatch.setattr(ray, "init", slow_start)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError) as err:
+        RayCluster(PlacementConfig(), {"main": ("actor",)}, address, None).__enter__()
+    message = str(err.value)
+    assert "timed out during startup" in str(err.value.__cause__) and "trainer.launcher=torchrun" in message
+    if address is None:
+        assert "the local Ray instance did not start" in message and "ray start --head" in message and "trainer.ray_address=auto" in message
+        assert "30 s" in message
+    else:
+        assert f"trainer.ray_address = {address!r}: could not join" in message

@@ -212,9 +212,28 @@ def test_print_config_of_a_defaults_only_config_leaves_the_backend_unset(capsys,
     assert load_typed(sft.SFTConfig, path) == load_typed(sft.SFTConfig, ROOT / sft.DEFAULT_CONFIG)
 
 
+def test_print_config_prints_an_invalid_config_then_its_problems(capsys):
+    """--print-config shows what was loaded even when a run would refuse it, then every problem
+    on stderr, and exits 1 (a script can tell): an unknown key, a value left to the user, and a
+    warmup as long as the run."""
+    argv = ["--config", "configs/examples/qwen2.5-0.5b-sft.yaml", "--print-config", "trainer.totl_steps=3", "trainer.total_steps=5"]
+    with pytest.raises(SystemExit) as exc:
+        _parse("sft", argv)
+    assert exc.value.code == 1
+    out, err = capsys.readouterr()
+    printed = yaml.safe_load(out)
+    assert printed["trainer"]["total_steps"] == 5 and printed["engine"]["optim"]["warmup_steps"] == 50
+    assert err.startswith("4 config problem(s) (a run refuses this config):"), err
+    for needle in (
+        "trainer.totl_steps: unknown key 'totl_steps'",
+        "engine.model.path = ???",
+        "data.train_files = ???",
+        "fix: set engine.optim.warmup_steps below 5",
+    ):
+        assert needle in err, (needle, err)
+
+
 def test_a_bad_override_gives_the_loaders_error(capsys):
-    with pytest.raises(ValueError, match=r"trainer\.totl_steps: unknown key 'totl_steps'.*trainer\.total_steps"):
-        _parse("ppo", ["--print-config", "trainer.totl_steps=3"])
     path, overrides = _parse("sft", ["trainer.totl_steps=3"])  # a run: the recipe loads them
     with pytest.raises(ValueError, match=r"trainer\.totl_steps"):
         load_typed(sft.SFTConfig, ROOT / path, overrides)

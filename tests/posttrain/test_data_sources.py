@@ -197,6 +197,26 @@ def test_sharegpt_turns_that_have_no_mapping_are_refused(tok, tmp_path):
         SFTDataset([path], tok, DataConfig())
     with pytest.raises(ValueError, match=r"ShareGPT turns are read with data\.format=sharegpt"):
         SFTDataset([path], tok, DataConfig(messages_key="conversations"))
+    # data.format=sharegpt already set, a messages_key left pointing at `messages`: the fix names
+    # that key, not the format the user already set
+    with pytest.raises(ValueError, match=r"no column 'messages' \(data\.messages_key\).*fix: set data\.messages_key=conversations") as err:
+        SFTDataset([path], tok, DataConfig(format="sharegpt", messages_key="messages"))
+    assert "data.format=sharegpt" not in str(err.value)
+
+
+@pytest.mark.parametrize("example", ["llama-3.2-1b-sft.yaml", "qwen2.5-0.5b-sft.yaml"])
+def test_the_sft_examples_read_sharegpt_rows_with_the_format_alone(example, tok, tmp_path):
+    """A user's ShareGPT file with an SFT example config: `data.format=sharegpt` is the one key
+    to set (the examples leave messages_key to the format)."""
+    from engine_api.typed_config import load_typed
+    from recipes.sft import SFTConfig
+
+    rows = ud.message_rows(4, 3)
+    shared = ud.write_rows(_sharegpt(rows), tmp_path / "s.jsonl")
+    overrides = ["data.format=sharegpt", f"data.train_files=[{shared}]", f"engine.model.path={tmp_path}"]
+    data = load_typed(SFTConfig, f"configs/examples/{example}", overrides).data
+    got, _ = _sft(shared, tok, format=data.format, messages_key=data.messages_key)
+    assert got == _sft(ud.write_rows(rows, tmp_path / "m.jsonl"), tok)[0]
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -285,3 +305,34 @@ def test_the_module_does_not_import_datasets_when_imported():
             eager.append(node.module or "")
         pending.extend(ast.iter_child_nodes(node))
     assert "torch" in eager and not [m for m in eager if m.split(".")[0] == "datasets"]
+
+
+def test_a_tool_call_turn_is_never_trained_as_the_word_none(tok, tmp_path):
+    """An assistant turn with content null and tool_calls, under a template that ignores
+    tool_calls (it prints the content: Jinja writes None), is refused naming the row, in SFT rows
+    and RL prompts alike; under a template that renders the calls, the call is what is trained."""
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+    chat = [
+        {"role": "user", "content": "3+4="},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "7"},
+        {"role": "assistant", "content": "7"},
+    ]
+    path = ud.write_rows([{"messages": chat}], tmp_path / "calls.jsonl")
+    refused = r"calls\.jsonl:1: message 1 \(assistant\) has content null and tool_calls \['add'\], but the chat template does not render"
+    with pytest.raises(ValueError, match=refused):
+        SFTDataset([path], tok, DataConfig())
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\) has content null and tool_calls"):
+        PromptDataset([ud.write_rows([{"prompt": chat[:3]}], tmp_path / "p.jsonl")], tok, DataConfig())
+    # A template that renders the calls: the call's text is the trained span of that turn.
+    tok.chat_template = ud.TEMPLATE.replace(
+        "{{ m['content'] }}",
+        "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}{{ c['function']['name'] }}{% endfor %}{% else %}{{ m['content'] }}{% endif %}",
+    )
+    try:
+        ((ids, mask),) = SFTDataset([path], tok, DataConfig()).samples
+    finally:
+        tok.chat_template = ud.TEMPLATE
+    assert "None" not in tok.decode(ids)
+    trained = [t for t, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained).startswith("???<|end|>")  # "add" (unknown chars), then the end of the turn

@@ -178,7 +178,9 @@ def test_mlflow_metrics_params_samples_and_resume_continue_the_run(tmp_path, mon
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     out = str(tmp_path / "run_a")
     config = {"trainer": {"lr": 1e-3, "loggers": ["mlflow"], "run_name": None}, "odd:key": "v" * 7000}
-    with build_loggers(["mlflow"], output_dir=out, project="proj", config=config, total_steps=3) as run_log:
+    # A real recipe config has a few hundred keys: more than one of MLflow's 100-param batches.
+    many = {f"k{i}": i for i in range(230)}
+    with build_loggers(["mlflow"], output_dir=out, project="proj", config={**config, "many": many}, total_steps=3) as run_log:
         for step in range(1, 4):
             run_log.log(step, {"loss": step / 4, "time/gen(s)": 1.5, "val/loss": 0.5 if step == 2 else None, "n": float("nan"), "s": "x"})
         run_log.log_samples(2, [{"prompt": "a", "response": "b", "reward": 1.0}])
@@ -198,7 +200,13 @@ def test_mlflow_metrics_params_samples_and_resume_continue_the_run(tmp_path, mon
     assert history("val/loss") == [(2, 0.5)]
     assert history("time/gen_s_") == [(1, 1.5), (2, 1.5), (3, 1.5)]  # sanitized to MLflow's charset
     assert set(run.data.metrics) == {"loss", "val/loss", "time/gen_s_"}  # no NaN, None or str
-    assert run.data.params == {"trainer.lr": "0.001", "trainer.loggers": '["mlflow"]', "trainer.run_name": "null", "odd_key": "v" * 6000}
+    assert run.data.params == {
+        "trainer.lr": "0.001",
+        "trainer.loggers": '["mlflow"]',
+        "trainer.run_name": "null",
+        "odd_key": "v" * 6000,
+        **{f"many.{k}": str(v) for k, v in many.items()},
+    }
     with open(client.download_artifacts(run_id, "samples/step_000002.json", str(tmp_path))) as f:
         samples = json.load(f)
     assert samples == {"step": 2, "rows": [{"prompt": "a", "response": "b", "reward": 1.0}]}
@@ -208,9 +216,10 @@ def test_mlflow_metrics_params_samples_and_resume_continue_the_run(tmp_path, mon
     with build_loggers(["mlflow"], output_dir=out, project="proj", config=config2, total_steps=3, start_step=2) as run_log:
         assert run_log.loggers[0].run_id == run_id
         assert client.get_run(run_id).info.status == "RUNNING"
-        run_log.log(3, {"loss": 9.0})
+        run_log.log(3, {"loss": 9.0, **{f"layer/{i}": float(i) for i in range(1100)}})  # > one 1000-metric batch
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
+    assert all(run.data.metrics[f"layer/{i}"] == float(i) for i in range(1100))
     assert history("loss") == [(1, 0.25), (2, 0.5), (3, 0.75), (3, 9.0)]  # MLflow keeps both points of a replayed step
     assert run.data.metrics["loss"] == 9.0
     assert run.data.params["trainer.lr"] == "0.001" and run.data.params["trainer.resume"] == "true"

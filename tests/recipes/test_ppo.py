@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_api.typed_config import load_typed
 from recipes.ppo import PPOConfig
@@ -64,3 +66,26 @@ def test_same_roles_on_fsdp_and_megatron(tmp_path):
         assert a["reward"] == b["reward"]
         for key in ("actor_loss", "critic_loss", "actor_grad_norm", "critic_grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
+def test_vllm_in_low_precision_on_a_cpu_runs_in_float32_with_one_warning(capsys, monkeypatch, tmp_path):
+    """The GRPO example keeps rollout.backend=vllm with rollout.dtype=bfloat16 (for GPUs): on a
+    machine without CUDA vLLM would compile its bf16 CPU kernels for many minutes before the first
+    step, so the rollout runs in float32 and one line names the key. With CUDA, or on Ray (whose
+    workers may have GPUs), the config is left alone."""
+    from recipes.ppo import _fit_rollout_to_cpu
+
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n')
+    overrides = [f"engine.model.path={tmp_path}", f"data.train_files=[{data}]"]
+    cfg = load_typed(PPOConfig, "configs/examples/qwen2.5-1.5b-grpo-gsm8k.yaml", overrides)
+    assert (cfg.rollout.backend, cfg.rollout.dtype) == ("vllm", "bfloat16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fitted = _fit_rollout_to_cpu(cfg, rank0=True)
+    err = capsys.readouterr().err
+    assert fitted.rollout.dtype == "float32" and fitted.rollout.backend == "vllm" and fitted.engine == cfg.engine
+    assert err.count("WARNING") == 1 and "rollout.dtype = bfloat16 with rollout.backend = vllm on a machine without CUDA" in err
+    ray = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, launcher="ray"))
+    assert _fit_rollout_to_cpu(ray, rank0=True).rollout.dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _fit_rollout_to_cpu(cfg, rank0=True) is cfg

@@ -120,3 +120,69 @@ def test_sigterm_to_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"(step {stopped}); continuing at step {stopped + 1}" in resumed.stdout
     assert sorted(_losses(out, "loss")) == list(range(1, stopped + 3))
+
+
+# The signal at a chosen moment after training: the stage's method signals its own process once
+# (as a scheduler's SIGTERM would land there), then does its work.
+_SIGNAL_IN = """
+import os, signal, sys
+import recipes.sft as sft
+
+stage = sys.argv.pop(1)
+original = getattr(sft.SFTWorker, stage)
+
+def signalled(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return original(self, *args, **kwargs)
+
+setattr(sft.SFTWorker, stage, signalled)
+sft.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["evaluate", "save_hf"])
+def test_sigterm_after_the_last_step_keeps_the_trained_state(stage, tmp_path):
+    """SIGTERM during the final evaluation or the HF export, with no checkpoint saved so far
+    (``checkpoint_every: 0``): the stage finishes, the trained state is saved, the run exits
+    128 + SIGTERM, no ``hf.tmp`` is left; a resume completes the run (evaluation and export)."""
+    out = tmp_path / "run"
+    args = [*SFT[2:], "trainer.total_steps=3", "trainer.checkpoint_every=0", "trainer.save_hf=true", "trainer.val_every=0"]
+    args.append(f"trainer.output_dir={out}")
+    stopped = run_script(["-c", _SIGNAL_IN, stage, *args], timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "SIGTERM received: stopped after step 3" in stopped.stdout
+    assert ckpt_layout.complete_steps(str(out / "checkpoints")) == [3]
+    assert not (out / "hf.tmp").exists()
+    assert (out / "hf" / "model.safetensors").exists() == (stage == "save_hf")  # an export in progress completes
+    resumed = run_script([*SFT[:2], *args, "trainer.resume=true"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (out / "hf" / "model.safetensors").exists() and [r["step"] for r in _rows(out)] == [1, 2, 3]
+
+
+_SIGNAL_WHILE_BUILDING = """
+import os, signal, sys
+import recipes.ppo as ppo
+
+original = ppo.place_roles
+
+def building(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's SIGTERM lands during minutes of engine start-up
+    return original(*args, **kwargs)
+
+ppo.place_roles = building
+ppo.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_engines_start_ends_the_run_in_one_line(tmp_path):
+    """Before the first step there is nothing to save: a signal while the engines are built (vLLM
+    start-up and its kernel compile, on CPU minutes) ends the run with 128 + SIGTERM and one line
+    saying so, not the library's crash dump."""
+    out = tmp_path / "run"
+    stopped = run_script(["-c", _SIGNAL_WHILE_BUILDING, *GRPO[2:], "trainer.total_steps=2", f"trainer.output_dir={out}"], timeout=300)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "SIGTERM received while building the engines (before the first step): nothing trained" in stopped.stderr
+    assert "Traceback" not in stopped.stderr and len(stopped.stderr) < 2000, stopped.stderr
+    assert not (out / "metrics.jsonl").exists()

@@ -525,14 +525,52 @@ def test_grpo_on_user_data_with_vllm_keeps_parity(files, tmp_path):
         assert row["rollout/logprob_abs_diff_max"] <= 1e-4 and row["rollout/weight_version_lag"] == 0, row
 
 
-def test_prompt_budget_over_the_rollout_engine_is_refused_before_training(files, tmp_path, own_process_group):
-    """data.max_prompt_length + the response length over the engine's max_model_len: one error
-    naming the keys before the first step (never a failure deep inside the engine)."""
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            ["rollout.max_model_len=64"],
+            r"data.max_prompt_length = 100 \+ a response of 4 tokens > the rollout engine's max_model_len 64; fix:",
+        ),
+        # vLLM's own limit from the model's max_position_embeddings (128 here), and its CPU head_dim limit
+        (
+            ["rollout.backend=vllm", "data.max_prompt_length=126"],
+            r"max_prompt_length = 126 \+ a response of 4 tokens > .* max_model_len 128",
+        ),
+        (["rollout.backend=vllm"], r"the model's head_dim is 16, and vLLM's CPU attention kernel needs >= 32; fix:"),
+    ],
+)
+def test_model_dependent_refusals_come_before_the_data_and_any_engine(files, tmp_path, own_process_group, monkeypatch, extra, needle):
+    """What the rollout backend refuses about the model (the prompt budget against its
+    max_model_len, vLLM's head_dim limit on CPU) is found from the model's files at load: one
+    error naming the keys before the data is read or any engine is built."""
     from recipes import ppo
 
-    args = _grpo_args(files, tmp_path / "run", 1, "data.max_prompt_length=100", "rollout.max_model_len=64")
-    with pytest.raises(
-        ValueError, match=r"data.max_prompt_length = 100 \+ a response of 4 tokens > the rollout engine's max_model_len 64; fix:"
-    ):
+    def too_late(*args, **kwargs):
+        raise AssertionError("the data or the roles were built before the refusal")
+
+    monkeypatch.setattr(ppo, "build_task", too_late)
+    monkeypatch.setattr(ppo, "place_roles", too_late)
+    args = _grpo_args(files, tmp_path / "run", 1, "data.max_prompt_length=100", *extra)
+    with pytest.raises(ValueError, match=needle):
         ppo.main(args)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_grpo_without_reward_spread_says_it_cannot_learn(files, tmp_path, capsys, own_process_group):
+    """A sparse reward that gives every response of every group the same score: GRPO's
+    advantages, and without an entropy bonus or KL its loss and gradient, are exactly 0. The metrics say so every step
+    (frac_reward_zero_std 1, reward_std 0) and one warning names the cause and the fixes."""
+    from recipes import ppo
+
+    reward = tmp_path / "flat.py"
+    reward.write_text("def score(prompt, response, **columns):\n    return 0.0\n")
+    flat = (f"reward.function={reward}:score", "trainer.val_every=0", "data.batch_size=4", "actor.entropy_coef=0")
+    args = _grpo_args(files, tmp_path / "run", 2, *flat)
+    ppo.main(args)
+    rows = _metrics(tmp_path / "run")
+    assert [r["frac_reward_zero_std"] for r in rows] == [1.0, 1.0] and [r["reward_std"] for r in rows] == [0.0, 0.0]
+    assert all(r["actor_loss"] == 0.0 and r["actor_grad_norm"] == 0.0 for r in rows)  # what the warning is about
+    err = capsys.readouterr().err
+    assert err.count("frac_reward_zero_std = 1") == 1, err  # once per run, not every step
+    assert "GRPO step 1: every prompt group's" in err and "algo.n_samples" in err

@@ -25,7 +25,7 @@ from tests.reliability import _ckpt_targets as T
 from tests.reliability._ckpt_state import state_diff
 from tests.reliability._step_common import BACKENDS, two_rank_layouts
 from tests.support.hf_utils import make_model
-from tests.support.launch import run_distributed
+from tests.support.launch import RankError, run_distributed
 from tests.support.megatron_workers import LAYOUTS as MEGATRON_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -165,3 +165,27 @@ def test_ppo_recipe_skips_a_checkpoint_that_fails_verification_and_logs_each_ste
     resumed = _ppo(tmp_path, 4, "trainer.resume=true")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert _rows(resumed) == _rows(full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["incomplete", "absent"])
+def test_ppo_resume_that_cannot_load_every_role_stops_before_writing(ppo_full, tmp_path, critic):
+    """The actor's checkpoints are there, the critic's are not: its save never completed
+    (``incomplete``), or the directory is absent, as when GRPO checkpoints (no critic) are
+    resumed with ``algo.advantage=gae``. Starting over at step 1 would overwrite the actor's
+    checkpoints and the metrics: the run stops first, naming the role and the fix."""
+    full_dir, full = ppo_full
+    _crashed_copy(full_dir, tmp_path, {"actor": [2, 4], "critic": []})
+    if critic == "absent":
+        shutil.rmtree(tmp_path / "checkpoints" / "critic")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in full))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    argv = [*PPO_ARGS, f"trainer.output_dir={tmp_path}", "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.resume=true"]
+    with pytest.raises(RankError) as err:
+        run_distributed(T.ppo_main, 1, argv, timeout=400)
+    message = str(err.value)
+    assert "trainer.resume=true: the actor has checkpoints up to step 4" in message and "the critic has no complete checkpoint" in message
+    assert ("written by a GRPO run" in message) == (critic == "absent")
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert {p: after.get(p) for p in before} == before  # nothing overwritten or removed
+    assert all("tiny_model" in p.parts for p in set(after) - set(before))  # only the run's model was built
