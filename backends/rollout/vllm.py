@@ -324,7 +324,9 @@ class VLLMRollout(HFLayout, BaseRollout):
         _refuse_routing_on_cpu(config)  # before the base's generic refusal, with the CPU's own fix
         super().__init__(config)
         self.options = VLLMOptions.from_mapping(config.options)
-        self._check_model(config.model_path)
+        problems = self.model_problems(config)
+        if problems:
+            raise ValueError(problems[0])
         self._routing = self._routing_layout(config.model_path) if config.return_routing else None
         _environment()
         import vllm  # noqa: F401  (after the environment is set)
@@ -369,12 +371,6 @@ class VLLMRollout(HFLayout, BaseRollout):
         self._limit = self.llm.llm_engine.model_config.max_model_len
         self._lora = None
         self._lora_dir = tempfile.mkdtemp(prefix="enginekit-lora-") if config.lora_rank else None
-
-    @classmethod
-    def _check_model(cls, model_path: str) -> None:
-        problems = cls.model_problems(RolloutEngineConfig(model_path=model_path))
-        if problems:
-            raise ValueError(problems[0])
 
     @classmethod
     def model_problems(cls, config: RolloutEngineConfig) -> list[str]:
