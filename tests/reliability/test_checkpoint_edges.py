@@ -332,3 +332,20 @@ def test_a_checkpoint_of_another_model_is_refused_naming_tensor_and_shapes(edge_
     assert "in the checkpoint" in message and "in this model" in message and "fix:" in message, message
     assert any(("mlp" in line) and ("64" in line) and ("48" in line) for line in message.splitlines()), message
     assert r["other_diff"] == [], f"the refused load changed {r['other_diff'][:5]}"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_write_leaves_the_shared_directory_to_rank_0(tmp_path, monkeypatch, rank):
+    """A rank whose write fails alone (its disk full) must not delete the temporary directory
+    its peers are still writing into: their errors would then name a vanished file, not the
+    cause. Rank 0, which created it, removes it; another rank leaves it (never loaded; the next
+    save's begin() removes it)."""
+    tmp = tmp_path / f"{ckpt_layout.TMP}{ckpt_layout.PREFIX}1"
+    tmp.mkdir()
+    (tmp / "peer_shard.distcp").write_bytes(b"a peer's write in progress")
+    monkeypatch.setattr(ckpt_layout, "group_rank", lambda group: rank)
+    with pytest.raises(ckpt_layout.CheckpointError, match="no space left on device") as err:
+        with ckpt_layout.writing(str(tmp)):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+    assert tmp.exists() == (rank != 0)
+    assert ("was removed" if rank == 0 else "is removed by rank 0 or the next save") in str(err.value)
