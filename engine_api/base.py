@@ -265,6 +265,27 @@ class BaseEngine(abc.ABC):
         return self._step_spec().router is not None
 
     @property
+    def trains_with_dropout(self) -> bool:
+        """Whether a training-mode forward may drop activations, so that it differs from the
+        eval-mode forward of the same weights: a dropout with p > 0 anywhere in the model
+        (``nn.Dropout`` modules, and the probabilities HF attention and megatron keep as module
+        attributes or in the module's ``config``). Conservative: any attribute or config field
+        named ``*dropout*`` or ``*pdrop*`` holding a positive number counts."""
+        seen: set[int] = set()
+        for root in self._modules():
+            for module in root.modules():
+                if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+                    return True
+                if _positive_dropout(vars(module)):
+                    return True
+                config = getattr(module, "config", None)
+                if config is not None and id(config) not in seen and hasattr(config, "__dict__"):
+                    seen.add(id(config))
+                    if _positive_dropout(vars(config)):
+                        return True
+        return False
+
+    @property
     def is_output_rank(self) -> bool:
         """Whether :meth:`forward_backward_step` returns predictions on this rank. True by
         default; a pipeline-parallel backend may return them only where they are produced
@@ -409,9 +430,20 @@ class BaseEngine(abc.ABC):
             non-finite loss or grad norm: the scheduler does not advance either), and the
             mean over micro-batches of each loss-function metric.
         """
-        self.optimizer_zero_grad()
         # The predictions are not returned, so the backend need not assemble them.
-        _, loss, ctx = self.forward_backward_step(batch, ctx={RETURN_PREDICTIONS: False})
+        return self._train_step(batch, keep_predictions=False)[0]
+
+    def train_batch_with_outputs(self, batch: TensorDict) -> tuple[dict[str, Any], TensorDict | None]:
+        """:meth:`train_batch`, also returning the forward's outputs (``log_probs``, and
+        ``entropy`` when the metadata asks for it), detached, in ``batch``'s order (None where
+        :attr:`is_output_rank` is False): the outputs of the weights *before* the step, so a
+        caller needing them (a policy update whose old-policy log-probs are its own forward's)
+        saves a separate forward-only pass. Call inside :meth:`train_mode`. Collective."""
+        return self._train_step(batch, keep_predictions=True)
+
+    def _train_step(self, batch: TensorDict, keep_predictions: bool) -> tuple[dict[str, Any], TensorDict | None]:
+        self.optimizer_zero_grad()
+        predictions, loss, ctx = self.forward_backward_step(batch, ctx={RETURN_PREDICTIONS: keep_predictions})
         grad_norm = self.optimizer_step()
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": grad_norm, "step_skipped": 0.0}
         if math.isfinite(grad_norm):
@@ -420,7 +452,7 @@ class BaseEngine(abc.ABC):
             metrics["step_skipped"] = 1.0
         for key, values in ctx.get("metrics", {}).items():
             metrics[key] = sum(values) / len(values)
-        return metrics
+        return metrics, predictions
 
     def infer_batch(self, batch: TensorDict) -> TensorDict | None:
         """Forward-only outputs for ``batch`` (this rank's shard). Call inside :meth:`eval_mode`."""
@@ -558,3 +590,11 @@ class BaseEngine(abc.ABC):
     def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the LoRA adapters by peft's names (a backend with :attr:`supports_lora`)."""
         raise NotImplementedError(f"{type(self).__name__} sets supports_lora but does not implement _export_adapter_weights")
+
+
+def _positive_dropout(fields: dict[str, Any]) -> bool:
+    """Whether any ``*dropout*`` / ``*pdrop*`` field holds a positive number."""
+    return any(
+        ("dropout" in name or "pdrop" in name) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        for name, v in fields.items()
+    )

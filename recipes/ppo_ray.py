@@ -26,7 +26,7 @@ from roles.factory import build_roles
 
 # What the driver may call on each role (the methods recipes.ppo uses).
 _METHODS = {
-    "actor": ("compute_log_probs", "update", "save_checkpoint", "load_checkpoint"),
+    "actor": ("compute_log_probs", "update", "reuses_update_log_probs", "update_on_policy", "save_checkpoint", "load_checkpoint"),
     "critic": ("compute_values", "update", "save_checkpoint", "load_checkpoint"),
     "reference": ("compute_log_probs",),
 }

@@ -20,6 +20,8 @@ from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, ppo
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
 ROUTER_REPLAY = ("off", "r2", "r3")
+# Batch metadata: the policy loss takes the old-policy log-probs from its own forward (detached).
+OLD_FROM_FORWARD = "old_log_probs_from_forward"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class ActorConfig:
             ``r3``, the old-policy forward and the update's forwards route as the rollout
             engine did (its ``rollout_routed_experts``), so old, rollout and update share one
             routing. Every mode reports ``moe/router_disagreement``.
+        recompute_old_log_probs: always compute the old-policy log-probs in a separate
+            forward-only pass. False (default): where they provably equal the update's own
+            forward's (:meth:`Actor.reuses_update_log_probs`), the recipe takes them from that
+            forward instead and saves one forward per step; the metrics and weights are the
+            same either way (tested bit for bit).
     """
 
     clip_low: float = 0.2
@@ -56,6 +63,7 @@ class ActorConfig:
     mini_batch_size: int | None = None
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     router_replay: str = "off"
+    recompute_old_log_probs: bool = False
 
     def __post_init__(self) -> None:
         # YAML reads a bare ``off`` (``actor.router_replay=off``) as false, which a str field
@@ -133,6 +141,59 @@ class Actor(TrainableRole):
             m.update(correction)
         return metrics
 
+    def reuses_update_log_probs(self, rows: int) -> bool:
+        """Whether, for a batch of ``rows`` sequences, the old-policy log-probs equal the
+        log-probs of the update's own forward, so :meth:`update_on_policy` may replace
+        :meth:`compute_log_probs` + :meth:`update`. It holds when the update is one optimizer
+        step whose only forward runs on the weights that sampled nothing since (``ppo_epochs``
+        1 and one mini-batch: ``mini_batch_size`` null or >= ``rows``), that forward equals the
+        eval-mode one (no dropout in the model: ``BaseEngine.trains_with_dropout``; the same
+        micro-batching, as both read one engine config), nothing needs the old log-probs before
+        the update (no rollout correction) and no routing is replayed or measured (a dense
+        model), and ``recompute_old_log_probs`` is off. TRL's GRPOTrainer makes the same reuse
+        for one iteration."""
+        c = self.config
+        return (
+            not c.recompute_old_log_probs
+            and c.ppo_epochs == 1
+            and (c.mini_batch_size is None or c.mini_batch_size >= rows)
+            and c.rollout_correction.mode == "off"
+            and c.router_replay == "off"
+            and not self.engine.is_moe
+            and not self.engine.trains_with_dropout
+        )
+
+    def update_on_policy(self, batch: TensorDict) -> tuple[list[dict], TensorDict]:
+        """The policy update of :meth:`update` in one forward: the old-policy log-probs are that
+        forward's own, detached (the ratio is exactly 1 and its gradient the log-probs'), so no
+        separate old-policy forward runs. Only where :meth:`reuses_update_log_probs` holds.
+
+        Needs ``advantages`` (and ``ref_log_probs`` when ``kl_coef > 0``); ``old_log_probs``
+        must be absent (they are what this computes). Returns the one optimizer step's metrics
+        (as a one-element list, like :meth:`update`) and the global outputs of the forward
+        (``log_probs``, ``entropy``), what :meth:`compute_log_probs` with
+        ``calculate_entropy=True`` would have returned before the update. Collective.
+
+        Raises:
+            ValueError: the reuse does not hold for this batch, or a field is missing or
+                present when it must not be; before any weight changes.
+        """
+        rows = batch.batch_size[0]
+        if not self.reuses_update_log_probs(rows):
+            raise ValueError(
+                f"Actor.update_on_policy: the old-policy log-probs of this batch ({rows} rows) are not the update's own "
+                "(see Actor.reuses_update_log_probs); fix: compute_log_probs, then update"
+            )
+        if "old_log_probs" in batch.keys():
+            raise ValueError("Actor.update_on_policy batch holds old_log_probs; fix: drop them (this computes them), or call update")
+        require_fields(batch, [f for f in update_fields(self.config) if f != "old_log_probs"], "Actor.update_on_policy")
+        local = self.engine.shard_data(batch)
+        local.set_non_tensor("calculate_entropy", True)
+        local.set_non_tensor(OLD_FROM_FORWARD, True)
+        with self.engine.train_mode():
+            metrics, outputs = self.engine.train_batch_with_outputs(local)
+        return [metrics], self.engine.unshard_data(outputs)
+
     def loss(self, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
         """The engine's loss function: :func:`policy_objective`."""
         return policy_objective(self.config, mb, out, norm)
@@ -206,13 +267,16 @@ def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> t
     KL penalty and the entropy bonus are not reweighted."""
     mask = mb["loss_mask"]
     log_probs = out["log_probs"].values()
-    pg, clipped = ppo_policy_loss(log_probs, mb["old_log_probs"].values(), mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
+    # Actor.update_on_policy: this forward's own log-probs are the old policy's (ratio 1).
+    from_forward = OLD_FROM_FORWARD in mb.keys() and mb.get_non_tensor(OLD_FROM_FORWARD)
+    old = log_probs.detach() if from_forward else mb["old_log_probs"].values()
+    pg, clipped = ppo_policy_loss(log_probs, old, mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
     if "rollout_is_weights" in mb.keys():
         pg = pg * mb["rollout_is_weights"].values().detach()
     total = agg_loss(pg, mask, norm)
     with torch.no_grad():
         tokens = mask.values().sum().clamp(min=1)
-        ratio = torch.exp(log_probs - mb["old_log_probs"].values())
+        ratio = torch.exp(log_probs - old)
         metrics = {
             "pg_loss": float(agg_loss(pg.detach(), mask, norm)),
             "clipfrac": float((clipped * mask.values()).sum() / tokens),

@@ -44,6 +44,11 @@ class LegacyActor(_LegacyRole):
         """Log-probs (and entropy) of the global batch, on every rank."""
         return self.worker.infer(batch, calculate_entropy=calculate_entropy)
 
+    def reuses_update_log_probs(self, rows: int) -> bool:
+        """Always False: the legacy workers (the parity baseline) keep the separate old-policy
+        forward (``roles.Actor.reuses_update_log_probs``)."""
+        return False
+
     def update(self, batch: TensorDict) -> list[dict]:
         """PPO update over ``ppo_epochs`` x mini-batches; one metrics dict per optimizer step
         (with the rollout correction's metrics, as ``roles.Actor.update``)."""

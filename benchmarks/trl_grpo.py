@@ -1,0 +1,172 @@
+"""GRPO against the peer: Enginekit's recipe and TRL's GRPOTrainer on the same tiny model, prompts,
+reward, group size and settings, CPU seconds per step (``make bench``; issue 42, item 23).
+
+Both sides train a tiny Llama-style model with a character-level tokenizer (built here with a
+fixed seed, loaded back through ``from_pretrained``) on two-digit additions as chat prompts, with
+the same partial-credit reward file: 8 prompts x 8 responses per step, responses of at most 8
+tokens at temperature 1, one update per batch (one epoch, one mini-batch, no KL), token-mean
+loss, lr 1e-5 constant, grad clip 1.0, fp32, one torch thread each. TRL 1.16 runs in its own
+environment (``.venv-trl``, built here on first use with the pins of
+``benchmarks/peers/trl_constraints.txt``) through ``benchmarks/peers/trl_grpo.py``, which
+imports no Enginekit code; its gradient checkpointing (on by default in 1.16) is turned off, as
+Enginekit's run has none. Enginekit's rollout is the ``hf`` backend.
+
+CPU per step = (CPU seconds of a run of N steps - those of a run of K steps) / (N - K), user +
+system of the whole process tree (``getrusage``): start-up, imports and model loading cancel
+out, and everything a step costs counts (generation, reward, update, logging). The runs of one
+round alternate between the sides; the ratio is the median over rounds. Also measured: the same
+Enginekit run with ``actor.recompute_old_log_probs=true`` (the separate old-policy forward this
+setting makes unnecessary), to show what reusing the update's log-probs saves.
+
+Run: ``.venv/bin/python -m benchmarks.trl_grpo [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import Report, Row, cli, command_line, emit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_VENV = os.path.join(ROOT, ".venv-trl")
+TRL_PINS = os.path.join(ROOT, "benchmarks", "peers", "trl_constraints.txt")
+PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR = 8, 8, 8, 1e-5
+TARGET = 0.9  # issue 42: at most 0.9x TRL's CPU per step
+
+
+def trl_python() -> str:
+    """TRL's interpreter, creating its environment first if missing (torch from the local CPU
+    wheel, then TRL and its dependencies at the pinned versions)."""
+    python = os.path.join(TRL_VENV, "bin", "python")
+    if not os.path.exists(python):
+        print(f"creating {TRL_VENV} (TRL 1.16 and its pins; a few minutes, once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", TRL_VENV], check=True)
+        pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        subprocess.run([*pip, "-c", TRL_PINS, "trl==1.16.0"], check=True)
+    return python
+
+
+def build_inputs(root: str) -> dict[str, str]:
+    """The shared model directory (with its tokenizer and chat template), prompt file and reward file."""
+    from tests.support import user_data as ud
+
+    model = ud.build_model_dir(os.path.join(root, "model"))
+    prompts = ud.write_rows(ud.prompt_rows(1024, seed=0), os.path.join(root, "prompts.jsonl"))
+    reward = ud.write_reward_file(os.path.join(root, "reward.py"))
+    return {"model": model, "prompts": prompts, "reward": f"{reward}:score"}
+
+
+def _cpu_seconds(cmd: list[str], cwd: str) -> float:
+    """User + system CPU seconds of ``cmd`` and its children (it must exit 0)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def enginekit_cmd(inputs: dict[str, str], out: str, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml",
+            f"engine.model.path={inputs['model']}", f"data.train_files=[{inputs['prompts']}]", f"reward.function={inputs['reward']}",
+            f"data.batch_size={PROMPTS_PER_STEP}", f"algo.n_samples={GROUP}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+            "rollout.backend=hf", "actor.ppo_epochs=1", "actor.mini_batch_size=null", "actor.entropy_coef=0", "actor.kl_coef=0",
+            f"engine.optim.lr={LR}", "engine.optim.clip_grad=1.0", "engine.micro_batch_size=null", f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "trainer.log_samples_every=0",
+            *extra]  # fmt: skip
+
+
+def trl_cmd(python: str, inputs: dict[str, str], out: str, steps: int) -> list[str]:
+    return [python, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--model", inputs["model"], "--prompts", inputs["prompts"],
+            "--reward", inputs["reward"], "--steps", str(steps), "--prompts-per-step", str(PROMPTS_PER_STEP), "--group", str(GROUP),
+            "--max-new-tokens", str(MAX_NEW_TOKENS), "--lr", str(LR), "--out", out]  # fmt: skip
+
+
+def _response_len(case: str, out: str) -> float:
+    """Mean response length of the long run's last step (both sides sample at random: similar
+    lengths keep the comparison about the code)."""
+    if case == "trl":
+        return float("nan")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return statistics.mean(r["response_len"] for r in rows)
+
+
+def main(argv=None) -> Report:
+    args = cli(__doc__.splitlines()[0]).parse_args(argv)
+    short, long_, rounds = (10, 60, 1) if args.quick else (10, 130, 3)
+    start = time.perf_counter()
+    python = trl_python()
+    report = Report(
+        benchmark="trl_grpo",
+        title="GRPO vs TRL 1.16 GRPOTrainer: CPU seconds per step (same tiny model, prompts, reward and settings)",
+        command=command_line("benchmarks.trl_grpo", argv),
+        setup=(
+            f"tiny Llama (2 layers, hidden 64, 21-token character vocab), {PROMPTS_PER_STEP} prompts x {GROUP} responses of <= "
+            f"{MAX_NEW_TOKENS} tokens per step, one update per batch, lr {LR:g}, fp32, OMP_NUM_THREADS=1; CPU per step = "
+            f"(CPU of a {long_}-step run - CPU of a {short}-step run) / {long_ - short}, process tree user + system; median of "
+            f"{rounds} round(s), sides alternating; Enginekit rollout hf"
+        ),
+    )
+    cases = ("trl", "enginekit", "enginekit_recompute")
+    per_step: dict[str, list[float]] = {c: [] for c in cases}
+    lengths: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="ek_bench_trl_") as tmp:
+        inputs = build_inputs(tmp)
+        for r in range(rounds):
+            order = cases if r % 2 == 0 else cases[::-1]
+            for case in order:
+                cpu = {}
+                for steps in (short, long_):
+                    out = os.path.join(tmp, f"{case}_{r}_{steps}")
+                    if case == "trl":
+                        cmd = trl_cmd(python, inputs, out, steps)
+                    else:
+                        extra = ["actor.recompute_old_log_probs=true"] if case == "enginekit_recompute" else []
+                        cmd = enginekit_cmd(inputs, out, steps, *extra)
+                    cpu[steps] = _cpu_seconds(cmd, ROOT)
+                    if steps == long_ and case != "trl":
+                        lengths[case] = _response_len(case, out)
+                per_step[case].append((cpu[long_] - cpu[short]) / (long_ - short))
+    trl = statistics.median(per_step["trl"])
+    for case, label in (
+        ("enginekit", "enginekit (old log-probs from the update's forward)"),
+        ("enginekit_recompute", "enginekit, recompute_old_log_probs=true"),
+    ):
+        ratios = [a / b for a, b in zip(per_step[case], per_step["trl"], strict=True)]
+        ratio = statistics.median(ratios)
+        report.rows.append(
+            Row(
+                case=label,
+                values={
+                    "cpu_s_per_step": statistics.median(per_step[case]),
+                    "trl_cpu_s_per_step": trl,
+                    "vs_trl": ratio,
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                    "response_len": lengths.get(case, float("nan")),
+                },
+                target=f"<= {TARGET}x TRL" if case == "enginekit" else "",
+                met=ratio <= TARGET if case == "enginekit" else None,
+            )
+        )
+    report.notes.append(
+        "TRL's step: transformers' generate, its reward call, one forward/backward with the log-probs reused as the old policy's. "
+        "Enginekit's: the rollout contract's hf sampler (per-sample seeded draws), the reward function fenced by reward.timeout_s, "
+        "the update through the FSDP engine (1 rank), the metrics line. Response lengths are random on both sides (untrained model)."
+    )
+    report.seconds = time.perf_counter() - start
+    emit(report, args.json)
+    return report
+
+
+if __name__ == "__main__":
+    main()
