@@ -102,7 +102,7 @@ def _response_len(case: str, out: str) -> float:
 
 def main(argv=None) -> Report:
     args = cli(__doc__.splitlines()[0]).parse_args(argv)
-    short, long_, rounds = (10, 60, 1) if args.quick else (10, 130, 3)
+    short, long_, rounds = (10, 60, 1) if args.quick else (10, 210, 3)
     start = time.perf_counter()
     python = trl_python()
     report = Report(
@@ -154,6 +154,7 @@ def main(argv=None) -> Report:
                     "ratio_max": max(ratios),
                     "response_len": lengths.get(case, float("nan")),
                 },
+                samples={"trl_cpu_s_per_step": per_step["trl"], "cpu_s_per_step": per_step[case]},
                 target=f"<= {TARGET}x TRL" if case == "enginekit" else "",
                 met=ratio <= TARGET if case == "enginekit" else None,
             )

@@ -370,12 +370,27 @@ def validate(source, rollout: Rollout, chunk: int) -> float | None:
         return None
     prompts, metas = val
     rollout.sync_weights()
-    total = 0.0
+    scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
+    rollout.release()
+    return mean_reward(scores)
+
+
+def evaluate_prompts(source, rollout: Rollout, prompts: list, metas: list, chunk: int) -> tuple[list[torch.Tensor], list]:
+    """The rewards and the sampled batches of one response per prompt, ``chunk`` prompts per
+    sampler call, call ``k`` seeded with the validation offset + ``k``: :func:`validate`'s draws,
+    which ``recipes.evaluate`` repeats from a checkpoint. One rewards tensor and one batch per
+    call. Collective over the rollout group."""
+    scores, batches = [], []
     for k, begin in enumerate(range(0, len(prompts), chunk)):
         batch = rollout.generate(prompts[begin : begin + chunk], seed_offset=_VAL_SEED_OFFSET + k)
-        total += float(source.score(_responses(batch), metas[begin : begin + chunk]).sum())
-    rollout.release()
-    return total / len(prompts)
+        scores.append(source.score(_responses(batch), metas[begin : begin + chunk]))
+        batches.append(batch)
+    return scores, batches
+
+
+def mean_reward(scores: list[torch.Tensor]) -> float:
+    """The mean of :func:`evaluate_prompts`' rewards, summed call by call (``val/reward``)."""
+    return sum(float(s.sum()) for s in scores) / sum(len(s) for s in scores)
 
 
 def no_signal_warning(step: int, n_samples: int) -> str:

@@ -70,7 +70,7 @@ Layouts (fp32 exact, round trip tested):
 * Embedding / output rows are padded to a multiple of the TP size (zero rows); export drops
   the padding and the engine slices logits to the true vocabulary.
 * Value heads: HF token classification's ``score`` (weight ``[1, hidden]``, bias ``[1]``) is a
-  replicated ``output_layer.linear`` on the last stage.
+  replicated ``output_layer`` (``weight``, ``bias``) on the last stage.
 
 Mixture of experts (Qwen3-MoE, Mixtral): softmax router, top-k, dropless (HF drops no token).
 * Routing: HF takes the top-k of ``softmax(logits)`` and, with ``norm_topk_prob`` (Mixtral:
@@ -208,6 +208,9 @@ class ArchInfo:
     mlp_bias: bool = False
     activation: str = "silu"  # a key of ACTIVATIONS
     attention_dropout: float = 0.0
+    # The engine's head (``model.head``) is ``value``: ``output_layer`` is HF's ``score`` (a
+    # token-classification head), not ``lm_head``. Not read from the HF config: set by the engine.
+    value_head: bool = False
     # Mixture of experts (num_experts = 0: a dense model).
     num_experts: int = 0
     moe_topk: int = 0
@@ -551,10 +554,14 @@ def model_rules(arch: ArchInfo) -> Mapping[str, Rule]:
     rules = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
-        Rule("output_layer.weight", ("lm_head.weight",), "vocab", "tie_word_embeddings", read=head_read),
-        Rule("output_layer.linear.weight", ("score.weight",), "copy", "model.head=value"),
-        Rule("output_layer.linear.bias", ("score.bias",), "copy", "model.head=value"),
     ]
+    if arch.value_head:
+        rules += [
+            Rule("output_layer.weight", ("score.weight",), "copy", "model.head=value"),
+            Rule("output_layer.bias", ("score.bias",), "copy", "model.head=value"),
+        ]
+    else:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "tie_word_embeddings", read=head_read))
     return {r.megatron: r for r in rules}
 
 

@@ -33,6 +33,7 @@ the loop to compensate (its default).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import partial
 
@@ -110,7 +111,7 @@ class MegatronEngine(BaseEngine):
             raise ValueError("model.path = None: MegatronEngine loads an HF directory; fix: set engine.model.path")
         self.device = init_parallel(cfg)
         hf_config = AutoConfig.from_pretrained(cfg.model.path)
-        self.arch = arch_info(hf_config)
+        self.arch = dataclasses.replace(arch_info(hf_config), value_head=cfg.model.head == "value")
         self.tconfig = build_transformer_config(self.arch, cfg)
         chunks = build_chunks(self.tconfig, self.arch, cfg)
         # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).

@@ -347,22 +347,25 @@ class ValueHead(nn.Module):
     """Scalar value per token, replacing GPTModel's ``output_layer`` on the last stage.
 
     Replicated over TP (one output cannot be split); its input is gathered along the sequence
-    first under sequence parallelism, so every TP rank computes the same gradient.
+    first under sequence parallelism, so every TP rank computes the same gradient. Its
+    parameters are ``weight`` [1, hidden] and ``bias`` [1] at the top of the module (HF's
+    ``score``), the names megatron's language model expects of an ``output_layer`` when it
+    builds the checkpoint's sharded state dict (a nested ``linear.weight`` made every critic
+    checkpoint fail with ``KeyError: 'output_layer.weight'``). The values are set from the HF
+    value head by the loader.
     """
 
     def __init__(self, hidden: int, sequence_parallel: bool) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden, 1)
+        init = nn.Linear(hidden, 1)  # nn.Linear's initialisation, for a head built without HF weights
+        self.weight = nn.Parameter(init.weight.detach().clone())
+        self.bias = nn.Parameter(init.bias.detach().clone())
         self.sequence_parallel = sequence_parallel
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        return self.linear(hidden), None
+        return nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfig) -> list[GPTModel]:

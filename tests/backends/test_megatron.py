@@ -105,6 +105,19 @@ def test_value_head_matches_hf_token_classification(single, models):
     assert max_abs_diff(single["values"], hf_values(models["llama"], make_test_batch(), seed=7)) <= TOL
 
 
+def test_a_critic_checkpoint_saves_and_loads_exactly(single):
+    """A value-head engine (PPO's critic) checkpoints and resumes: megatron's language model asks
+    its ``output_layer`` for ``weight`` when it builds the sharded state dict (a head keeping it
+    as ``linear.weight`` failed every critic save with ``KeyError: 'output_layer.weight'``). The
+    loaded engine predicts the trained one's values exactly and exports HF's ``score``."""
+    r = single["value_resume"]
+    assert r["step"] == 1
+    assert max_abs_diff(r["before"], r["trained"]) > 0  # the step changed the values: the load is not vacuous
+    assert max_abs_diff(r["loaded"], r["trained"]) == 0
+    assert {"score.weight", "score.bias"} <= set(r["loaded_export"]) and "lm_head.weight" not in r["loaded_export"]
+    assert all(torch.equal(r["loaded_export"][k], v) for k, v in r["trained_export"].items())
+
+
 @pytest.mark.parametrize("mode", W.MODES)
 def test_cross_backend_one_step_single_process(single, fsdp_steps, mode):
     """The headline: FSDP and Megatron from the same HF directory take the same step."""

@@ -7,6 +7,8 @@ plain tensors/numbers that the tests compare with references computed in the par
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests.support import hf_utils
@@ -83,6 +85,7 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
         out[("export", family)] = full_params(engine_for(path, strategy="megatron"))
         out[("hot", family)] = infer(path, temperature=2.0)["log_probs"]
     out["values"] = infer(value_dir, "model.head=value", "seed=7")["values"]
+    out["value_resume"] = _value_head_resume(value_dir, os.path.join(ckpt_dir, "value"))
     # Micro-batching / split-call invariance, resume, the non-finite skip and bad batches are
     # the conformance kit's (tests/conformance/test_kit.py); here: the cross-backend step.
     for mode in MODES:
@@ -94,6 +97,30 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
     out["sites"] = dict(cpu_compat.SITES)
     out["compat_active"] = cpu_compat.is_active()
     return out
+
+
+def _value_head_resume(model_dir, ckpt_dir):
+    """A critic (``model.head=value``): one step, a checkpoint, a fresh engine loading it. Its
+    values and exported weights (HF's ``score`` included) after the load, and the trained one's."""
+    from engine_api import agg_loss
+
+    def value_loss(mb, out, norm):
+        return agg_loss((out["values"].values() - 1.0) ** 2, mb["loss_mask"], norm), {}
+
+    def values(engine):
+        with engine.eval_mode():
+            return engine.infer_batch(make_test_batch())["values"]
+
+    trained = engine_for(model_dir, "model.head=value", "seed=7", strategy="megatron")
+    trained.set_loss_fn(value_loss)
+    with trained.train_mode():
+        trained.train_batch(make_test_batch(seed=1))
+    trained.save_checkpoint(ckpt_dir, global_step=1)
+    fresh = engine_for(model_dir, "model.head=value", "seed=7", strategy="megatron")
+    before = values(fresh)
+    step = fresh.load_checkpoint(ckpt_dir)
+    return {"step": step, "trained": values(trained), "before": before, "loaded": values(fresh),
+            "trained_export": full_params(trained), "loaded_export": full_params(fresh)}  # fmt: skip
 
 
 def _offload_round_trips(model_dir):
