@@ -164,13 +164,20 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse ``--config`` + overrides, evaluate, return the summary."""
+    return launch(argv, "python -m recipes.evaluate", __doc__, EvalConfig, run)
+
+
+def launch(argv: Sequence[str] | None, prog: str, doc: str, config_cls: type, run_fn) -> Any:
+    """The command line of an evaluation-side recipe: parse and load ``config_cls``, start the
+    process group under torchrun, fit the config as the RL recipe does (vLLM on a CPU, the tiny
+    model), ``run_fn(cfg)``, and tear the group down."""
     config_path, overrides = parse_recipe_args(
-        argv, prog="python -m recipes.evaluate", description=__doc__.split("\n\n")[0], config_cls=EvalConfig, default_config=DEFAULT_CONFIG
+        argv, prog=prog, description=doc.split("\n\n")[0], config_cls=config_cls, default_config=DEFAULT_CONFIG
     )
-    cfg = load_typed(EvalConfig, config_path, overrides)
+    cfg = load_typed(config_cls, config_path, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s)
     try:
-        return run(with_model_path(_fit_tiny_model(_fit_rollout_to_cpu(cfg, rank() == 0))))
+        return run_fn(with_model_path(_fit_tiny_model(_fit_rollout_to_cpu(cfg, rank() == 0))))
     finally:
         if started and is_initialized():
             dist.barrier()

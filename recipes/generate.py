@@ -25,19 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from engine_api.dist import is_initialized
-from engine_api.typed_config import load_typed
-from posttrain.cli import parse_recipe_args
-from posttrain.dist import init_distributed, rank
+from posttrain.dist import rank
 from posttrain.text_data import PromptDataset, load_tokenizer, stop_token_ids
 from posttrain.trainer_utils import quiet_console
-from recipes.common import with_model_path
-from recipes.evaluate import EvalConfig, load_policy
-from recipes.ppo import _fit_rollout_to_cpu, _fit_tiny_model
+from recipes.evaluate import EvalConfig, launch, load_policy
 
-DEFAULT_CONFIG = "configs/grpo_tiny.yaml"
 
 
 @dataclass(frozen=True)
@@ -161,21 +154,7 @@ def run(cfg: GenerateConfig) -> list[dict[str, Any]]:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Parse ``--config`` + overrides, generate, return the rows."""
-    config_path, overrides = parse_recipe_args(
-        argv,
-        prog="python -m recipes.generate",
-        description=__doc__.split("\n\n")[0],
-        config_cls=GenerateConfig,
-        default_config=DEFAULT_CONFIG,
-    )
-    cfg = load_typed(GenerateConfig, config_path, overrides)
-    started = init_distributed(cfg.engine.dist_timeout_s)
-    try:
-        return run(with_model_path(_fit_tiny_model(_fit_rollout_to_cpu(cfg, rank() == 0))))
-    finally:
-        if started and is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    return launch(argv, "python -m recipes.generate", __doc__, GenerateConfig, run)
 
 
 if __name__ == "__main__":
