@@ -32,7 +32,6 @@ from posttrain.trainer_utils import quiet_console
 from recipes.evaluate import EvalConfig, launch, load_policy
 
 
-
 @dataclass(frozen=True)
 class GenerateSection:
     """What to generate.
