@@ -41,7 +41,16 @@ Conventions every backend follows (the rollout conformance kit checks them:
   engine per chunk would save that memory at the cost of atomicity.
 * **Versions.** Every sample carries the ``weight_version`` of the weights that produced it:
   the ``version`` of the last applied update (or adapter load), 0 for the weights the engine
-  was built with.
+  was built with; ``token_versions`` says it per token (a continued sample spans several).
+* **Partial rollouts (abort and resume).** ``generate(..., kept=...)`` continues unfinished
+  samples of an earlier call, possibly under newer weights (asynchronous RL pauses generation
+  at a token boundary, applies a weight update, and goes on): the kept tokens are fed back as
+  part of the prompt, never re-sampled and never re-scored; only ``params.max_tokens`` new
+  tokens are drawn, each with the log-prob and the version of the weights that drew it. The
+  continuation draws from ``sample_seed(seed, RESUME_INDEX + len(kept tokens))``, so where the
+  pause fell changes the draws only through the weights. Assumption: a stop string split
+  across the pause boundary is not detected (the backend sees the kept tokens as prompt), as in
+  vLLM-based abort-and-resume; stop token ids are never split.
 
 Backends subclass ``BaseRollout``, implement the ``_``-prefixed hooks and register with
 ``@register_rollout("name")`` (``engine_api.rollout_registry``). This module imports no
@@ -60,6 +69,9 @@ from typing import Any, ClassVar
 import torch
 
 FINISH_REASONS = ("stop", "length")
+# Sample indices from here on seed the continuations of partial rollouts (``generate(kept=...)``):
+# far above any ``params.n``, so a continuation never reuses a fresh sample's stream.
+RESUME_INDEX = 1 << 40
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -132,7 +144,11 @@ class Sample:
             for a token the engine never ran through the model (the last response token: no
             forward follows it). Row ``t`` is the routing of the hidden state at position
             ``t``, the one that predicts token ``t + 1``; a trainer replays it
-            (``actor.router_replay=r3``). None otherwise.
+            (``actor.router_replay=r3``). None otherwise. A continued sample keeps the rows
+            its earlier weights routed (those forwards sampled its kept tokens).
+        token_versions: ``[R]`` int64, the weight version that sampled each response token
+            (a sample continued across a weight update spans several); None: every token
+            ``weight_version``. ``weight_version`` is the newest of them.
     """
 
     token_ids: torch.Tensor
@@ -140,6 +156,13 @@ class Sample:
     finish_reason: str
     weight_version: int
     routed_experts: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
+
+    def versions(self) -> torch.Tensor:
+        """``[R]`` int64: each response token's weight version."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return torch.full((len(self.token_ids),), int(self.weight_version), dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -204,13 +227,27 @@ class BaseRollout(abc.ABC):
         """The version of the weights that ``generate`` samples from now."""
         return self._version
 
-    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], params: SamplingParams, seeds: Sequence[int]) -> list[list[Sample]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        kept: Sequence[Sample | None] | None = None,
+    ) -> list[list[Sample]]:
         """``params.n`` samples for each prompt (token ids), in order; sample ``j`` of prompt
         ``i`` is drawn with ``sample_seed(seeds[i], j)``.
 
+        ``kept`` (partial rollouts; needs ``n = 1``): ``kept[i]``, when not None, is the
+        unfinished sample of ``prompts[i]`` returned by an earlier call (``finish_reason``
+        ``"length"``), maybe under older weights; it is continued by up to ``max_tokens`` new
+        tokens from ``sample_seed(seeds[i], RESUME_INDEX + len(kept[i].token_ids))``, and the
+        returned sample holds its kept tokens, log-probs, versions (and routing) unchanged,
+        followed by the new ones (module docstring).
+
         Raises:
             ValueError: a bad sampling setting (naming the field), an empty prompt, a prompt
-                + ``max_tokens`` over ``max_model_len``, or ``len(seeds) != len(prompts)``.
+                (+ kept tokens) + ``max_tokens`` over ``max_model_len``, ``len(seeds) !=
+                len(prompts)``, or a ``kept`` entry that is not an unfinished sample.
             RuntimeError: a weight update is open, the memory is released, or the engine is
                 shut down.
         """
@@ -219,23 +256,29 @@ class BaseRollout(abc.ABC):
             raise ValueError("sampling params: " + "; ".join(problems))
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} given for {len(prompts)} prompts; fix: one seed per prompt")
+        kept = _check_kept(kept, len(prompts), params.n)
         ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        seeds = [int(s) for s in seeds]
+        for i, k in enumerate(kept):
+            if k is not None:  # the kept tokens are fed as prompt: they are never re-sampled
+                ids[i] = torch.cat([ids[i], k.token_ids.reshape(-1).long().cpu()])
+                seeds[i] = sample_seed(seeds[i], RESUME_INDEX + len(k.token_ids))
         limit = self.max_model_len
         for i, p in enumerate(ids):
             if p.numel() == 0:
                 raise ValueError(f"prompt {i} is empty; fix: give at least one token")
             if limit is not None and p.numel() + params.max_tokens > limit:
                 raise ValueError(
-                    f"prompt {i}: {p.numel()} tokens + max_tokens {params.max_tokens} > max_model_len {limit}; "
-                    "fix: shorten the prompt (data.max_prompt_length / data.overlong) or lower the response length"
+                    f"prompt {i}: {p.numel()} tokens (kept response tokens included) + max_tokens {params.max_tokens} > max_model_len "
+                    f"{limit}; fix: shorten the prompt (data.max_prompt_length / data.overlong) or lower the response length"
                 )
         self._require_serving("generate")
         if not ids:
             return []
-        out = self._generate(ids, params, [int(s) for s in seeds])
+        out = self._generate(ids, params, seeds)
         if len(out) != len(ids) or any(len(group) != params.n for group in out):
             raise RuntimeError(f"{type(self).__name__}._generate returned the wrong number of samples; fix the backend")
-        return out
+        return [[_continued(k, g[0])] if k is not None else g for k, g in zip(kept, out, strict=True)]
 
     @property
     def max_model_len(self) -> int | None:
@@ -430,6 +473,53 @@ class BaseRollout(abc.ABC):
 
     def _shutdown(self) -> None:
         return None
+
+
+def _check_kept(kept: Sequence[Sample | None] | None, prompts: int, n: int) -> list[Sample | None]:
+    """``kept`` as a list of one entry per prompt, each checked (``generate``'s ``kept``)."""
+    if kept is None:
+        return [None] * prompts
+    kept = list(kept)
+    if len(kept) != prompts:
+        raise ValueError(f"kept: {len(kept)} entries for {prompts} prompts; fix: one (a Sample or None) per prompt")
+    if n != 1 and any(k is not None for k in kept):
+        raise ValueError(f"n = {n}: continuing kept samples needs n = 1; fix: one request per sample")
+    for i, k in enumerate(kept):
+        if k is None:
+            continue
+        if not isinstance(k, Sample):
+            raise ValueError(f"kept[{i}] is a {type(k).__name__}; fix: pass the Sample an earlier generate returned, or None")
+        if k.finish_reason != "length":
+            raise ValueError(f"kept[{i}] has finish_reason {k.finish_reason!r}: it is finished; fix: continue only samples cut at length")
+        if (
+            k.token_ids.dim() != 1
+            or len(k.token_ids) == 0
+            or k.log_probs.shape != k.token_ids.shape
+            or k.versions().shape != k.token_ids.shape
+        ):
+            raise ValueError(
+                f"kept[{i}]: token_ids, log_probs and token_versions must be 1-D of one length >= 1; fix: pass the Sample as returned"
+            )
+    return kept
+
+
+def _continued(kept: Sample, new: Sample) -> Sample:
+    """``kept`` followed by ``new`` (its continuation): tokens, log-probs and versions as each
+    part was sampled. Routing: the kept rows that sampled the kept tokens (all but the last,
+    which no forward of the earlier call fed), then the continuation's rows from the last kept
+    token on (its forward under the new weights sampled the first new token)."""
+    routed = None
+    if kept.routed_experts is not None and new.routed_experts is not None:
+        cut = new.routed_experts.shape[0] - len(new.token_ids) - 1  # prompt + kept tokens - 1
+        routed = torch.cat([kept.routed_experts[:cut], new.routed_experts[cut:]])
+    return Sample(
+        token_ids=torch.cat([kept.token_ids.cpu(), new.token_ids.cpu()]),
+        log_probs=torch.cat([kept.log_probs.float().cpu(), new.log_probs.float().cpu()]),
+        finish_reason=new.finish_reason,
+        weight_version=int(new.weight_version),
+        routed_experts=routed,
+        token_versions=torch.cat([kept.versions(), new.versions()]),
+    )
 
 
 def unloadable(tensor: torch.Tensor) -> tuple[str, str] | None:

@@ -8,6 +8,9 @@ own value checks (a dataclass may define ``_problems(self) -> list[str]``; they 
 from every nested dataclass). One ``ValueError`` lists them all, each naming the field, the
 value and the fix.
 
+A field whose ``dataclasses.field`` metadata has ``key: NAME`` is also read from the config key
+``NAME`` (a key that is a Python keyword, e.g. ``async`` for a field ``async_``).
+
 A scalar given for a section (``engine.optim=5``) is reported as such, with an example of a key
 inside it. A list field whose ``dataclasses.field`` metadata has ``scalar_as_list: True`` also
 takes a single string, read as a one-element list (``data.train_files=x.jsonl``).
@@ -101,7 +104,7 @@ def load_typed(
         layers.append(OmegaConf.load(source) if isinstance(source, (str, os.PathLike)) else OmegaConf.create(dict(source)))
     if overrides:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
-    leaves = [_leaves(OmegaConf.to_container(layer, resolve=False)) for layer in layers]
+    leaves = [[(_unalias(schema, k), v) for k, v in _leaves(OmegaConf.to_container(layer, resolve=False))] for layer in layers]
     problems: list[str] = []
     found = _sections(schema, resolvers, layers, leaves, problems)
     obj = _build(schema, leaves, problems, prefix="")
@@ -282,6 +285,21 @@ def _leaves(container: Any, prefix: str = "") -> list[tuple[str, Any]]:
     for k, v in container.items():
         out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [(f"{prefix}{k}", v)]
     return out
+
+
+def _unalias(schema: type, key: str) -> str:
+    """``key`` with every part that is a field's ``key`` alias (``dataclasses.field`` metadata
+    ``{"key": "async"}``: a config key that is a Python keyword) replaced by the field's name."""
+    cls: Any = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            break
+        fields = dataclasses.fields(cls)
+        alias = next((f.name for f in fields if f.metadata.get("key") == part), None)
+        parts[i] = alias or part
+        cls = typing.get_type_hints(cls).get(parts[i])
+    return ".".join(parts)
 
 
 def _nest(key: str, value: Any) -> DictConfig:

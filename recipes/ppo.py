@@ -21,6 +21,7 @@ is sampled with the rollout settings and a fixed seed and its mean reward logged
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -36,6 +37,7 @@ from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
+from posttrain.async_rl import AsyncConfig, Pipeline, async_problems
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
@@ -137,6 +139,8 @@ class PPOConfig:
         critic: the value update (PPO only).
         rollout: sampling and the rollout engine.
         trainer: the loop.
+        async_: the asynchronous mode (config key ``async``): how far the rollout may run
+            ahead of training (``posttrain.async_rl``).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -148,9 +152,12 @@ class PPOConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
     trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
+    # The config key is ``async`` (a Python keyword, so the field is ``async_``).
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     def _problems(self) -> list[str]:
         out = data_model_problems(self)
+        out += async_problems(self)
         if self.data.from_files and self.reward.function is None:
             out.append("reward.function = None: prompts from data.train_files need a reward function; fix: reward.function=file.py:fn")
         if not self.data.from_files and self.reward.function is not None:
@@ -265,12 +272,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     began = False  # a refused resume writes nothing, not even the plots
     try:
         start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
+        pipeline = Pipeline(cfg, rollout, source, rank0)
+        pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")
         with open_loggers(cfg, t, start, rank0, bar) as run_log, PreemptionGuard() as preemption:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
-                m = rl_step(cfg, step, actor, critic, reference, rollout, source, samples=samples)
+                train = functools.partial(train_on_batch, cfg, step, actor=actor, critic=critic, reference=reference, rollout=rollout)
+                m = pipeline.step(step, functools.partial(train, source=source, samples=samples))
                 if critic is None and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
                     no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
                     warn([no_signal_warning(step + 1, cfg.algo.n_samples)], rank0)
@@ -289,11 +299,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
                 saved = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
                 if saved:
-                    _save(actor, critic, ckpt_dir, step + 1)
+                    _save(actor, critic, ckpt_dir, step + 1, pipeline)
                 signum = preemption.stop_requested()
                 if signum is not None:
                     if not saved:
-                        _save(actor, critic, ckpt_dir, step + 1)
+                        _save(actor, critic, ckpt_dir, step + 1, pipeline)
                     raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
         hf_dir = None
         if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
@@ -302,7 +312,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 signum = late.stop_requested()
             if signum is not None:
                 if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
-                    _save(actor, critic, ckpt_dir, t.total_steps)
+                    _save(actor, critic, ckpt_dir, t.total_steps, pipeline)
                 raise Preempted(signum, t.total_steps, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{t.total_steps}"))
     finally:
         if bar is not None:
@@ -355,10 +365,13 @@ def place_roles(cfg: PPOConfig, source):
     return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)
 
 
-def _save(actor, critic, ckpt_dir: str, step: int) -> None:
+def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline) -> None:
+    """The asynchronous state first, then the roles: a complete role checkpoint has its state."""
+    pipeline.save(ckpt_dir, step)
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step)
     if critic is not None:
         critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step)
+    pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
 
 
 def validate(source, rollout: Rollout, chunk: int) -> float | None:
@@ -419,16 +432,32 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     ``{"prompt", "response", "reward"}`` text rows (one per prompt group first, so a GRPO
     group of identical prompts is not logged over and over)."""
     source = source if source is not None else build_task(cfg)
-    timings, t0 = {}, time.perf_counter()
-    prompts, metas = source.prompts_at(step)
-    n = cfg.algo.n_samples
-    prompts = [p for p in prompts for _ in range(n)]
-    metas = [meta for meta in metas for _ in range(n)]
+    t0 = time.perf_counter()
+    prompts, metas = step_prompts(source, step, cfg.algo.n_samples)
     # Version = 1 + the actor updates so far: what the samples of this step must carry.
     rollout.sync_weights(version=step + 1)
     batch = rollout.generate(prompts, seed_offset=step)
     rollout.release()  # the engine's memory back to training (vLLM sleep on GPU; nothing on CPU)
-    timings["rollout_s"] = time.perf_counter() - t0
+    timings = {"rollout_s": time.perf_counter() - t0}
+    return train_on_batch(
+        cfg, step, batch, metas, timings, actor=actor, critic=critic, reference=reference, rollout=rollout, source=source, samples=samples
+    )
+
+
+def step_prompts(source, step: int, n: int) -> tuple[list[torch.Tensor], list]:
+    """The prompts of training step ``step`` and their metadata, each repeated ``n`` times (one
+    entry per response, a prompt's group together)."""
+    prompts, metas = source.prompts_at(step)
+    return [p for p in prompts for _ in range(n)], [meta for meta in metas for _ in range(n)]
+
+
+def train_on_batch(
+    cfg: PPOConfig, step: int, batch, metas: list, timings: dict[str, float], *, actor, critic, reference, rollout, source, samples: int = 0
+) -> dict[str, Any]:
+    """The training half of :func:`rl_step`: score the sampled ``batch`` (prompts of ``step``,
+    ``metas`` per response), prepare and update, return the step's metrics; ``timings`` holds
+    the sampling's seconds (``rollout_s``) and gets the rest."""
+    n = cfg.algo.n_samples
     lengths = batch["input_ids"].offsets().diff()
     t0 = time.perf_counter()
     scores = source.score(_responses(batch), metas)  # raises before any update when a reward fails
@@ -436,7 +465,7 @@ def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source
     t0 = time.perf_counter()
     # One update epoch over one mini-batch of a dense, dropout-free policy: the old-policy
     # log-probs are the update's own forward's (Actor.reuses_update_log_probs), one forward saved.
-    reuse = actor.reuses_update_log_probs(len(prompts))
+    reuse = actor.reuses_update_log_probs(len(metas))
     routing_metrics: dict[str, float] = {}
     if not reuse:
         old = actor.compute_log_probs(batch, calculate_entropy=True)

@@ -139,7 +139,8 @@ def place_on_ray(cfg) -> RayRoles:
             role: RemoteRole(cluster, groups[where[role]], role, _METHODS[role]) if role in where else None
             for role in ("actor", "critic", "reference")
         }
-        rollout = RemoteRollout(cluster, rollout_group, actor_group if split else None, adapter, cfg.rollout.sync_bucket_mb)
+        alone = pools[where["rollout"]] == ("rollout",)
+        rollout = RemoteRollout(cluster, rollout_group, actor_group if split else None, adapter, cfg.rollout.sync_bucket_mb, alone)
         cluster.record(t.output_dir)
         return RayRoles(handles["actor"], handles["critic"], handles["reference"], rollout, cluster, actor_group)
     except BaseException:

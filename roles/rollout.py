@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -32,7 +32,7 @@ from engine_api.base import bucket_bytes
 from engine_api.dist import all_gather_rows, all_reduce, comm_device, group_rank, group_size
 from engine_api.moe import ROLLOUT_ROUTING_FIELD
 from engine_api.plugins import is_import_path
-from engine_api.rollout import BaseRollout, SamplingParams, chunk_pairs, sample_seed
+from engine_api.rollout import BaseRollout, Sample, SamplingParams, chunk_pairs, sample_seed
 from engine_api.rollout_registry import available_rollouts, missing_extra, rollout_installed
 
 LORA_SYNC = ("auto", "adapter", "merged")
@@ -162,6 +162,8 @@ class Rollout:
                 "fix: rollout.lora_sync=merged (or auto), or rollout.backend=vllm"
             )
         self._calls = 0
+        #: whether generation can run while training does (never in process: the same ranks)
+        self.overlaps = False
         #: the last sync's seconds and MB handed to the engine (``rollout/sync_s``, ``rollout/sync_mb``)
         self.last_sync: dict[str, float] = {}
 
@@ -205,10 +207,8 @@ class Rollout:
         self.last_sync = {"rollout/sync_s": time.perf_counter() - start, "rollout/sync_mb": moved / 2**20}
 
     def generate(self, prompts: Sequence[torch.Tensor], seed_offset: int | None = None) -> TensorDict:
-        """Sample one response per prompt; returns a protocol batch of prompt + response with
-        ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs``
-        (0 on the prompt), the ``temperature`` metadata, and per sample ``prompt_len``,
-        ``rollout_weight_version`` and ``rollout_truncated`` (1: ended at the length cap).
+        """Sample one response per prompt; returns a protocol batch of prompt + response
+        (:func:`samples_to_batch`).
 
         Prompt ``i`` is sampled with a seed derived from ``(seed, seed_offset, i)`` (default
         offset: the number of earlier calls; recipes pass the step so a resumed run samples what
@@ -218,37 +218,39 @@ class Rollout:
         offset = self._calls if seed_offset is None else seed_offset
         self._calls += 1
         prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
-        call_seed = sample_seed(self.config.seed, offset)
+        samples = self.sample(prompts, self.seeds(offset, len(prompts)))
+        return samples_to_batch(prompts, samples, self.config.temperature)
+
+    def seeds(self, seed_offset: int, count: int) -> list[int]:
+        """The seeds of prompts ``0 .. count - 1`` of call ``seed_offset`` (``generate``'s draws)."""
+        return step_seeds(self.config.seed, seed_offset, count)
+
+    def sample(
+        self,
+        prompts: Sequence[torch.Tensor],
+        seeds: Sequence[int],
+        kept: Sequence[Sample | None] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> list[Sample]:
+        """One ``Sample`` per prompt, on every rank, in prompt order: prompt ``i`` drawn with
+        ``seeds[i]`` on the rank whose block holds it. ``kept`` continues unfinished samples of
+        an earlier call (partial rollouts: ``BaseRollout.generate``); ``max_new_tokens``: the
+        new tokens this call may draw (default ``rollout.max_new_tokens``). Collective over the
+        rollout group."""
+        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        params = self.params if max_new_tokens is None else replace(self.params, max_tokens=int(max_new_tokens))
         size, rank = group_size(self.group), group_rank(self.group)
         begin, end = _block(len(prompts), size, rank)
+        mine = None if kept is None else list(kept[begin:end])
         local: list = []
 
         def work() -> None:
             self.engine.resume_memory()
-            local.extend(self.engine.generate(prompts[begin:end], self.params, [sample_seed(call_seed, i) for i in range(begin, end)]))
+            local.extend(self.engine.generate(prompts[begin:end], params, list(seeds[begin:end]), kept=mine))
 
         error = _attempt(work)
         self._agree(error, "generation")
-        samples = [group[0] for group in local]
-        responses, log_probs, meta = self._gather(samples, len(prompts))
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-        routing = self._gather_routing(samples, lengths) if self.engine.config.return_routing else None
-        sequences, masks, lps = [], [], []
-        for prompt, response, lp in zip(prompts, responses, log_probs, strict=True):
-            sequences.append(torch.cat([prompt, response]))
-            masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
-            lps.append(torch.cat([torch.zeros(len(prompt)), lp.float()]))
-        extra = {} if routing is None else {ROLLOUT_ROUTING_FIELD: routing}
-        return make_batch(
-            sequences,
-            loss_mask=masks,
-            rollout_log_probs=lps,
-            **extra,
-            prompt_len=torch.tensor([len(p) for p in prompts]),
-            rollout_weight_version=meta[:, 0].clone(),
-            rollout_truncated=meta[:, 1].clone(),
-            temperature=self.config.temperature,
-        )
+        return self._gather([group[0] for group in local], prompts)
 
     def release(self) -> None:
         """After a step's sampling: free the engine's memory for training (``release_memory``);
@@ -256,17 +258,31 @@ class Rollout:
         if self.config.release_memory:
             self.engine.release_memory()
 
-    def _gather(self, samples, total: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """Every rank's samples, in prompt order, on every rank (tensor collectives only):
-        response ids, their log-probs, and ``[total, 2]`` (weight version, truncated)."""
+    def _gather(self, samples: list[Sample], prompts: list[torch.Tensor]) -> list[Sample]:
+        """Every rank's samples, in prompt order, on every rank (tensor collectives only)."""
+        total = len(prompts)
         lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long)
         meta = torch.tensor([[s.weight_version, int(s.finish_reason == "length")] for s in samples], dtype=torch.long).reshape(-1, 2)
         ids = torch.cat([s.token_ids for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
         lps = torch.cat([s.log_probs.float() for s in samples]) if samples else torch.zeros(0)
-        lengths, meta, ids, lps = (torch.cat(all_gather_rows(t, self.group)) for t in (lengths, meta, ids, lps))
+        versions = torch.cat([s.versions() for s in samples]) if samples else torch.zeros(0, dtype=torch.long)
+        lengths, meta, ids, lps, versions = (torch.cat(all_gather_rows(t, self.group)) for t in (lengths, meta, ids, lps, versions))
         assert len(lengths) == total, (len(lengths), total)
         split = lengths.tolist()
-        return list(ids.split(split)), list(lps.split(split)), meta
+        routing = None
+        if self.engine.config.return_routing:
+            routing = self._gather_routing(samples, [len(p) + n for p, n in zip(prompts, split, strict=True)])
+        return [
+            Sample(
+                token_ids=i,
+                log_probs=lp,
+                finish_reason="length" if int(m[1]) else "stop",
+                weight_version=int(m[0]),
+                routed_experts=None if routing is None else routing[k],
+                token_versions=v,
+            )
+            for k, (i, lp, v, m) in enumerate(zip(ids.split(split), lps.split(split), versions.split(split), meta, strict=True))
+        ]
 
     def _gather_routing(self, samples, lengths: list[int]) -> list[torch.Tensor]:
         """Every sample's recorded routing (``Sample.routed_experts``, ``[P + R, L, k]``), in
@@ -293,6 +309,45 @@ class Rollout:
             raise RuntimeError(f"rollout {what} failed on this rank ({type(error).__name__}: {error})") from error
         if failed:
             raise RuntimeError(f"rollout {what} failed on {failed} other rank(s) (their error says why); this rank stops too")
+
+
+def step_seeds(seed: int, seed_offset: int, count: int) -> list[int]:
+    """The seeds of prompts ``0 .. count - 1`` of ``Rollout.generate`` call ``seed_offset`` with
+    base seed ``seed`` (``rollout.seed``): a function of the three only."""
+    call_seed = sample_seed(seed, seed_offset)
+    return [sample_seed(call_seed, i) for i in range(count)]
+
+
+def samples_to_batch(prompts: Sequence[torch.Tensor], samples: Sequence[Sample], temperature: float) -> TensorDict:
+    """The protocol batch of ``prompts`` and their ``samples``: prompt + response with
+    ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs`` and
+    each token's weight version as ``rollout_token_versions`` (0 on the prompt), the
+    ``temperature`` metadata, and per sample ``prompt_len``, ``rollout_weight_version`` (the
+    OLDEST version that sampled any of its tokens: what its staleness counts from) and
+    ``rollout_truncated`` (1: ended at the length cap); the recorded routing
+    (``engine_api.moe.ROLLOUT_ROUTING_FIELD``) when the samples carry it."""
+    sequences, masks, lps, versions = [], [], [], []
+    for prompt, s in zip(prompts, samples, strict=True):
+        prompt = torch.as_tensor(prompt, dtype=torch.long)
+        zeros = torch.zeros(len(prompt))
+        sequences.append(torch.cat([prompt, s.token_ids]))
+        masks.append(torch.cat([zeros, torch.ones(len(s.token_ids))]))
+        lps.append(torch.cat([zeros, s.log_probs.float()]))
+        versions.append(torch.cat([zeros.long(), s.versions()]))
+    extra = {}
+    if samples and samples[0].routed_experts is not None:
+        extra[ROLLOUT_ROUTING_FIELD] = [s.routed_experts for s in samples]
+    return make_batch(
+        sequences,
+        loss_mask=masks,
+        rollout_log_probs=lps,
+        rollout_token_versions=versions,
+        **extra,
+        prompt_len=torch.tensor([len(p) for p in prompts]),
+        rollout_weight_version=torch.tensor([int(s.versions().min()) for s in samples]),
+        rollout_truncated=torch.tensor([int(s.finish_reason == "length") for s in samples]),
+        temperature=temperature,
+    )
 
 
 def _attempt(fn) -> BaseException | None:

@@ -51,11 +51,23 @@ class RemoteRollout:
             transfer group); None: colocated.
         adapter: sync only the LoRA adapters (the rollout's ``adapter_sync``).
         bucket_mb: ``rollout.sync_bucket_mb``.
+        alone: the rollout's group hosts no other role.
     """
 
-    def __init__(self, cluster: RayCluster, group: WorkerGroup, actor_group: WorkerGroup | None, adapter: bool, bucket_mb: float | None):
+    def __init__(
+        self,
+        cluster: RayCluster,
+        group: WorkerGroup,
+        actor_group: WorkerGroup | None,
+        adapter: bool,
+        bucket_mb: float | None,
+        alone: bool = False,
+    ) -> None:
         self._cluster, self._group, self._actor_group = cluster, group, actor_group
         self._adapter, self._bucket_mb = adapter, bucket_mb
+        #: whether generation can run while the other roles train: the rollout's group hosts
+        #: no other role (calls from two driver threads never queue on the same workers)
+        self.overlaps = bool(alone and actor_group is not None)
         #: the last sync's seconds and MB (``rollout/sync_s``, ``rollout/sync_mb``)
         self.last_sync: dict[str, float] = {}
 
@@ -72,6 +84,10 @@ class RemoteRollout:
     def generate(self, prompts, seed_offset: int | None = None):
         """One response per prompt, sampled across the rollout group (see ``Rollout.generate``)."""
         return self._cluster.call(self._group, "rollout.generate", prompts, seed_offset=seed_offset)
+
+    def sample(self, prompts, seeds, kept=None, max_new_tokens: int | None = None):
+        """One ``Sample`` per prompt across the rollout group (see ``Rollout.sample``)."""
+        return self._cluster.call(self._group, "rollout.sample", prompts, seeds, kept=kept, max_new_tokens=max_new_tokens)
 
     def release(self) -> None:
         """Free the engines' memory for training (see ``Rollout.release``)."""

@@ -1,0 +1,60 @@
+"""``async``: the RL recipe's asynchronous mode (``posttrain.async_rl``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """How far the rollout may run ahead of training (docs/async.md).
+
+    Attributes:
+        max_staleness: K, the bound. A sample's staleness is the trainer's version at its
+            update minus the OLDEST weight version that sampled any of its tokens; none is
+            trained beyond K. 0: the synchronous loop (sample a step's batch with the newest
+            weights, then train on it). K >= 1: the prompts of step ``s + K`` are admitted
+            while step ``s`` trains, and the rollout generates them while the actor updates
+            (overlapped when the rollout has a Ray pool of its own).
+        partial_rollouts: with K >= 1, spread each admitted batch's generation over the K
+            steps it has before it is trained: the unfinished responses pause at a token
+            boundary at every weight update and continue under the new weights (each token
+            records the version that sampled it). False: a batch is generated whole, under
+            one version, the step it is admitted.
+        deterministic: the schedule (which tokens each weight version samples) is fixed by
+            the step and the data order, never by timing, so two runs, and a resumed run and an
+            uninterrupted one, are bit-identical. The only schedule today: false is refused.
+    """
+
+    max_staleness: int = 0
+    partial_rollouts: bool = True
+    deterministic: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the rollout runs ahead of training (K >= 1)."""
+        return self.max_staleness > 0
+
+    def _problems(self) -> list[str]:
+        out = []
+        k = self.max_staleness
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            out.append(f"max_staleness = {k!r}: must be an integer >= 0 (0: synchronous); fix: e.g. 2")
+        if self.deterministic is not True:
+            out.append(
+                f"deterministic = {self.deterministic!r}: the timing-driven schedule is not built; the deterministic one (the "
+                "schedule fixed by the step and the data order) overlaps rollout and training the same way; fix: async.deterministic=true"
+            )
+        return out
+
+
+def async_problems(cfg) -> list[str]:
+    """What an RL config's ``async`` section cannot run with, each naming the key and the fix
+    (checked at load, before anything is built)."""
+    a = cfg.async_
+    if not isinstance(a.max_staleness, int) or a.max_staleness < 1:
+        return []
+    out = []
+    if cfg.trainer.launcher == "ray" and cfg.trainer.placement.assignment(("rollout",)).get("rollout") is None:
+        out.append("async.max_staleness: the Ray placement places no rollout; fix: place the rollout (trainer.placement)")
+    return out

@@ -1,0 +1,259 @@
+"""The asynchronous RL driver: the rollout generates the batches of the next K steps while the
+actor trains on the current one, under the staleness bound ``async.max_staleness`` (K).
+
+One step ``s`` (the actor has made ``s`` updates: its weights are version ``s + 1``):
+
+1. the rollout's weights become version ``s + 1`` (``Rollout.sync_weights``); nothing is being
+   generated at that moment, so every response in flight pauses at a token boundary and no
+   forward ever sees two versions;
+2. admission: the prompts of steps up to ``s + K`` join the pipeline (the data cursor);
+3. the responses of step ``s``'s batch that are still unfinished are finished now (the trainer
+   waits for this part: ``async/trainer_wait_frac``);
+4. one round of generation for the admitted batches ``s + 1 .. s + K``, under version ``s + 1``:
+   with partial rollouts each unfinished response of batch ``b`` advances by
+   ``ceil(remaining tokens / (b - s))``, its budget spread over the steps it has left; without,
+   a batch is generated whole in its first round. On a layout where the rollout has a Ray pool
+   of its own this round runs WHILE step 5 trains (a driver thread); elsewhere before it;
+5. the actor (and critic) train on batch ``s`` (``recipes.ppo.train_on_batch``).
+
+So batch ``b``'s tokens come from versions ``b + 1 - K .. b + 1`` and it is trained by version
+``b + 1``: staleness (trainer version minus the OLDEST version of any of its tokens) <= K, and
+a guard raises if it ever is not. K = 0 is the synchronous loop: batch ``s`` is generated whole
+in step 3 with version ``s + 1``, with the seeds and calls of ``recipes.ppo.rl_step``.
+
+The schedule depends on the step, the data order and the settings only (never on timing),
+so a run is reproducible bit for bit, and its state at a step boundary (the admitted batches and
+their kept tokens, log-probs and versions) is checkpointed with the roles and restored on
+resume (``posttrain.async_rl.state``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine_api.rollout import Sample
+from posttrain.async_rl.state import Pending, has_state, load_state, prune_states, save_state
+from posttrain.trainer_utils import truncate_metrics, warn
+from roles.rollout import samples_to_batch, step_seeds
+
+LEDGER_FILE = "prompt_ledger.jsonl"
+
+
+class Pipeline:
+    """The asynchronous driver of one RL run (module docstring).
+
+    Args:
+        cfg: the recipe config (``async``, ``rollout``, ``algo``, ``data``, ``trainer``).
+        rollout: the ``Rollout`` role, or its Ray stand-in (``sample``, ``sync_weights``,
+            ``release``; ``overlaps``: whether it runs on a pool of its own).
+        source: the task (``prompts_at``).
+        rank0: whether this process writes the ledger.
+    """
+
+    def __init__(self, cfg, rollout, source, rank0: bool) -> None:
+        a = cfg.async_
+        self.k, self.partial = a.max_staleness, a.partial_rollouts
+        self.max_new = cfg.rollout.max_new_tokens
+        self.n, self.batch_size = cfg.algo.n_samples, cfg.data.batch_size
+        self.seed, self.temperature = cfg.rollout.seed, cfg.rollout.temperature
+        self.rollout, self.source, self.rank0 = rollout, source, rank0
+        self.overlap = bool(getattr(rollout, "overlaps", False))
+        self.pending: dict[int, Pending] = {}
+        self.cursor = 0  # the next step whose prompts are admitted
+        self.ledger = os.path.join(cfg.trainer.output_dir, LEDGER_FILE)
+        if self.k and not self.overlap:
+            warn(
+                [
+                    f"async.max_staleness = {self.k}: the rollout shares its processes with training on this layout, so it cannot "
+                    "generate while the actor trains; the asynchronous schedule runs (the same samples, staleness and metrics) but "
+                    "without overlap, so no faster than K = 0; fix: trainer.launcher=ray with the rollout on a pool of its own "
+                    "(docs/async.md)"
+                ],
+                rank0,
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """What a saved state depends on (a resume with other values regenerates instead)."""
+        return {"max_staleness": self.k, "partial_rollouts": self.partial, "max_new_tokens": self.max_new, "n_samples": self.n}
+
+    # ------------------------------------------------------------------ checkpoint
+    def save(self, ckpt_dir: str, step: int) -> None:
+        """Checkpoint the state after ``step`` updates (before the roles' own checkpoints)."""
+        if self.k and self.rank0:
+            save_state(ckpt_dir, step, [self.pending[b] for b in sorted(self.pending)], self.settings())
+
+    def after_save(self, ckpt_dir: str, step: int, role_steps: set[int]) -> None:
+        """Drop saved states whose role checkpoints retention removed."""
+        if self.k and self.rank0:
+            prune_states(ckpt_dir, role_steps, step)
+
+    def resume(self, ckpt_dir: str, start: int) -> None:
+        """Restore the state saved with checkpoint step ``start`` and rewind the ledger.
+
+        A run saved without in-flight batches (synchronous, or another K / response budget)
+        resumes with an empty pipeline: the batches from ``start`` on are generated again with
+        the resumed weights, each still trained once (said in a warning).
+
+        Raises:
+            ValueError: the state does not verify, or its prompts are not the data's.
+        """
+        if self.rank0:
+            truncate_metrics(self.ledger, start)
+        self.cursor = start
+        if start == 0 or not self.k:
+            return
+        loaded = load_state(ckpt_dir, start)
+        why = None
+        if loaded is None:
+            why = "no asynchronous state was saved with it" + (" (the run was synchronous)" if not has_state(ckpt_dir) else "")
+        elif loaded[1] != self.settings():
+            why = f"its asynchronous state was saved with {loaded[1]}, this run has {self.settings()}"
+        if why is not None:
+            warn(
+                [
+                    f"trainer.resume: checkpoint step {start}: {why}; the batches of steps {start}.. are generated again with the "
+                    "resumed weights (every prompt is still trained exactly once; the run differs from an uninterrupted one)"
+                ],
+                self.rank0,
+            )
+            return
+        for p in loaded[0]:
+            want = self._admitted(p.step)
+            if len(want.prompts) != len(p.prompts) or any(not torch.equal(x, y) for x, y in zip(want.prompts, p.prompts, strict=True)):
+                raise ValueError(
+                    f"trainer.resume: the asynchronous state of checkpoint step {start} holds other prompts for step {p.step} than "
+                    "the data gives now (data files, data.seed or data.batch_size changed); nothing was loaded; fix: resume with the "
+                    "run's own data settings"
+                )
+            self.pending[p.step] = p
+        self.cursor = max([start, *(b + 1 for b in self.pending)])
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int, train: Callable[[Any, list, dict], dict[str, Any]]) -> dict[str, Any]:
+        """Run step ``step`` (module docstring); ``train(batch, metas, timings)`` is the
+        training half (``recipes.ppo.train_on_batch``). Returns its metrics plus ``async/*``."""
+        began = time.perf_counter()
+        self.rollout.sync_weights(version=step + 1)
+        synced = time.perf_counter()
+        while self.cursor <= step + self.k:
+            self.pending[self.cursor] = self._admitted(self.cursor)
+            self.cursor += 1
+        current = self.pending[step]
+        self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
+        finished = time.perf_counter()
+        work = self._round_work(step)
+        round_s, error = [0.0], []
+
+        def round_() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._advance(work)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the driver's thread
+                error.append(exc)
+            round_s[0] = time.perf_counter() - t0
+
+        thread = None
+        if work and self.overlap:
+            thread = threading.Thread(target=round_, name=f"rollout-round-{step}", daemon=True)
+            thread.start()
+        else:
+            round_()
+            if error:
+                raise error[0]
+            self.rollout.release()  # the engine's memory back to training (colocated)
+        waited = time.perf_counter() - began - (round_s[0] if thread else 0.0)
+        try:
+            del self.pending[step]
+            batch = samples_to_batch(current.prompts, current.samples, self.temperature)
+            metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
+            stale = (step + 1) - batch["rollout_weight_version"]
+            if int(stale.max()) > self.k:  # the schedule guarantees it; a bug must not train silently
+                raise RuntimeError(f"async: a sample of step {step + 1} has staleness {int(stale.max())} > async.max_staleness {self.k}")
+            m = train(batch, metas, {"rollout_s": waited})
+        finally:
+            if thread is not None:
+                thread.join()
+        if error:
+            raise error[0]
+        if thread is not None:
+            self.rollout.release()
+        wall = time.perf_counter() - began
+        busy = (synced - began) + (finished - synced) + round_s[0]
+        m.update(self._metrics(batch, step, wall, waited, busy))
+        m["tokens_per_s"] = float(batch["loss_mask"].values().sum()) / max(wall, 1e-9)
+        self._log_ledger(step, current)
+        return m
+
+    # ------------------------------------------------------------------ internals
+    def _admitted(self, step: int) -> Pending:
+        prompts, _ = self.source.prompts_at(step)
+        ids = [step * self.batch_size + i for i in range(len(prompts))]
+        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts for _ in range(self.n)]
+        return Pending(step, ids, prompts, step_seeds(self.seed, step, len(prompts)))
+
+    def _round_work(self, step: int) -> list[tuple[Pending, int, int]]:
+        """``(batch, row, new tokens)`` of this step's background round (module docstring)."""
+        work = []
+        for b in sorted(self.pending):
+            if b <= step:
+                continue
+            p, left = self.pending[b], b - step
+            for i, s in enumerate(p.samples):
+                if p.done(i, self.max_new):
+                    continue
+                kept = 0 if s is None else len(s.token_ids)
+                if self.partial:
+                    work.append((p, i, math.ceil((self.max_new - kept) / left)))
+                elif s is None:
+                    work.append((p, i, self.max_new))
+        return work
+
+    def _advance(self, work: list[tuple[Pending, int, int]]) -> None:
+        """Generate ``work``'s new tokens (one sampler call per distinct token count), each row
+        continuing from its kept tokens; rows already finished are skipped."""
+        by_amount: dict[int, list[tuple[Pending, int]]] = {}
+        for p, i, amount in work:
+            if not p.done(i, self.max_new):
+                kept = p.samples[i]
+                budget = self.max_new - (0 if kept is None else len(kept.token_ids))
+                by_amount.setdefault(min(amount, budget), []).append((p, i))
+        for amount, rows in sorted(by_amount.items()):
+            kept: list[Sample | None] = [p.samples[i] for p, i in rows]
+            out = self.rollout.sample(
+                [p.prompts[i] for p, i in rows],
+                [p.seeds[i] for p, i in rows],
+                kept=kept if any(k is not None for k in kept) else None,
+                max_new_tokens=amount,
+            )
+            for (p, i), s in zip(rows, out, strict=True):
+                p.samples[i] = s
+
+    def _metrics(self, batch, step: int, wall: float, waited: float, busy: float) -> dict[str, float]:
+        versions = batch["rollout_token_versions"]
+        mask = batch["loss_mask"]
+        spans = []
+        for v, keep in zip(versions.unbind(), mask.unbind(), strict=True):
+            response = v[keep > 0]
+            spans.append(int(response.max() - response.min()) + 1 if len(response) else 1)
+        stale = ((step + 1) - batch["rollout_weight_version"]).double()
+        return {
+            "async/staleness_max": float(stale.max()),
+            "async/staleness_mean": float(stale.mean()),
+            "async/version_span_max": float(max(spans)),
+            "async/trainer_wait_frac": min(1.0, waited / max(wall, 1e-9)),
+            "async/rollout_idle_frac": max(0.0, 1.0 - busy / max(wall, 1e-9)),
+        }
+
+    def _log_ledger(self, step: int, batch: Pending) -> None:
+        if not self.rank0 or not self.k:
+            return
+        with open(self.ledger, "a") as f:
+            f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids}) + "\n")

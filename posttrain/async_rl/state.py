@@ -1,0 +1,190 @@
+"""The asynchronous pipeline's state: the admitted batches whose responses are unfinished or not
+yet trained, and how it is checkpointed (``posttrain.async_rl.driver``).
+
+A batch is admitted whole (every prompt of one training step, each repeated ``n_samples``
+times) and trained whole, so the data cursor is the next step to admit, and "every prompt of
+the data order is trained exactly once" is: the steps trained are consecutive and each batch
+carries the prompt ids it was admitted with (``prompt_ids``: positions ``step * batch_size + i``
+in the data order), which the run's ledger (``prompt_ledger.jsonl``) records as it trains them.
+
+Saved next to the roles' checkpoints as ``checkpoints/async/global_step_<N>.safetensors`` (the
+tensors; nothing pickled, nothing executed) with ``.json`` (the layout and the file's SHA-256,
+verified before the tensors are read), written to a temporary name and renamed, before the
+roles' checkpoints of the same step: a complete role checkpoint always has its state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_api.rollout import Sample
+
+FORMAT = "enginekit-async-state/1"
+DIR = "async"
+
+
+@dataclass
+class Pending:
+    """One admitted batch: the prompts of training step ``step``.
+
+    Attributes:
+        step: the training step that will train it.
+        prompt_ids: its prompts' positions in the data order (one per prompt, not per response).
+        prompts: one entry per response (each prompt ``n_samples`` times).
+        seeds: each response's seed (the synchronous loop's: ``Rollout.seeds(step, ...)``).
+        samples: each response so far (None: not started).
+    """
+
+    step: int
+    prompt_ids: list[int]
+    prompts: list[torch.Tensor]
+    seeds: list[int]
+    samples: list[Sample | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            self.samples = [None] * len(self.prompts)
+
+    def done(self, i: int, max_new_tokens: int) -> bool:
+        """Whether response ``i`` is finished (stopped, or at the length cap)."""
+        s = self.samples[i]
+        return s is not None and (s.finish_reason == "stop" or len(s.token_ids) >= max_new_tokens)
+
+    def complete(self, max_new_tokens: int) -> bool:
+        return all(self.done(i, max_new_tokens) for i in range(len(self.prompts)))
+
+
+def path_of(ckpt_dir: str, step: int) -> str:
+    """The state file (without extension) of checkpoint step ``step``."""
+    return os.path.join(ckpt_dir, DIR, f"global_step_{step}")
+
+
+def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict) -> None:
+    """Write the state of the pipeline after ``step`` updates (atomically: tensors, then the
+    JSON that names their hash; a reader finds both or neither)."""
+    from safetensors.torch import save_file
+
+    base = path_of(ckpt_dir, step)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    batches = []
+    for k, p in enumerate(pending):
+        started = [s is not None for s in p.samples]
+        rows = [s for s in p.samples if s is not None]
+        tensors[f"{k}.prompts"] = torch.cat(p.prompts).long()
+        tensors[f"{k}.prompt_lengths"] = torch.tensor([len(x) for x in p.prompts], dtype=torch.long)
+        tensors[f"{k}.seeds"] = torch.tensor(p.seeds, dtype=torch.long)
+        if rows:
+            tensors[f"{k}.lengths"] = torch.tensor([len(s.token_ids) for s in rows], dtype=torch.long)
+            tensors[f"{k}.token_ids"] = torch.cat([s.token_ids for s in rows]).long()
+            tensors[f"{k}.log_probs"] = torch.cat([s.log_probs for s in rows]).float()
+            tensors[f"{k}.token_versions"] = torch.cat([s.versions() for s in rows]).long()
+            tensors[f"{k}.stopped"] = torch.tensor([s.finish_reason == "stop" for s in rows], dtype=torch.long)
+            tensors[f"{k}.weight_version"] = torch.tensor([s.weight_version for s in rows], dtype=torch.long)
+            if rows[0].routed_experts is not None:
+                tensors[f"{k}.routing"] = torch.cat([s.routed_experts for s in rows]).long()
+                tensors[f"{k}.routing_rows"] = torch.tensor([len(s.routed_experts) for s in rows], dtype=torch.long)
+        batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids), "started": started})
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    tmp = base + ".safetensors.tmp"
+    save_file(tensors, tmp)
+    digest = _sha256(tmp)
+    os.replace(tmp, base + ".safetensors")
+    meta = {"format": FORMAT, "step": step, "settings": settings, "batches": batches, "sha256": digest}
+    with open(base + ".json.tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(base + ".json.tmp", base + ".json")
+
+
+def has_state(ckpt_dir: str) -> bool:
+    """Whether this run ever saved an asynchronous state (a synchronous run never does)."""
+    return os.path.isdir(os.path.join(ckpt_dir, DIR))
+
+
+def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
+    """The state saved with checkpoint step ``step`` and its settings; None when there is none.
+
+    Raises:
+        ValueError: the files do not verify (hash, format, layout): naming the file and the fix.
+    """
+    from safetensors.torch import load_file
+
+    base = path_of(ckpt_dir, step)
+    if not os.path.exists(base + ".json"):
+        return None
+    where = base + ".json"
+    fix = "restore the file from a copy, or resume from another checkpoint step (trainer.resume picks the newest)"
+    try:
+        with open(where) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT or meta.get("step") != step:
+            raise ValueError(f"format {meta.get('format')!r} / step {meta.get('step')!r}, expected {FORMAT!r} / {step}")
+        if _sha256(base + ".safetensors") != meta["sha256"]:
+            raise ValueError("its tensors file does not match the recorded SHA-256 (changed or truncated)")
+        tensors = load_file(base + ".safetensors")
+        pending = [_batch(k, b, tensors) for k, b in enumerate(meta["batches"])]
+    except (OSError, KeyError, TypeError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"async state {where} does not verify ({type(exc).__name__}: {exc}); nothing was loaded; fix: {fix}") from None
+    return pending, meta["settings"]
+
+
+def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:
+    """Delete saved states of steps below ``newest`` whose role checkpoints are gone (retention)."""
+    root = os.path.join(ckpt_dir, DIR)
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        stem = name.split(".", 1)[0]
+        if not stem.startswith("global_step_"):
+            continue
+        try:
+            step = int(stem[len("global_step_") :])
+        except ValueError:
+            continue
+        if step < newest and step not in keep_steps:
+            os.remove(os.path.join(root, name))
+
+
+def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
+    plens = tensors[f"{k}.prompt_lengths"].tolist()
+    prompts = list(tensors[f"{k}.prompts"].split(plens))
+    seeds = tensors[f"{k}.seeds"].tolist()
+    started = meta["started"]
+    if len(started) != len(prompts) or len(seeds) != len(prompts):
+        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(started)} started flags")
+    samples: list[Sample | None] = [None] * len(prompts)
+    rows = [i for i, s in enumerate(started) if s]
+    if rows:
+        lengths = tensors[f"{k}.lengths"].tolist()
+        if len(lengths) != len(rows):
+            raise ValueError(f"batch {k}: {len(lengths)} saved responses for {len(rows)} started rows")
+        ids = tensors[f"{k}.token_ids"].split(lengths)
+        lps = tensors[f"{k}.log_probs"].split(lengths)
+        ver = tensors[f"{k}.token_versions"].split(lengths)
+        stopped, wv = tensors[f"{k}.stopped"].tolist(), tensors[f"{k}.weight_version"].tolist()
+        routing = None
+        if f"{k}.routing" in tensors:
+            routing = tensors[f"{k}.routing"].split(tensors[f"{k}.routing_rows"].tolist())
+        for j, i in enumerate(rows):
+            samples[i] = Sample(
+                token_ids=ids[j].clone(),
+                log_probs=lps[j].clone(),
+                finish_reason="stop" if stopped[j] else "length",
+                weight_version=int(wv[j]),
+                routed_experts=None if routing is None else routing[j].clone(),
+                token_versions=ver[j].clone(),
+            )
+    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], [p.clone() for p in prompts], [int(s) for s in seeds], samples)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

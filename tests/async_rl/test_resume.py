@@ -1,0 +1,94 @@
+"""Issue 43, item 4: the asynchronous state (admitted batches, their kept tokens, log-probs and
+versions, the data cursor) is checkpointed with the roles; a run SIGKILLed at a random moment
+and resumed with ``trainer.resume=true`` trains every prompt of the data order exactly once (the
+ledger's prompt ids) and equals the uninterrupted run bit for bit (every metric but the
+timings). A tampered state file is refused, naming it, before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_api.rollout import Sample
+from posttrain.async_rl import LEDGER_FILE
+from posttrain.async_rl.state import Pending, load_state, path_of, save_state
+from tests.support.launch import REPO, launch_env, run_script
+
+TOTAL = 7
+GRPO = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", "trainer.progress_bar=false", "data.batch_size=4", "algo.n_samples=4"]
+GRPO += ["async.max_staleness=2", "trainer.checkpoint_every=1", f"trainer.total_steps={TOTAL}"]
+TIMING = ("_s", "tokens_per_s", "_frac")
+
+
+def _rows(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    path = out / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_moment_then_resume_trains_each_prompt_once_and_equals_the_uninterrupted_run(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, *GRPO, f"trainer.output_dir={out}"], cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 240
+    while len(_rows(out)) < 3:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run logged too few steps"
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 0.3))  # anywhere in the save of step 3, or in step 4
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    killed_at = len(_rows(out))
+    assert killed_at < TOTAL
+
+    resumed = run_script([*GRPO, f"trainer.output_dir={out}", "trainer.resume=true"], timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "generated again" not in resumed.stderr, resumed.stderr[-2000:]  # the saved state was used
+    ref = tmp_path / "ref"
+    full = run_script([*GRPO, f"trainer.output_dir={ref}"], timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    assert _untimed(_rows(out)) == _untimed(_rows(ref))
+    ledger = _rows(out, LEDGER_FILE)
+    assert ledger == _rows(ref, LEDGER_FILE)
+    ids = [i for row in ledger for i in row["prompt_ids"]]
+    assert sorted(ids) == ids == list(range(TOTAL * 4))  # every prompt once, in the data order
+
+
+def _pending() -> list[Pending]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 9, (3,), generator=g) for _ in range(4)]
+    kept = Sample(torch.tensor([4, 5]), torch.tensor([-0.5, -1.5]), "length", 2, token_versions=torch.tensor([1, 2]))
+    return [Pending(5, [20, 21], prompts, [11, 12, 13, 14], [kept, None, kept, None])]
+
+
+def test_the_state_round_trips_and_a_tampered_file_is_refused_by_name(tmp_path):
+    save_state(str(tmp_path), 4, _pending(), {"max_staleness": 2})
+    (back,), settings = load_state(str(tmp_path), 4)
+    want = _pending()[0]
+    assert (back.step, back.prompt_ids, back.seeds, settings) == (want.step, want.prompt_ids, want.seeds, {"max_staleness": 2})
+    assert all(torch.equal(a, b) for a, b in zip(back.prompts, want.prompts, strict=True))
+    assert back.samples[1] is None and torch.equal(back.samples[0].versions(), torch.tensor([1, 2]))
+    assert torch.equal(back.samples[2].log_probs, want.samples[2].log_probs) and back.samples[2].finish_reason == "length"
+    assert load_state(str(tmp_path), 3) is None
+    data = Path(path_of(str(tmp_path), 4) + ".safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"global_step_4\.json does not verify .*SHA-256"):
+        load_state(str(tmp_path), 4)
