@@ -272,7 +272,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     began = False  # a refused resume writes nothing, not even the plots
     try:
         start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
-        pipeline = Pipeline(cfg, rollout, source, rank0)
+        pipeline = Pipeline(cfg, rollout, source, rank0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"])
         pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")

@@ -36,6 +36,18 @@ def _no_cpu_compat_left_behind():
         pytest.fail(f"the test left megatron's CPU compat layer in place: {left}; fix: cpu_compat.disable() / `with cpu_compat.active():`")
 
 
+@pytest.fixture
+def own_process_group():
+    """In-process runs let the FSDP engine create a 1-rank group; drop it again afterwards
+    (if this test created it) so later tests start from the state they expect."""
+    import torch.distributed as dist
+
+    existed = dist.is_initialized()
+    yield
+    if not existed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pytest_sessionfinish(session, exitstatus):
     worlds = sys.modules.get("tests.support.worlds")
     if worlds is not None:

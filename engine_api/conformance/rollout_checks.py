@@ -373,6 +373,81 @@ def check_versions(kit: Kit) -> str:
     return f"every sample stamped {v}; same version re-sent, lower refused, generate and begin refused while open; abort keeps {v} (max|diff| {worst})"
 
 
+@rollout_check("partial_resume")
+def check_partial_resume(kit: Kit) -> str:
+    """Partial rollouts: samples paused at 4 tokens under version A and continued (kept=...) after an update to B keep their tokens and log-probs unchanged, report each new token's log-prob under B (prompt + kept + new recomputed, no cache of A), and say so in token_versions (A then B); bad kept entries are refused."""
+    e, before, a = kit.engine, kit.expected, kit.version
+    kept = [g[0] for g in kit.generate(kit.prompts, SamplingParams(max_tokens=4), SEEDS)]
+    if any(len(k.token_ids) != 4 or k.finish_reason != "length" for k in kept):
+        raise CheckFailed("without stop ids a first part of max_tokens = 4 must end with 4 tokens and finish_reason 'length'")
+    named = kit.perturbed(seed=5)
+    target, b = kit.with_update(named), a + 1
+    e.sync_weights(named, version=b, chunk_mb=CHUNK_MB)
+    kit.expect(target, b)
+    try:
+        out = e.generate(kit.prompts, SamplingParams(max_tokens=6), list(SEEDS), kept=kept)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckFailed(f"generate(kept=...) raised {type(exc).__name__}: {first_line(exc)}") from None
+    if len(out) != len(kept) or any(len(g) != 1 for g in out):
+        raise CheckFailed(f"generate(kept=...) returned {len(out)} groups for {len(kept)} prompts (one sample each expected)")
+    whole = [g[0] for g in out]
+    for i, (k, s) in enumerate(zip(kept, whole, strict=True)):
+        n = len(s.token_ids)
+        if n < 5 or n > 10 or not torch.equal(s.token_ids[:4].cpu(), k.token_ids.cpu()):
+            raise CheckFailed(
+                f"prompt {i}: the continued sample must start with the 4 kept tokens {k.token_ids.tolist()} and add 1-6 new ones; got "
+                f"{s.token_ids.tolist()} (the kept tokens were dropped or re-sampled)"
+            )
+        if not torch.equal(s.log_probs[:4].cpu().float(), k.log_probs.cpu().float()):
+            raise CheckFailed(
+                f"prompt {i}: the kept tokens' log-probs changed from {k.log_probs.tolist()} to {s.log_probs[:4].tolist()}: they must "
+                f"stay those of version {a}, which sampled them (re-scored under the new weights?)"
+            )
+        versions = s.token_versions.tolist() if s.token_versions is not None else [s.weight_version] * n
+        if versions != [a] * 4 + [b] * (n - 4) or s.weight_version != b:
+            raise CheckFailed(
+                f"prompt {i}: token_versions {versions} / weight_version {s.weight_version}; expected {a} for the 4 kept tokens, "
+                f"{b} for the {n - 4} new ones, weight_version {b}"
+            )
+    new = [[dataclasses.replace(s, token_ids=s.token_ids[4:], log_probs=s.log_probs[4:])] for s in whole]
+    extended = [torch.cat([p, k.token_ids.cpu()]) for p, k in zip(kit.prompts, kept, strict=True)]
+    worst = kit.compare(extended, new, 1.0)
+    if worst.diff > TOL:
+        stale = kit.compare(extended, new, 1.0, before)
+        why = (
+            f"they equal version {a}'s (|diff| {stale}): the continuation sampled with the weights before the update"
+            if stale.diff <= TOL
+            else f"version {a}'s are off by {stale} too: the new tokens mix the versions (e.g. the kept tokens' cache of version {a} "
+            "reused under the new weights)"
+        )
+        raise CheckFailed(
+            f"the new tokens' log-probs differ from version {b}'s (prompt + kept tokens recomputed) by {worst.diff:.2e} (> {TOL:g}) at "
+            f"{worst.where}; {why}"
+        )
+    moved = kit.compare(extended, new, 1.0, before)
+    if moved.diff <= 100 * TOL:
+        raise CheckFailed(
+            f"the update moves the new tokens' log-probs by only {moved}: the check cannot tell the versions apart (kit problem)"
+        )
+    every = SamplingParams(max_tokens=2, stop_token_ids=tuple(range(VOCAB)))  # any first token stops
+    finished = kit.generate(kit.prompts[:1], every, SEEDS[:1])[0][0]
+    cases = [
+        ("a finished sample (finish_reason 'stop')", kit.prompts[:1], SamplingParams(), [finished], "kept[0]"),
+        ("n = 2", kit.prompts[:1], SamplingParams(n=2), kept[:1], "n"),
+        ("one kept entry for two prompts", kit.prompts[:2], SamplingParams(), kept[:1], "kept"),
+    ]
+    for what, prompts, params, bad, name in cases:
+        seeds = list(SEEDS[: len(prompts)])
+        expect_refusal(
+            f"generate(kept=...) with {what}", ValueError, lambda p=prompts, q=params, k=bad, s=seeds: e.generate(p, q, s, kept=k), name
+        )
+    still_serving(kit, "the refused continuations")
+    return (
+        f"{len(kept)} samples paused at 4 tokens under version {a}, continued under {b}: kept tokens and log-probs unchanged, new "
+        f"tokens' max|diff| {worst} vs version {b} (version {a} would be off by {moved}), versions per token; {len(cases)} bad kept refused"
+    )
+
+
 def _unloadable_versions(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A weight as a sender may get it wrong: same name and shape, but nothing a model can load."""
     nan = tensor.detach().clone()

@@ -24,11 +24,18 @@ class AsyncConfig:
         deterministic: the schedule (which tokens each weight version samples) is fixed by
             the step and the data order, never by timing, so two runs, and a resumed run and an
             uninterrupted one, are bit-identical. The only schedule today: false is refused.
+        check_version_parity: a debugging probe: before each update the actor (at version
+            ``s + 1``) also scores every response sampled so far, and the largest gap between
+            its log-probs and the rollout's over the tokens version ``s + 1`` sampled is logged
+            as ``async/version_logprob_abs_diff_max`` (float noise when the rollout samples
+            what the trainer trains). Costs an actor forward over the K batches in flight and
+            runs the rollout's round before the update (no overlap).
     """
 
     max_staleness: int = 0
     partial_rollouts: bool = True
     deterministic: bool = True
+    check_version_parity: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -56,16 +56,19 @@ class Pipeline:
             ``release``; ``overlaps``: whether it runs on a pool of its own).
         source: the task (``prompts_at``).
         rank0: whether this process writes the ledger.
+        score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
+            ``async.check_version_parity`` probe; None: no probe.
     """
 
-    def __init__(self, cfg, rollout, source, rank0: bool) -> None:
+    def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None) -> None:
         a = cfg.async_
         self.k, self.partial = a.max_staleness, a.partial_rollouts
         self.max_new = cfg.rollout.max_new_tokens
         self.n, self.batch_size = cfg.algo.n_samples, cfg.data.batch_size
         self.seed, self.temperature = cfg.rollout.seed, cfg.rollout.temperature
         self.rollout, self.source, self.rank0 = rollout, source, rank0
-        self.overlap = bool(getattr(rollout, "overlaps", False))
+        self.score = score if a.check_version_parity else None
+        self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
         self.ledger = os.path.join(cfg.trainer.output_dir, LEDGER_FILE)
@@ -173,14 +176,20 @@ class Pipeline:
         try:
             del self.pending[step]
             batch = samples_to_batch(current.prompts, current.samples, self.temperature)
+            probe = self._version_parity(step, batch) if self.score is not None else {}
             metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
             stale = (step + 1) - batch["rollout_weight_version"]
             if int(stale.max()) > self.k:  # the schedule guarantees it; a bug must not train silently
                 raise RuntimeError(f"async: a sample of step {step + 1} has staleness {int(stale.max())} > async.max_staleness {self.k}")
             m = train(batch, metas, {"rollout_s": waited})
-        finally:
+        except BaseException as exc:
             if thread is not None:
                 thread.join()
+            if error:  # the round failed first (e.g. a rollout worker died and the cluster went down): its error is the cause
+                raise error[0] from exc
+            raise
+        if thread is not None:
+            thread.join()
         if error:
             raise error[0]
         if thread is not None:
@@ -188,6 +197,7 @@ class Pipeline:
         wall = time.perf_counter() - began
         busy = (synced - began) + (finished - synced) + round_s[0]
         m.update(self._metrics(batch, step, wall, waited, busy))
+        m.update(probe)
         m["tokens_per_s"] = float(batch["loss_mask"].values().sum()) / max(wall, 1e-9)
         self._log_ledger(step, current)
         return m
@@ -235,6 +245,25 @@ class Pipeline:
             )
             for (p, i), s in zip(rows, out, strict=True):
                 p.samples[i] = s
+
+    def _version_parity(self, step: int, batch) -> dict[str, float]:
+        """The ``check_version_parity`` probe: the trainer (version ``step + 1``) against the
+        rollout's log-probs of the tokens version ``step + 1`` sampled, in ``batch`` and in
+        flight (the round has run: the probe turns the overlap off)."""
+        rows = [
+            (p.prompts[i], s) for b in sorted(self.pending) for p in [self.pending[b]] for i, s in enumerate(p.samples) if s is not None
+        ]
+        batches = [batch]
+        if rows:
+            batches.append(samples_to_batch([r[0] for r in rows], [r[1] for r in rows], self.temperature))
+        worst, tokens = 0.0, 0
+        for b in batches:
+            gap = (self.score(b).values() - b["rollout_log_probs"].values()).abs()
+            mine = (b["loss_mask"].values() > 0) & (b["rollout_token_versions"].values() == step + 1)
+            tokens += int(mine.sum())
+            if mine.any():
+                worst = max(worst, float(gap[mine].max()))
+        return {"async/version_logprob_abs_diff_max": worst, "async/version_parity_tokens": float(tokens)}
 
     def _metrics(self, batch, step: int, wall: float, waited: float, busy: float) -> dict[str, float]:
         versions = batch["rollout_token_versions"]

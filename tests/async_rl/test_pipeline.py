@@ -6,12 +6,22 @@
   two versions, and each token's rollout log-prob equal, at float noise, to the trainer's at the
   version that sampled it (the probe sees > 1e-2 at every other version: it can tell them apart);
 * K = 2 without partial rollouts: the same staleness, every response from one version.
+
+The same on megatron over two data-parallel ranks (a world), without the last run.
 """
 
 from __future__ import annotations
 
 from tests.async_rl.async_workers import assert_checks, checks
+from tests.support.launch import run_distributed
 
 
-def test_k0_is_the_synchronous_loop_and_k2_is_bounded_partial_and_exact_per_version(tmp_path):
+def test_k0_is_the_synchronous_loop_and_k2_is_bounded_partial_and_exact_per_version(tmp_path, own_process_group):
     assert_checks(checks(0, 1, "fsdp", str(tmp_path)))
+
+
+def test_the_same_on_megatron_over_two_data_parallel_ranks(tmp_path):
+    """The other backend (the sync and the K = 0 runs bit for bit; K = 2 bounded and exact per
+    version), its outputs gathered over DP ranks."""
+    for result in run_distributed(checks, 2, "megatron", str(tmp_path), False):
+        assert_checks(result)

@@ -1,8 +1,9 @@
-"""Issue 43, item 4: the asynchronous state (admitted batches, their kept tokens, log-probs and
-versions, the data cursor) is checkpointed with the roles; a run SIGKILLed at a random moment
-and resumed with ``trainer.resume=true`` trains every prompt of the data order exactly once (the
-ledger's prompt ids) and equals the uninterrupted run bit for bit (every metric but the
-timings). A tampered state file is refused, naming it, before anything is loaded."""
+"""Issue 43, items 4-5: the asynchronous state (admitted batches, their kept tokens, log-probs and
+versions, the data cursor) is checkpointed with the roles; a run stopped by SIGTERM while
+batches are in flight, resumed, SIGKILLed at a random moment and resumed again trains every
+prompt of the data order exactly once (the ledger's prompt ids) and equals the uninterrupted run
+bit for bit (every metric but the timings). A tampered state file is refused, naming it, before
+anything is loaded."""
 
 from __future__ import annotations
 
@@ -39,22 +40,36 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
 
 
-@pytest.mark.slow
-def test_sigkill_at_a_random_moment_then_resume_trains_each_prompt_once_and_equals_the_uninterrupted_run(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, *GRPO, f"trainer.output_dir={out}"], cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+def _interrupt(out: Path, sig: int, after_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """Start the run in a new interpreter; once ``after_steps`` steps are logged (and a random
+    moment more, for SIGKILL), send ``sig``."""
+    cmd = [sys.executable, *GRPO, f"trainer.output_dir={out}", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
-    while len(_rows(out)) < 3:
+    while len(_rows(out)) < after_steps:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run logged too few steps"
         time.sleep(0.02)
-    time.sleep(random.uniform(0.0, 0.3))  # anywhere in the save of step 3, or in step 4
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    killed_at = len(_rows(out))
-    assert killed_at < TOTAL
+    if sig == signal.SIGKILL:
+        time.sleep(random.uniform(0.0, 0.3))  # anywhere in the step's save, or in the next step
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_then_sigkill_then_resume_trains_each_prompt_once_and_equals_the_uninterrupted_run(tmp_path):
+    """SIGTERM while batches are in flight: the step finishes, the state is saved with the roles,
+    exit 143; resumed, then SIGKILLed at a random moment; resumed again to the end."""
+    out = tmp_path / "run"
+    stopped = _interrupt(out, signal.SIGTERM, 2)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    at = len(_rows(out))
+    assert f"SIGTERM received: stopped after step {at}" in stopped.stdout
+    assert (out / "checkpoints" / "async" / f"global_step_{at}.json").exists()
+    killed = _interrupt(out, signal.SIGKILL, at + 2, "trainer.resume=true")
+    assert killed.returncode == -signal.SIGKILL and "generated again" not in killed.stderr, killed.stderr[-3000:]
+    assert len(_rows(out)) < TOTAL
 
     resumed = run_script([*GRPO, f"trainer.output_dir={out}", "trainer.resume=true"], timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]

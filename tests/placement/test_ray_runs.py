@@ -116,6 +116,42 @@ def test_split_placements_equal_the_colocated_run(tmp_path):
     assert all(mb > 0 for mb in sync_mb)  # the weights did travel every step
 
 
+GRPO_ASYNC = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", *COMMON, "trainer.total_steps=6", "data.batch_size=4",
+              "algo.n_samples=4", "trainer.log_samples_every=0", "async.max_staleness=2", "trainer.checkpoint_every=1"]  # fmt: skip
+ASYNC_KEYS = ("reward", "actor_loss", "actor_grad_norm", "rollout/logprob_abs_diff_max", "async/staleness_max", "async/version_span_max")
+ASYNC_SPLIT = ["trainer.placement.pools.train=1", "trainer.placement.pools.gen=1", "trainer.placement.roles.rollout=gen"]
+
+
+def test_async_rollout_pool_killed_mid_generation_then_resumed_runs_the_in_process_schedule(tmp_path):
+    """Issue 43: K = 2 with the rollout on a pool of its own (each round of generation runs in a
+    driver thread while the actor updates). Its worker SIGKILLed mid-run: the driver stops
+    non-zero naming it, every worker gone; resumed, the run is the one-process run (the rounds
+    before the updates) step for step and weight for weight: the schedule depends on the step
+    and the data order, not on the layout, the timing or the interruption."""
+    local = _run(GRPO_ASYNC, tmp_path / "local")
+    out = tmp_path / "split"
+    cmd = [sys.executable, *GRPO_ASYNC, *RAY, *ASYNC_SPLIT, f"trainer.output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(ckpt_layout.complete_steps(str(out / "checkpoints" / "actor"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    victim = next(r for r in _placement(out) if r["pool"] == "gen")
+    os.kill(victim["pid"], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert f"rollout rank 0 of pool 'gen' (pid {victim['pid']}" in stderr, stderr[-3000:]
+    for rank in _placement(out):
+        with pytest.raises(ProcessLookupError):
+            os.kill(rank["pid"], 0)
+    _run([*GRPO_ASYNC, *RAY, *ASYNC_SPLIT, "trainer.resume=true"], out)
+    _same_run(out, local, ASYNC_KEYS)
+    rows = _metrics(out, ASYNC_KEYS)
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert max(r["async/version_span_max"] for r in rows) == 2.0
+    assert open(out / "prompt_ledger.jsonl").read() == open(local / "prompt_ledger.jsonl").read()
+
+
 def test_sft_on_ray_equals_torchrun(sft_torchrun, tmp_path):
     out = _run([*SFT, *RAY, "trainer.placement.pools.main=2"], tmp_path / "ray")
     _same_run(out, sft_torchrun, SFT_KEYS)

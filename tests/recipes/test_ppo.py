@@ -24,13 +24,17 @@ def test_configs_load_and_typos_are_caught(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ppo_tiny.yaml", "grpo_tiny.yaml"])
-def test_reward_rises_on_the_default_config_and_the_plot_is_written(tmp_path, config):
+@pytest.mark.parametrize(
+    ("config", "extra"), [("ppo_tiny.yaml", ()), ("grpo_tiny.yaml", ()), ("grpo_tiny.yaml", ("async.max_staleness=2",))]
+)
+def test_reward_rises_on_the_default_config_and_the_plot_is_written(tmp_path, config, extra):
     """The first 60 of the demo's 160 steps, default batch sizes. Measured (2 sampling/data
-    seeds): the mean reward of steps 51-60 is 0.40-0.45 for both configs, from 0.04-0.05 over
+    seeds): the mean reward of steps 51-60 is 0.40-0.48 for both configs, from 0.04-0.05 over
     the first 5 steps; the bound (0.25 and 4x the start) leaves room for another CPU's
-    rounding sending sampling down a different path."""
-    rows = _run(tmp_path, config, 60, fast=False)
+    rounding sending sampling down a different path. Asynchronous GRPO (K = 2, partial
+    rollouts; issue 43) is held to the same bound: measured 0.33 and 0.43 at step 60 (2 seeds),
+    and over all 160 steps within 0.25 of the synchronous run's final reward (docs/async.md)."""
+    rows = _run(tmp_path, config, 60, *extra, fast=False)
     first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-10:]) / 10
     assert last >= max(0.25, 4 * first), (first, last)
     assert (tmp_path / "reward.png").stat().st_size > 1000
