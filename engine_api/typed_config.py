@@ -144,14 +144,16 @@ def _build(schema: type[T], leaves: list[list[tuple[str, Any]]], problems: list[
                 continue
             field, hint = _field_at(schema, key)
             if isinstance(hint, type) and dataclasses.is_dataclass(hint) and not isinstance(value, (dict, DictConfig)):
-                problems.append(_scalar_for_section(prefix + key, value, hint))
+                problems.append(_scalar_for_section(prefix + _realias(schema, key), value, hint))
                 continue
             if field is not None and field.metadata.get("scalar_as_list") and isinstance(value, str):
                 value = [value]  # one path (or pattern) without brackets
             try:
                 merged = OmegaConf.merge(merged, _nest(key, value))
             except OmegaConfBaseException as exc:
-                problems.append(f"{prefix}{key} = {value!r}: {str(exc).splitlines()[0]}; fix: give a value of the declared type")
+                problems.append(
+                    f"{prefix}{_realias(schema, key)} = {value!r}: {str(exc).splitlines()[0]}; fix: give a value of the declared type"
+                )
     problems.extend(
         f"{prefix}{key} = ???: a value this config leaves to you; fix: set it, e.g. {prefix}{key}=VALUE" for key in sorted(required)
     )
@@ -254,7 +256,7 @@ def check(obj: Any, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         # A nested section that names itself (a backend's options) is reported under that name.
-        label = getattr(type(value), "config_section", None) or f.name
+        label = getattr(type(value), "config_section", None) or f.metadata.get("key", f.name)
         found += check(value, f"{prefix}{label}.")
     return found
 
@@ -299,6 +301,21 @@ def _unalias(schema: type, key: str) -> str:
         alias = next((f.name for f in fields if f.metadata.get("key") == part), None)
         parts[i] = alias or part
         cls = typing.get_type_hints(cls).get(parts[i])
+    return ".".join(parts)
+
+
+def _realias(schema: type, key: str) -> str:
+    """``key`` (field names) as the user writes it: each aliased field by its ``key``."""
+    cls: Any = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            break
+        field = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if field is None:
+            break
+        parts[i] = field.metadata.get("key", part)
+        cls = typing.get_type_hints(cls).get(part)
     return ".".join(parts)
 
 
@@ -347,8 +364,13 @@ def _unknown_key(schema: type, key: str, prefix: str = "") -> str | None:
         if part not in names:
             where = ".".join(walked) or "the top level"
             close = difflib.get_close_matches(part, list(names), n=1, cutoff=0.5)
-            hint = f"did you mean {'.'.join([*walked, close[0]])!r}?" if close else f"valid keys at {where}: {', '.join(sorted(names))}"
-            return f"{prefix}{key}: unknown key {part!r} at {where}; fix: {hint}"
-        walked.append(part)
+            shown = {n: f.metadata.get("key", n) for n, f in names.items()}
+            hint = (
+                f"did you mean {'.'.join([*walked, shown[close[0]]])!r}?"
+                if close
+                else f"valid keys at {where}: {', '.join(sorted(shown.values()))}"
+            )
+            return f"{prefix}{_realias(schema, key)}: unknown key {part!r} at {where}; fix: {hint}"
+        walked.append(names[part].metadata.get("key", part))
         cls = typing.get_type_hints(cls).get(part)
     return None

@@ -217,12 +217,13 @@ def _walk(cls: type, obj: Any, prefix: str, attrs: tuple[str, ...], doc: str, ou
         value = getattr(obj, f.name) if obj is not None else _field_default(f)
         if f.name == target:
             continue  # filled from the strategy's own section, listed below
+        key = f.metadata.get("key", f.name)  # the config key (``async`` for the field ``async_``)
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             nested.append(
-                (hint, value if dataclasses.is_dataclass(value) else None, f"{prefix}{f.name}.", (*attrs, f.name), docs.get(f.name, ""))
+                (hint, value if dataclasses.is_dataclass(value) else None, f"{prefix}{key}.", (*attrs, f.name), docs.get(f.name, ""))
             )
             continue
-        keys.append(ConfigKey(f"{prefix}{f.name}", type_name(hint), value, first_sentence(docs.get(f.name, "")), (*attrs, f.name)))
+        keys.append(ConfigKey(f"{prefix}{key}", type_name(hint), value, first_sentence(docs.get(f.name, "")), (*attrs, f.name)))
     out.append(ConfigSection(prefix.rstrip("."), first_sentence(doc), tuple(keys)))
     for args in nested:
         _walk(*args, out)
@@ -408,7 +409,7 @@ def config_container(obj: Any) -> dict[str, Any]:
         elif f.name == target and value is None:
             continue  # the loader refuses the key itself; unset means the backend's defaults
         else:
-            out[f.name] = _plain(value)
+            out[f.metadata.get("key", f.name)] = _plain(value)
     return out
 
 

@@ -37,7 +37,7 @@ from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
-from posttrain.async_rl import AsyncConfig, Pipeline, async_problems
+from posttrain.async_rl import AsyncConfig, Pipeline
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
@@ -157,7 +157,6 @@ class PPOConfig:
 
     def _problems(self) -> list[str]:
         out = data_model_problems(self)
-        out += async_problems(self)
         if self.data.from_files and self.reward.function is None:
             out.append("reward.function = None: prompts from data.train_files need a reward function; fix: reward.function=file.py:fn")
         if not self.data.from_files and self.reward.function is not None:

@@ -54,14 +54,3 @@ class AsyncConfig:
             )
         return out
 
-
-def async_problems(cfg) -> list[str]:
-    """What an RL config's ``async`` section cannot run with, each naming the key and the fix
-    (checked at load, before anything is built)."""
-    a = cfg.async_
-    if not isinstance(a.max_staleness, int) or a.max_staleness < 1:
-        return []
-    out = []
-    if cfg.trainer.launcher == "ray" and cfg.trainer.placement.assignment(("rollout",)).get("rollout") is None:
-        out.append("async.max_staleness: the Ray placement places no rollout; fix: place the rollout (trainer.placement)")
-    return out

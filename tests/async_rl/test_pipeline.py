@@ -12,6 +12,10 @@ The same on megatron over two data-parallel ranks (a world), without the last ru
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from tests.async_rl.async_workers import assert_checks, checks
 from tests.support.launch import run_distributed
 
@@ -25,3 +29,21 @@ def test_the_same_on_megatron_over_two_data_parallel_ranks(tmp_path):
     version), its outputs gathered over DP ranks."""
     for result in run_distributed(checks, 2, "megatron", str(tmp_path), False):
         assert_checks(result)
+
+
+def test_the_async_section_is_read_under_its_key_and_bad_values_are_refused_by_name():
+    from engine_api.typed_config import load_typed
+    from recipes.ppo import PPOConfig
+    from tests.async_rl.async_workers import ROOT
+
+    path = ROOT / "configs" / "grpo_tiny.yaml"
+    assert load_typed(PPOConfig, path, ["async.max_staleness=2"]).async_.max_staleness == 2
+    for bad, message in (
+        ("async.max_staleness=-1", "async.max_staleness = -1: must be an integer >= 0"),
+        ("async.deterministic=false", "deterministic = False: the timing-driven schedule is not built"),
+        ("async=2", "async = 2: async is a section"),
+        ("async.max_staleness=two", "async.max_staleness = 'two'"),
+        ("async.max_stalenes=2", "async.max_stalenes: unknown key 'max_stalenes' at async; fix: did you mean 'async.max_staleness'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_typed(PPOConfig, path, [bad])

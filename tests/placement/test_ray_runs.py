@@ -116,7 +116,7 @@ def test_split_placements_equal_the_colocated_run(tmp_path):
     assert all(mb > 0 for mb in sync_mb)  # the weights did travel every step
 
 
-GRPO_ASYNC = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", *COMMON, "trainer.total_steps=6", "data.batch_size=4",
+GRPO_ASYNC = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", *COMMON, "trainer.total_steps=5", "data.batch_size=4",
               "algo.n_samples=4", "trainer.log_samples_every=0", "async.max_staleness=2", "trainer.checkpoint_every=1"]  # fmt: skip
 ASYNC_KEYS = ("reward", "actor_loss", "actor_grad_norm", "rollout/logprob_abs_diff_max", "async/staleness_max", "async/version_span_max")
 ASYNC_SPLIT = ["trainer.placement.pools.train=1", "trainer.placement.pools.gen=1", "trainer.placement.roles.rollout=gen"]
@@ -147,7 +147,7 @@ def test_async_rollout_pool_killed_mid_generation_then_resumed_runs_the_in_proce
     _run([*GRPO_ASYNC, *RAY, *ASYNC_SPLIT, "trainer.resume=true"], out)
     _same_run(out, local, ASYNC_KEYS)
     rows = _metrics(out, ASYNC_KEYS)
-    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert max(r["async/version_span_max"] for r in rows) == 2.0
     assert open(out / "prompt_ledger.jsonl").read() == open(local / "prompt_ledger.jsonl").read()
 
