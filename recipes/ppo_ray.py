@@ -23,6 +23,7 @@ from posttrain.placement.worker import master_store
 from posttrain.tasks import build_task
 from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles
 from roles.factory import build_roles
+from roles.rollout import pack_samples, unpack_rows, unpack_samples
 
 # What the driver may call on each role (the methods recipes.ppo uses).
 _METHODS = {
@@ -79,6 +80,12 @@ class RLHost:
         rollout group; MB sent."""
         pairs = self.actor.export_adapter_weights() if adapter else self.actor.export_weights(bucket_mb=bucket_mb)
         return send_weights(pairs, self.transfer, bucket_mb)
+
+    def sample_packed(self, prompts: dict, seeds: list[int], kept: dict | None, max_new_tokens: int | None) -> dict:
+        """``Rollout.sample`` with prompts and samples packed (``roles.rollout.pack_samples``):
+        what ``RemoteRollout.sample`` calls."""
+        out = self.rollout.sample(unpack_rows(prompts), seeds, None if kept is None else unpack_samples(kept), max_new_tokens)
+        return pack_samples(out)
 
     # ------------------------------------------------------------- the run
     def save_hf(self, out_dir: str, fmt: str) -> str:

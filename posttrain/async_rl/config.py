@@ -53,4 +53,3 @@ class AsyncConfig:
                 "schedule fixed by the step and the data order) overlaps rollout and training the same way; fix: async.deterministic=true"
             )
         return out
-

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_api.rollout import Sample
+from roles.rollout import pack_rows, pack_samples, unpack_rows, unpack_samples
 
-FORMAT = "enginekit-async-state/1"
+FORMAT = "enginekit-async-state/2"
 DIR = "async"
 
 
@@ -74,22 +75,10 @@ def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict)
     tensors: dict[str, torch.Tensor] = {}
     batches = []
     for k, p in enumerate(pending):
-        started = [s is not None for s in p.samples]
-        rows = [s for s in p.samples if s is not None]
-        tensors[f"{k}.prompts"] = torch.cat(p.prompts).long()
-        tensors[f"{k}.prompt_lengths"] = torch.tensor([len(x) for x in p.prompts], dtype=torch.long)
+        parts = {"prompts": pack_rows(p.prompts), "samples": pack_samples(p.samples)}
+        tensors.update({f"{k}.{part}.{name}": t for part, packed in parts.items() for name, t in packed.items()})
         tensors[f"{k}.seeds"] = torch.tensor(p.seeds, dtype=torch.long)
-        if rows:
-            tensors[f"{k}.lengths"] = torch.tensor([len(s.token_ids) for s in rows], dtype=torch.long)
-            tensors[f"{k}.token_ids"] = torch.cat([s.token_ids for s in rows]).long()
-            tensors[f"{k}.log_probs"] = torch.cat([s.log_probs for s in rows]).float()
-            tensors[f"{k}.token_versions"] = torch.cat([s.versions() for s in rows]).long()
-            tensors[f"{k}.stopped"] = torch.tensor([s.finish_reason == "stop" for s in rows], dtype=torch.long)
-            tensors[f"{k}.weight_version"] = torch.tensor([s.weight_version for s in rows], dtype=torch.long)
-            if rows[0].routed_experts is not None:
-                tensors[f"{k}.routing"] = torch.cat([s.routed_experts for s in rows]).long()
-                tensors[f"{k}.routing_rows"] = torch.tensor([len(s.routed_experts) for s in rows], dtype=torch.long)
-        batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids), "started": started})
+        batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids)})
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     tmp = base + ".safetensors.tmp"
     save_file(tensors, tmp)
@@ -151,35 +140,15 @@ def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:
 
 
 def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
-    plens = tensors[f"{k}.prompt_lengths"].tolist()
-    prompts = list(tensors[f"{k}.prompts"].split(plens))
+    def part(name: str) -> dict[str, torch.Tensor]:
+        head = f"{k}.{name}."
+        return {key[len(head) :]: t for key, t in tensors.items() if key.startswith(head)}
+
+    prompts, samples = unpack_rows(part("prompts")), unpack_samples(part("samples"))
     seeds = tensors[f"{k}.seeds"].tolist()
-    started = meta["started"]
-    if len(started) != len(prompts) or len(seeds) != len(prompts):
-        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(started)} started flags")
-    samples: list[Sample | None] = [None] * len(prompts)
-    rows = [i for i, s in enumerate(started) if s]
-    if rows:
-        lengths = tensors[f"{k}.lengths"].tolist()
-        if len(lengths) != len(rows):
-            raise ValueError(f"batch {k}: {len(lengths)} saved responses for {len(rows)} started rows")
-        ids = tensors[f"{k}.token_ids"].split(lengths)
-        lps = tensors[f"{k}.log_probs"].split(lengths)
-        ver = tensors[f"{k}.token_versions"].split(lengths)
-        stopped, wv = tensors[f"{k}.stopped"].tolist(), tensors[f"{k}.weight_version"].tolist()
-        routing = None
-        if f"{k}.routing" in tensors:
-            routing = tensors[f"{k}.routing"].split(tensors[f"{k}.routing_rows"].tolist())
-        for j, i in enumerate(rows):
-            samples[i] = Sample(
-                token_ids=ids[j].clone(),
-                log_probs=lps[j].clone(),
-                finish_reason="stop" if stopped[j] else "length",
-                weight_version=int(wv[j]),
-                routed_experts=None if routing is None else routing[j].clone(),
-                token_versions=ver[j].clone(),
-            )
-    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], [p.clone() for p in prompts], [int(s) for s in seeds], samples)
+    if not (len(prompts) == len(samples) == len(seeds)):
+        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(samples)} response rows")
+    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples)
 
 
 def _sha256(path: str) -> str:

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 from posttrain.placement.cluster import RayCluster, WorkerGroup
+from roles.rollout import pack_rows, pack_samples, unpack_samples
 
 
 class RemoteRole:
@@ -86,8 +87,12 @@ class RemoteRollout:
         return self._cluster.call(self._group, "rollout.generate", prompts, seed_offset=seed_offset)
 
     def sample(self, prompts, seeds, kept=None, max_new_tokens: int | None = None):
-        """One ``Sample`` per prompt across the rollout group (see ``Rollout.sample``)."""
-        return self._cluster.call(self._group, "rollout.sample", prompts, seeds, kept=kept, max_new_tokens=max_new_tokens)
+        """One ``Sample`` per prompt across the rollout group (see ``Rollout.sample``); prompts
+        and samples travel packed in a few flat tensors (``roles.rollout.pack_samples``)."""
+        packed = self._cluster.call(
+            self._group, "sample_packed", pack_rows(prompts), list(seeds), None if kept is None else pack_samples(kept), max_new_tokens
+        )
+        return unpack_samples(packed)
 
     def release(self) -> None:
         """Free the engines' memory for training (see ``Rollout.release``)."""
