@@ -246,7 +246,10 @@ class Rollout:
 
         def work() -> None:
             self.engine.resume_memory()
-            local.extend(self.engine.generate(prompts[begin:end], params, list(seeds[begin:end]), kept=mine))
+            # ``kept`` only when continuing: a backend that overrides ``generate`` with the
+            # contract's older signature keeps working for everything else.
+            extra = {"kept": mine} if mine is not None and any(k is not None for k in mine) else {}
+            local.extend(self.engine.generate(prompts[begin:end], params, list(seeds[begin:end]), **extra))
 
         error = _attempt(work)
         self._agree(error, "generation")

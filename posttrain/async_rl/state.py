@@ -8,8 +8,9 @@ carries the prompt ids it was admitted with (``prompt_ids``: positions ``step * 
 in the data order), which the run's ledger (``prompt_ledger.jsonl``) records as it trains them.
 
 Saved next to the roles' checkpoints as ``checkpoints/async/global_step_<N>.safetensors`` (the
-tensors; nothing pickled, nothing executed) with ``.json`` (the layout and the file's SHA-256,
-verified before the tensors are read), written to a temporary name and renamed, before the
+tensors and, in its header, the layout; nothing pickled, nothing executed) with ``.json`` (the
+layout again, for people, and the file's SHA-256, verified before anything is read; the
+layout used is the hashed one), written to a temporary name and renamed, before the
 roles' checkpoints of the same step: a complete role checkpoint always has its state.
 """
 
@@ -80,13 +81,15 @@ def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict)
         tensors[f"{k}.seeds"] = torch.tensor(p.seeds, dtype=torch.long)
         batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids)})
     tensors = {k: v.contiguous() for k, v in tensors.items()}
+    # The layout rides in the tensors file's own header, so the hash covers it too; the JSON
+    # repeats it for people and holds the hash.
+    layout = {"format": FORMAT, "step": step, "settings": settings, "batches": batches}
     tmp = base + ".safetensors.tmp"
-    save_file(tensors, tmp)
+    save_file(tensors, tmp, metadata={"layout": json.dumps(layout)})
     digest = _sha256(tmp)
     os.replace(tmp, base + ".safetensors")
-    meta = {"format": FORMAT, "step": step, "settings": settings, "batches": batches, "sha256": digest}
     with open(base + ".json.tmp", "w") as f:
-        json.dump(meta, f)
+        json.dump({**layout, "sha256": digest}, f)
     os.replace(base + ".json.tmp", base + ".json")
 
 
@@ -101,6 +104,7 @@ def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
     Raises:
         ValueError: the files do not verify (hash, format, layout): naming the file and the fix.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     base = path_of(ckpt_dir, step)
@@ -115,11 +119,15 @@ def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
             raise ValueError(f"format {meta.get('format')!r} / step {meta.get('step')!r}, expected {FORMAT!r} / {step}")
         if _sha256(base + ".safetensors") != meta["sha256"]:
             raise ValueError("its tensors file does not match the recorded SHA-256 (changed or truncated)")
+        with safe_open(base + ".safetensors", "pt") as f:
+            layout = json.loads((f.metadata() or {})["layout"])
+        if layout.get("format") != FORMAT or layout.get("step") != step:
+            raise ValueError(f"the tensors file holds format {layout.get('format')!r} / step {layout.get('step')!r}")
         tensors = load_file(base + ".safetensors")
-        pending = [_batch(k, b, tensors) for k, b in enumerate(meta["batches"])]
+        pending = [_batch(k, b, tensors) for k, b in enumerate(layout["batches"])]
     except (OSError, KeyError, TypeError, RuntimeError, ValueError) as exc:
         raise ValueError(f"async state {where} does not verify ({type(exc).__name__}: {exc}); nothing was loaded; fix: {fix}") from None
-    return pending, meta["settings"]
+    return pending, layout["settings"]
 
 
 def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:

@@ -101,6 +101,9 @@ def test_the_state_round_trips_and_a_tampered_file_is_refused_by_name(tmp_path):
     assert back.samples[1] is None and torch.equal(back.samples[0].versions(), torch.tensor([1, 2]))
     assert torch.equal(back.samples[2].log_probs, want.samples[2].log_probs) and back.samples[2].finish_reason == "length"
     assert load_state(str(tmp_path), 3) is None
+    meta = Path(path_of(str(tmp_path), 4) + ".json")  # the JSON's copy of the layout is for people: edits are ignored
+    meta.write_text(meta.read_text().replace('"prompt_ids": [20, 21]', '"prompt_ids": [7, 8]'))
+    assert load_state(str(tmp_path), 4)[0][0].prompt_ids == [20, 21]
     data = Path(path_of(str(tmp_path), 4) + ".safetensors")
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 1
