@@ -77,3 +77,30 @@ def test_two_ranks_gather_the_single_rank_routing(models):
     ids, routing, offsets = alone
     assert routing.shape == (ids.shape[0], 2, 2)
     assert bool((routing[offsets[1:] - 1] == NOT_ROUTED).all())  # each sequence's last token
+
+
+def test_a_continued_sample_keeps_each_tokens_routing_of_the_version_that_generated_it(models):
+    """Partial rollouts with R3 (issue 43): a sample paused after 3 tokens under version 0 and
+    continued after an update to version 1 replays, per token, the routing of the version that
+    generated it: the rows that sampled the kept tokens are version 0's top-k (the rows first
+    recorded), the rows from the last kept token on are version 1's (an HF forward of the whole
+    sequence under the new weights), the last row -1. The update moves the routers, so the two
+    versions route some kept tokens differently: the check can tell them apart."""
+    engine = build_rollout("hf", RolloutEngineConfig(models["qwen3_moe"], return_routing=True))
+    old = AutoModelForCausalLM.from_pretrained(models["qwen3_moe"], dtype=torch.float32).eval()
+    kept = [g[0] for g in engine.generate(PROMPTS, SamplingParams(max_tokens=3), list(range(len(PROMPTS))))]
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in old.state_dict().items() if "gate" in k}
+    engine.sync_weights([(k, v) for k, v in old.state_dict().items() if k not in new] + list(new.items()), version=1)
+    model = AutoModelForCausalLM.from_pretrained(models["qwen3_moe"], dtype=torch.float32).eval()
+    model.load_state_dict(new, strict=False)
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=3), list(range(len(PROMPTS))), kept=kept)
+    differ = 0
+    for prompt, k, (s,) in zip(PROMPTS, kept, out, strict=True):
+        seq, cut = torch.cat([prompt, s.token_ids]), len(prompt) + len(k.token_ids) - 1
+        assert s.token_versions.tolist() == [0] * 3 + [1] * (len(s.token_ids) - 3)
+        assert torch.equal(s.routed_experts[:cut], k.routed_experts[:cut])
+        assert torch.equal(s.routed_experts[cut:-1].sort(-1).values, hf_top_k(model, seq)[cut:-1].sort(-1).values)
+        assert bool((s.routed_experts[-1] == NOT_ROUTED).all())
+        differ += int((hf_top_k(model, seq)[:cut].sort(-1).values != k.routed_experts[:cut].sort(-1).values).any())
+    assert differ > 0
