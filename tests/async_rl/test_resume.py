@@ -1,9 +1,10 @@
 """Issue 43, items 4-5: the asynchronous state (admitted batches, their kept tokens, log-probs and
-versions, the data cursor) is checkpointed with the roles; a run stopped by SIGTERM while
-batches are in flight, resumed, SIGKILLed at a random moment and resumed again trains every
-prompt of the data order exactly once (the ledger's prompt ids) and equals the uninterrupted run
-bit for bit (every metric but the timings). A tampered state file is refused, naming it, before
-anything is loaded."""
+versions, the data cursor) is checkpointed with the roles; a run stopped by a weight update that
+fails half-way, resumed, stopped by SIGTERM while batches are in flight, resumed, SIGKILLed at a
+random moment and resumed again trains every prompt of the data order exactly once (the ledger's
+prompt ids) and equals the uninterrupted run bit for bit (every metric but the timings). A
+tampered state file is refused, naming it, before anything is loaded. (A rollout worker killed
+mid-generation on Ray: ``tests/placement/test_ray_runs.py``.)"""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ from posttrain.async_rl import LEDGER_FILE
 from posttrain.async_rl.state import Pending, load_state, path_of, save_state
 from tests.support.launch import REPO, launch_env, run_script
 
-TOTAL = 7
+TOTAL = 9
 GRPO = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", "trainer.progress_bar=false", "data.batch_size=4", "algo.n_samples=4"]
-GRPO += ["async.max_staleness=2", "trainer.checkpoint_every=1", f"trainer.total_steps={TOTAL}"]
+GRPO += ["async.max_staleness=2", "trainer.checkpoint_every=1", f"trainer.total_steps={TOTAL}", "rollout.sync_bucket_mb=0.05"]
+# The hf backend, except that the update to the version EK_TEST_FAIL_UPDATE_VERSION names breaks after one chunk.
+GRPO += ["rollout.backend=tests.async_rl.faulty_rollout:FailsHalfway"]
 TIMING = ("_s", "tokens_per_s", "_frac")
 
 
@@ -58,15 +61,21 @@ def _interrupt(out: Path, sig: int, after_steps: int, *extra: str) -> subprocess
 
 
 @pytest.mark.slow
-def test_sigterm_then_sigkill_then_resume_trains_each_prompt_once_and_equals_the_uninterrupted_run(tmp_path):
-    """SIGTERM while batches are in flight: the step finishes, the state is saved with the roles,
-    exit 143; resumed, then SIGKILLed at a random moment; resumed again to the end."""
+def test_faults_then_resumes_train_each_prompt_once_and_equal_the_uninterrupted_run(tmp_path):
+    """A weight update that fails half-way (the rollout keeps its weights: staged) stops the run
+    non-zero naming the cause; resumed, SIGTERM while batches are in flight: the step finishes,
+    the state is saved with the roles, exit 143; resumed, then SIGKILLed at a random moment;
+    resumed again to the end."""
     out = tmp_path / "run"
-    stopped = _interrupt(out, signal.SIGTERM, 2)
+    failed = run_script([*GRPO, f"trainer.output_dir={out}"], timeout=300, env={"EK_TEST_FAIL_UPDATE_VERSION": "3"})
+    assert failed.returncode != 0
+    assert "rollout weight sync to version 3 failed on this rank (ConnectionError: injected" in failed.stderr, failed.stderr[-3000:]
+    assert len(_rows(out)) == 2  # steps 1-2 trained and checkpointed, step 3 never reached its update
+    stopped = _interrupt(out, signal.SIGTERM, 4, "trainer.resume=true")
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-2000:] + stopped.stderr[-3000:]
     at = len(_rows(out))
     assert f"SIGTERM received: stopped after step {at}" in stopped.stdout
-    assert (out / "checkpoints" / "async" / f"global_step_{at}.json").exists()
+    assert (out / "checkpoints" / "async" / f"global_step_{at}.safetensors").exists()
     killed = _interrupt(out, signal.SIGKILL, at + 2, "trainer.resume=true")
     assert killed.returncode == -signal.SIGKILL and "generated again" not in killed.stderr, killed.stderr[-3000:]
     assert len(_rows(out)) < TOTAL

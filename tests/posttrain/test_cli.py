@@ -69,18 +69,19 @@ def _only_the_built_in_backends(monkeypatch):
 
 # ---------------------------------------------------------------------------------- independent schema walk
 def _leaves(cls: type, obj, prefix: str = "") -> dict[str, object]:
-    """Dotted leaf key -> default, walking ``dataclasses.fields`` (lists and dicts are leaves)."""
+    """Dotted leaf key -> default, walking ``dataclasses.fields`` (lists and dicts are leaves);
+    a field with a ``key`` alias (``async_``) under the key users write (``async``)."""
     out: dict[str, object] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name)
+        value, key = getattr(obj, f.name), f.metadata.get("key", f.name)
         if cls is EngineConfig and f.name == "backend":
             for options in BACKEND_OPTIONS:
                 out.update(_leaves(options, options(), f"{prefix}{options.config_section}."))
         elif isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
-            out.update(_leaves(hints[f.name], value, f"{prefix}{f.name}."))
+            out.update(_leaves(hints[f.name], value, f"{prefix}{key}."))
         else:
-            out[prefix + f.name] = value
+            out[prefix + key] = value
     return out
 
 
