@@ -145,7 +145,6 @@ class Pipeline:
         training half (``recipes.ppo.train_on_batch``). Returns its metrics plus ``async/*``."""
         began = time.perf_counter()
         self.rollout.sync_weights(version=step + 1)
-        synced = time.perf_counter()
         while self.cursor <= step + self.k:
             self.pending[self.cursor] = self._admitted(self.cursor)
             self.cursor += 1
@@ -172,7 +171,7 @@ class Pipeline:
             if error:
                 raise error[0]
             self.rollout.release()  # the engine's memory back to training (colocated)
-        waited = time.perf_counter() - began - (round_s[0] if thread else 0.0)
+        waited = time.perf_counter() - began  # the sync, the finish and a round that could not overlap
         try:
             del self.pending[step]
             batch = samples_to_batch(current.prompts, current.samples, self.temperature)
@@ -195,7 +194,7 @@ class Pipeline:
         if thread is not None:
             self.rollout.release()
         wall = time.perf_counter() - began
-        busy = (synced - began) + (finished - synced) + round_s[0]
+        busy = (finished - began) + round_s[0]  # the sync and the finish, then the round
         m.update(self._metrics(batch, step, wall, waited, busy))
         m.update(probe)
         m["tokens_per_s"] = float(batch["loss_mask"].values().sum()) / max(wall, 1e-9)
