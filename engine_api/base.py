@@ -108,6 +108,9 @@ class BaseEngine(abc.ABC):
         self._loss_fn: LossFn | None = None
         # Why the weights are invalid (an optimizer step wrote NaN/inf into them), else None.
         self._broken: str | None = None
+        # set_optim_hparams: the clipping norm in force (None: none) and which param groups decay.
+        self._clip_grad: float | None = config.optim.clip_grad
+        self._decaying_groups: list[bool] | None = None
         self._offloader = Offloader(self._move)
 
     # ================================================================== the contract
@@ -229,12 +232,75 @@ class BaseEngine(abc.ABC):
         norm = float(measured.full_tensor() if isinstance(measured, DTensor) else measured)
         if agree_to_skip(norm, nonfinite_loss, None):
             return norm if not math.isfinite(norm) else math.nan  # non-finite either way: callers test it
-        if self.config.optim.clip_grad is not None:
-            self._clip_grads(self.config.optim.clip_grad, measured)
+        if self._clip_grad is not None:
+            self._clip_grads(self._clip_grad, measured)
         self._apply_update()
         self._check_update(self._updated_parameters())
         self.global_step += 1
         return norm
+
+    def set_optim_hparams(
+        self,
+        *,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        clip_grad: float | None | str = "keep",
+    ) -> None:
+        """Set AdamW's hyperparameters for the next optimizer steps (per-step control, as the
+        Tinker API's ``optim_step(AdamParams)`` needs). ``None`` (``"keep"`` for ``clip_grad``)
+        leaves a value as it is; ``clip_grad=None`` turns clipping off.
+
+        They apply to every parameter group alike, except that a group built without weight
+        decay (a backend's no-decay group, e.g. biases and norms where it makes them) keeps
+        none. ``lr`` holds until the next ``lr_scheduler_step``, which sets the schedule's own
+        learning rate: a caller that sets the rate every step does not step the scheduler.
+        The values live in the optimizer's param groups, so a checkpoint saves them. Every
+        value is checked first: a bad one raises ``ValueError`` naming it, and nothing changes.
+        """
+        self._refuse_if_frozen("set_optim_hparams")
+        checks = [
+            ("lr", lr, lr is None or (math.isfinite(lr) and lr >= 0), "a finite number >= 0"),
+            ("eps", eps, eps is None or (math.isfinite(eps) and eps > 0), "a finite number > 0"),
+            (
+                "weight_decay",
+                weight_decay,
+                weight_decay is None or (math.isfinite(weight_decay) and weight_decay >= 0),
+                "a finite number >= 0",
+            ),
+            (
+                "betas",
+                betas,
+                betas is None or (len(tuple(betas)) == 2 and all(math.isfinite(b) and 0.0 <= b < 1.0 for b in betas)),
+                "two numbers in [0, 1)",
+            ),
+            (
+                "clip_grad",
+                clip_grad,
+                clip_grad in ("keep", None) or (math.isfinite(clip_grad) and clip_grad > 0),
+                "a number > 0, or None for no clipping",
+            ),
+        ]
+        for name, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"set_optim_hparams({name}={value!r}): must be {want}; nothing was changed")
+        groups = self._param_groups()
+        if self._decaying_groups is None or len(self._decaying_groups) != len(groups):
+            # Which groups decay is fixed when the optimizer is built; recorded before the first change.
+            decays = self.config.optim.weight_decay > 0
+            self._decaying_groups = [g.get("weight_decay", 0.0) > 0 or not decays for g in groups]
+        for group, decaying in zip(groups, self._decaying_groups, strict=True):
+            if lr is not None:
+                group["lr"] = float(lr)
+            if betas is not None:
+                group["betas"] = (float(betas[0]), float(betas[1]))
+            if eps is not None:
+                group["eps"] = float(eps)
+            if weight_decay is not None:
+                group["weight_decay"] = float(weight_decay) if decaying else 0.0
+        if clip_grad != "keep":
+            self._clip_grad = None if clip_grad is None else float(clip_grad)
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR scheduler by one step and return the new learning rate."""
@@ -507,6 +573,11 @@ class BaseEngine(abc.ABC):
         return forward_backward_loop(
             self._step_spec(), batch, self._loss_fn, self.deferred, ctx, forward_only, preprocess_fn, postprocess_fn
         )
+
+    def _param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups, as the step reads them (megatron: the torch
+        optimizers' groups inside its chained optimizer, which its ``param_groups`` concatenates)."""
+        return self.optimizer.param_groups
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (with LoRA, the adapters)."""

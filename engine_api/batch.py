@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api.dist import all_gather_rows, group_size
+from engine_api.logprobs import TARGETS_FIELD
 
 _META_TYPES = (bool, int, float, str, type(None))
 
@@ -141,6 +142,8 @@ def validate_batch(
         if bool(bad.any()):
             tok = int(v[bad][0])
             raise ValueError(f"input_ids holds token id {tok}, outside [0, {vocab_size}); fix: tokenise with the model's vocabulary")
+    if TARGETS_FIELD in batch.keys():
+        _check_targets(batch[TARGETS_FIELD], vocab_size)
     offsets = ids.offsets()
     for name in batch.keys():
         field = batch.get(name)
@@ -170,6 +173,26 @@ def validate_batch(
             raise ValueError(
                 f"loss_mask[{i}] is set at position 0, which no token predicts; "
                 "fix: mask position 0 out (responses are the last R tokens of a sequence)"
+            )
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int | None) -> None:
+    """``target_ids`` (``engine_api.logprobs``): jagged integer ids, ``[T]`` or ``[T, K]`` per sequence,
+    within the vocabulary (its offsets are checked with every jagged field's)."""
+    _check_jagged(TARGETS_FIELD, targets)
+    values = targets.values()
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ValueError(f"{TARGETS_FIELD} has dtype {values.dtype}; fix: target token ids must be an integer dtype")
+    if values.dim() not in (1, 2):
+        raise ValueError(
+            f"{TARGETS_FIELD} has {values.dim() - 1} dims per token (shape {tuple(values.shape)}); fix: one target per "
+            "position ([T] per sequence) or K candidates per position ([T, K])"
+        )
+    if vocab_size is not None and values.numel():
+        bad = (values < 0) | (values >= vocab_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{TARGETS_FIELD} holds token id {int(values[bad][0])}, outside [0, {vocab_size}); fix: tokenise with the model's vocabulary"
             )
 
 

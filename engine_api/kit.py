@@ -13,7 +13,8 @@ walks through them. Groups:
   ``build_norm_context``, ``backward_scale``, ``DeferredNormalizer``; ``build_adamw``,
   ``build_lr_scheduler``;
 * the data protocol: ``pack`` / ``unpack`` / ``pad`` / ``unpad``, ``relayout``, ``to_device``,
-  ``token_log_probs``, ``token_entropy``, ``align_to_tokens``, ``temperature_of`` /
+  ``token_log_probs``, ``token_entropy``, ``align_to_tokens``, ``lm_token_outputs`` (every LM
+  output of a packed micro-batch, ``target_log_probs`` of ``TARGETS_FIELD`` too), ``temperature_of`` /
   ``wants_entropy``; MoE routing: ``RouterSpec``, ``RoutingRecorder``, ``ROUTING_FIELD``,
   ``NOT_ROUTED``, ``wants_routing`` (a micro-batch's replay / recording request);
 * processes and placement: ``compute_device``, ``ensure_process_group``,
@@ -47,7 +48,15 @@ from engine_api.dist import (
     is_initialized,
     process_group_timeout,
 )
-from engine_api.logprobs import align_to_tokens, token_entropy, token_log_probs
+from engine_api.logprobs import (
+    TARGET_LOG_PROBS,
+    TARGETS_FIELD,
+    align_to_tokens,
+    lm_token_outputs,
+    target_log_probs,
+    token_entropy,
+    token_log_probs,
+)
 from engine_api.losses import DeferredNormalizer, backward_scale, build_norm_context
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.microbatch import make_micro_batches
@@ -80,7 +89,7 @@ __all__ = [
     "StepSpec", "CallState", "forward_backward_loop", "validate_call", "make_micro_batches", "build_norm_context", "backward_scale",
     "DeferredNormalizer", "RETURN_PREDICTIONS", "build_adamw", "build_lr_scheduler",
     "pack", "unpack", "pad", "unpad", "relayout", "to_device", "make_batch", "validate_batch", "loss_mask_of", "token_log_probs",
-    "token_entropy", "align_to_tokens", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
+    "token_entropy", "align_to_tokens", "lm_token_outputs", "target_log_probs", "TARGETS_FIELD", "TARGET_LOG_PROBS", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
     "ROUTING_FIELD", "NOT_ROUTED", "wants_routing", "gather_dim1", "sum_keep_grad", "outputs_from_columns",
     "compute_device", "ensure_process_group", "process_group_timeout", "is_initialized", "group_rank", "group_size", "all_reduce",
     "barrier", "broadcast_tensors", "relocate_module", "relocate_state",

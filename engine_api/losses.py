@@ -14,7 +14,12 @@ mode                           loss                                          den
 ``seq-mean-token-mean``        mean over sequences of sum_t(m*l) / sum_t(m)  sequences
 ``seq-mean-token-sum``         mean over sequences of sum_t(m*l)             sequences
 ``seq-mean-token-sum-norm``    sum(m*l) / (|B| * C)                          sequences * C
+``sum``                        sum(m*l)                                      1
 =============================  ============================================  ================
+
+``sum`` is the Tinker API's reduction (every loss there is a sum over tokens and datums, no
+mean anywhere): the gradient of a step is the gradient of the plain sum, so it grows with the
+batch, and a batch whose mask selects nothing is a valid zero loss rather than 0/0.
 
 Assumption (documented in docs/design.md, section 10): ``|B|`` counts the sequences that have at least one
 token in the loss mask; a sequence with an empty mask contributes nothing to any mode.
@@ -44,7 +49,7 @@ import torch.distributed as dist
 
 from engine_api.dist import all_reduce, comm_device, group_size
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class NormCounts:
 def denominator(mode: str, counts: NormCounts, constant: float | None = None) -> float:
     """The global denominator of ``mode`` for ``counts`` (``constant`` is C of the -norm mode)."""
     _check_mode(mode)
+    if mode == "sum":
+        return 1.0
     if mode == "token-mean":
         return counts.tokens
     if mode == "seq-mean-token-sum-norm":
@@ -219,11 +226,13 @@ class DeferredNormalizer:
         self.mode = mode
         self.constant = constant
         self.counts = NormCounts(0.0, 0.0)
+        self.calls = 0
         self.nonfinite_loss = False
 
     def add(self, counts: NormCounts) -> None:
         """Add one call's global counts to the window."""
         self.counts = self.counts + counts
+        self.calls += 1
 
     def note_loss(self, loss: float) -> None:
         """Record one training call's loss; a non-finite one marks the window for skipping."""
@@ -233,7 +242,8 @@ class DeferredNormalizer:
     def grad_scale(self) -> float:
         """``1 / denominator`` of the window; raises if nothing was accumulated."""
         denom = denominator(self.mode, self.counts, self.constant)
-        if denom <= 0:
+        # ``sum`` has no count in its denominator: the window is empty when no call was added.
+        if denom <= 0 or not self.calls:
             raise RuntimeError(
                 "optimizer_step in deferred mode with no loss tokens accumulated since the last "
                 "step; fix: call forward_backward_step (not forward_only) before optimizer_step"
@@ -243,6 +253,7 @@ class DeferredNormalizer:
     def reset(self) -> None:
         """Start a new accumulation window."""
         self.counts = NormCounts(0.0, 0.0)
+        self.calls = 0
         self.nonfinite_loss = False
 
 

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from engine_api.batch import loss_mask_of, relayout, to_device, validate_batch
 from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
+from engine_api.logprobs import TARGETS_FIELD
 from engine_api.losses import DeferredNormalizer, LossFn, backward_scale, build_norm_context
 from engine_api.microbatch import make_micro_batches
 from engine_api.moe import ROUTING_FIELD, RoutingRecorder, check_routing
@@ -55,6 +56,10 @@ class StepSpec:
             ends it per training call, adds its load-balancing term to each micro-batch's
             loss (the default runner; a backend's own runner calls ``close`` itself) and
             reports its metrics. None for a dense model.
+        scores_targets: whether the forward returns ``target_log_probs`` for a batch with
+            ``target_ids`` (``engine_api.logprobs``); a layout that cannot (today: sequences split
+            over ranks, Ulysses SP and megatron CP) says False, and such a batch is refused
+            before any state changes, naming the setting.
     """
 
     config: EngineConfig
@@ -68,6 +73,7 @@ class StepSpec:
     max_positions_reason: str = "the model's max_position_embeddings"
     validate_over_world: bool = False
     router: RoutingRecorder | None = None
+    scores_targets: bool | str = True
 
 
 def seq_len_limit(
@@ -98,6 +104,7 @@ def validate_call(
     group: dist.ProcessGroup | None = None,
     max_positions_reason: str = "the model's max_position_embeddings",
     router: RoutingRecorder | None = None,
+    scores_targets: bool | str = True,
 ) -> None:
     """Every per-call input check of ``forward_backward_step`` that reads only the batch and
     the config (``validate_batch`` with the vocabulary and the sequence-length limit), agreed
@@ -112,6 +119,11 @@ def validate_call(
     try:
         validate_batch(batch, vocab_size=vocab_size, max_seq_len=limit, max_seq_len_field=field)
         validate_routing(batch, router)
+        if TARGETS_FIELD in batch.keys() and scores_targets is not True:
+            raise ValueError(
+                f"batch field {TARGETS_FIELD!r}: arbitrary target log-probs are not computed when {scores_targets}; "
+                f"fix: drop {TARGETS_FIELD!r} (next-token log_probs are), or train this batch without sequence splitting"
+            )
     except ValueError as exc:
         error = exc
     if group_size(group) == 1:
@@ -243,6 +255,7 @@ def forward_backward_loop(
         None if spec.validate_over_world else spec.dp_group,
         spec.max_positions_reason,
         spec.router,
+        spec.scores_targets,
     )
     if not forward_only and "disable_adapters" in batch.keys() and batch.get_non_tensor("disable_adapters"):
         raise ValueError(

@@ -121,10 +121,9 @@ class ReferenceEngine(kit.BaseEngine):
             values = kit.align_to_tokens(logits[:-1, 0].float(), packed.cu_seqlens)
             return TensorDict({"values": kit.unpack(values, ids)}, batch_size=mb.batch_size)
         logits = logits / kit.temperature_of(mb)
-        out = {"log_probs": kit.unpack(kit.token_log_probs(logits, packed.input_ids, packed.cu_seqlens), ids)}
-        if kit.wants_entropy(mb):
-            out["entropy"] = kit.unpack(kit.token_entropy(logits, packed.cu_seqlens), ids)
-        return TensorDict(out, batch_size=mb.batch_size)
+        # log_probs, entropy when asked, target_log_probs when the batch has target_ids
+        out = kit.lm_token_outputs(logits, packed.input_ids, packed.cu_seqlens, mb)
+        return TensorDict({k: kit.unpack(v, ids) for k, v in out.items()}, batch_size=mb.batch_size)
 
     # ------------------------------------------------------------------ state
     def _save_checkpoint(self, local_path, hdfs_path, global_step, keep, extra) -> None:

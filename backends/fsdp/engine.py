@@ -157,6 +157,9 @@ class FSDPEngine(BaseEngine):
             device=self.device,
             max_positions=self.max_positions,
             router=self.router,
+            scores_targets=True
+            if self.sp_group is None
+            else "sequences are split over ranks (engine.fsdp.ulysses_sequence_parallel_size > 1)",
         )
 
     def _forward_backward(self, batch, ctx, forward_only, preprocess_fn, postprocess_fn):

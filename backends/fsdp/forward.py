@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from backends.fsdp.ulysses import SP_KWARG, SequenceShard
-from engine_api.kit import align_to_tokens, gather_dim1, outputs_from_columns, pack, pad, token_entropy, token_log_probs, unpack
+from engine_api.kit import align_to_tokens, gather_dim1, lm_token_outputs, outputs_from_columns, pack, pad, unpack
 
 # FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
 # in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs
@@ -77,10 +77,8 @@ def hf_forward(
         return TensorDict({"values": unpack(values, ids)}, batch_size=mb.batch_size)
     temperature = float(mb.get_non_tensor("temperature", 1.0))
     logits = flat / temperature if temperature != 1.0 else flat
-    outputs = {"log_probs": unpack(token_log_probs(logits, packed.input_ids, packed.cu_seqlens), ids)}
-    if mb.get_non_tensor("calculate_entropy", False):
-        outputs["entropy"] = unpack(token_entropy(logits, packed.cu_seqlens), ids)
-    return TensorDict(outputs, batch_size=mb.batch_size)
+    flat_outputs = lm_token_outputs(logits, packed.input_ids, packed.cu_seqlens, mb)
+    return TensorDict({k: unpack(v, ids) for k, v in flat_outputs.items()}, batch_size=mb.batch_size)
 
 
 def sp_forward(

@@ -76,6 +76,7 @@ from engine_api.kit import (
     ckpt_layout,
     forward_backward_loop,
     gather_dim1,
+    lm_token_outputs,
     options_of,
     outputs_from_columns,
     pack,
@@ -83,8 +84,6 @@ from engine_api.kit import (
     register_engine,
     relayout,
     to_device,
-    token_entropy,
-    token_log_probs,
     unpack,
     wants_routing,
 )
@@ -228,6 +227,7 @@ class MegatronEngine(BaseEngine):
             # Model-parallel peers hold the same shard, and all must stop together.
             validate_over_world=True,
             router=self.router,
+            scores_targets=True if self.cp == 1 else "sequences are split over ranks (engine.megatron.context_parallel_size > 1)",
             # (CP: megatron DDP averages over DP x CP, and megatron's schedule multiplies every
             # micro-batch loss by the CP size, forward_step_calc_loss: the CP part cancels there)
         )
@@ -389,10 +389,8 @@ class MegatronEngine(BaseEngine):
         temperature = float(mb.get_non_tensor("temperature", 1.0))
         if temperature != 1.0:
             logits = logits / temperature
-        out = {"log_probs": unpack(token_log_probs(logits, ids.values(), cu), ids)}
-        if mb.get_non_tensor("calculate_entropy", False):
-            out["entropy"] = unpack(token_entropy(logits, cu), ids)
-        return TensorDict(out, batch_size=mb.batch_size)
+        out = lm_token_outputs(logits, ids.values(), cu, mb)
+        return TensorDict({k: unpack(v, ids) for k, v in out.items()}, batch_size=mb.batch_size)
 
     def _cp_outputs(self, output: torch.Tensor, mb: TensorDict, real: torch.Tensor) -> TensorDict:
         """:meth:`_outputs` under context parallelism: ``output`` holds this rank's two chunks of

@@ -282,6 +282,71 @@ def update_invariance(env: Env) -> str:
     return f"{len(fx.MODES) * len(VARIANTS)} steps, worst weight error {worst:.1e}"
 
 
+# ----------------------------------------------------------------------------- the Tinker API's needs
+REFUSES_TARGETS = "arbitrary target log-probs are not computed"
+
+
+def _targets_or_skip(call: Callable[[], object]) -> object:
+    """``call()``; a layout that refuses ``target_ids`` as documented (``StepSpec.scores_targets``)
+    is reported as skipped with the engine's reason, never as passed."""
+    try:
+        return call()
+    except ValueError as exc:
+        if REFUSES_TARGETS in str(exc):
+            raise Skipped(f"the engine refuses target_ids here: {exc}") from None
+        raise
+
+
+@check("target_logprobs")
+def target_logprobs(env: Env) -> str:
+    """target_ids ([T] and [T, K] per sequence) give target_log_probs equal to HF's log-softmax at each position (no shift, the last position too)."""
+    hf = fx.hf_model(env.model_dir)
+    engine = new_engine(env, "max_token_len_per_micro_batch=16")
+    worst = {}
+    for label, k in (("[T]", None), ("[T, 3]", 3)):
+        local = engine.shard_data(fx.make_target_batch(seed=2, k=k))
+        with engine.eval_mode():
+            out = _targets_or_skip(lambda local=local: engine.infer_batch(local))
+        if out is None:
+            continue  # not an output rank
+        got = out["target_log_probs"]
+        if got.values().shape != local["target_ids"].values().shape:
+            raise CheckFailed(
+                f"{label}: target_log_probs has shape {tuple(got.values().shape)}, target_ids {tuple(local['target_ids'].values().shape)}"
+            )
+        worst[label] = max_diff(got, fx.hf_target_log_probs(hf, local))
+        if worst[label] > 1e-5:
+            raise CheckFailed(f"{label} targets: log-probs differ from HF by {worst[label]:.2e} (> 1e-5)")
+    return ", ".join(f"{k} max|diff| {v:.1e}" for k, v in worst.items())
+
+
+@check("per_step_optim")
+def per_step_optim(env: Env) -> str:
+    """Two steps of a weighted target-token loss in loss_agg_mode=sum, AdamW's lr, betas, eps, weight decay and clipping reset by set_optim_hparams before each, the second in two calls, equal HF + torch AdamW set the same way."""
+    seeds = (10, 11)
+    ref = fx.reference_target_steps(env.model_dir, seeds)
+    engine = new_engine(env, "max_token_len_per_micro_batch=16", mode="sum")
+    engine.set_loss_fn(fx.target_loss_fn)
+    worst = 0.0
+    for i, (seed, hp, want) in enumerate(zip(seeds, fx.STEP_HPARAMS, ref, strict=True)):
+        engine.set_optim_hparams(**hp)
+        local = engine.shard_data(fx.make_target_batch(seed))
+        n = local.batch_size[0]
+        parts = [local] if i == 0 else [local[: n // 2], local[n // 2 :]]
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            loss = sum(_targets_or_skip(lambda part=part: engine.forward_backward_step(part))[1] for part in parts)
+            norm = engine.optimizer_step()  # no lr_scheduler_step: the rate is set per step
+        label = f"step {i + 1} ({len(parts)} call(s), {env.world} rank(s))"
+        close(f"{label}: loss", loss, want["loss"], UPDATE_RTOL)
+        close(f"{label}: pre-clip grad norm", norm, want["grad_norm"], UPDATE_RTOL)
+        err = fx.rel(weights(engine), want["after"])
+        worst = max(worst, err)
+        if err > UPDATE_RTOL:
+            raise CheckFailed(f"{label}: updated weights differ from the reference by {err:.2e} relative (> {UPDATE_RTOL:g})")
+    return f"2 steps, worst weight error {worst:.1e}"
+
+
 # ----------------------------------------------------------------------------- state safety
 @check("abort")
 def abort(env: Env) -> str:

@@ -190,6 +190,76 @@ def reference_step(model_dir: str, mode: str) -> dict:
     return {"loss": float(loss.detach()), "grad_norm": norm, "before": before, "after": after}
 
 
+# Arbitrary targets (``target_ids``), the ``sum`` mode and per-step AdamW settings: two steps whose
+# hyperparameters all change in between (the second without clipping), as the Tinker API drives them.
+STEP_HPARAMS = (
+    dict(lr=0.02, betas=(0.8, 0.99), eps=2e-3, weight_decay=0.05, clip_grad=0.5),
+    dict(lr=0.005, betas=(0.95, 0.9), eps=1e-3, weight_decay=0.0, clip_grad=None),
+)
+
+
+def make_target_batch(seed: int = 0, k: int | None = None):
+    """The test batch with ``target_ids`` (random ids, ``[T]`` or ``[T, k]`` per sequence: not the
+    next input token) and real-valued ``weights`` of either sign, one per target."""
+    from engine_api.batch import make_batch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    shape = (lambda n: (n,)) if k is None else (lambda n: (n, k))
+    targets = [torch.randint(0, VOCAB, shape(n), generator=g) for n in LENGTHS]
+    weights = [torch.randn(shape(n), generator=g) for n in LENGTHS]
+    return make_batch(seqs, target_ids=targets, weights=weights)
+
+
+def target_per_token_loss(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A weighted cross-entropy plus a nonlinear term (the loss is not linear in log-probs)."""
+    return -lp * weights + 0.1 * lp.pow(2)
+
+
+def target_loss_fn(mb, out, norm):
+    """The engines' loss over ``target_log_probs``: a plain sum over every position (no mask: the
+    weights select), divided by the call's denominator (1 in the ``sum`` mode)."""
+    return target_per_token_loss(out["target_log_probs"].values(), mb["weights"].values()).sum() / norm.denominator, {}
+
+
+def hf_target_log_probs(model, batch) -> list[torch.Tensor]:
+    """Per sequence: ``log_softmax(logits[t])[target_ids[t]]`` at every position (no shift)."""
+    out = []
+    with torch.no_grad():
+        for ids, targets in zip(batch["input_ids"].unbind(), batch["target_ids"].unbind(), strict=True):
+            logp = torch.log_softmax(model(ids[None]).logits[0], -1)
+            out.append(logp.gather(-1, targets[:, None]).squeeze(-1) if targets.dim() == 1 else logp.gather(-1, targets))
+    return out
+
+
+def reference_target_steps(model_dir: str, seeds: tuple[int, ...]) -> list[dict]:
+    """Optimizer steps of :func:`target_loss_fn` summed over the batch of each seed, computed
+    independently (per-sequence HF forward, autograd, clipping, torch AdamW whose groups are set
+    to :data:`STEP_HPARAMS` before each step). Per step: loss, pre-clip grad norm, parameters."""
+    model = hf_model(model_dir)
+    model.train()
+    first = STEP_HPARAMS[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"])
+    steps = []
+    for seed, hp in zip(seeds, STEP_HPARAMS, strict=True):
+        for group in opt.param_groups:
+            group.update(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"])
+        opt.zero_grad()
+        b = make_target_batch(seed)
+        loss = 0.0
+        for ids, targets, w in zip(b["input_ids"].unbind(), b["target_ids"].unbind(), b["weights"].unbind(), strict=True):
+            lp = torch.log_softmax(model(ids[None]).logits[0], -1).gather(-1, targets[:, None]).squeeze(-1)
+            loss = loss + target_per_token_loss(lp, w).sum()
+        loss.backward()
+        clip = hp["clip_grad"] if hp["clip_grad"] is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        steps.append(
+            {"loss": float(loss.detach()), "grad_norm": norm, "after": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        )
+    return steps
+
+
 def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Relative L2 difference of two tensor sets as one vector (per-tensor ratios of tiny
     tensors would measure fp32 reordering noise, not the property)."""

@@ -48,6 +48,8 @@ def _direct(mode, loss_rows, mask_rows):
     tokens = sum(float(m.sum()) for m in mask_rows)
     if mode == "token-mean":
         return token_sum / tokens
+    if mode == "sum":
+        return token_sum
     if mode == "seq-mean-token-sum-norm":
         return token_sum / (len(seqs) * C)
     return float(sum(seqs)) / len(seqs)
@@ -94,7 +96,7 @@ def _direct_tensor(mode, rows, masks):
     ]
     tokens = sum(float(m.sum()) for m in masks)
     total = sum((r * m).sum() for r, m in zip(rows, masks, strict=True))
-    return {"token-mean": total / tokens, "seq-mean-token-sum-norm": total / (len(seqs) * C)}.get(mode, sum(seqs) / len(seqs))
+    return {"token-mean": total / tokens, "seq-mean-token-sum-norm": total / (len(seqs) * C), "sum": total}.get(mode, sum(seqs) / len(seqs))
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
