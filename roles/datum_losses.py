@@ -1,0 +1,182 @@
+"""The Tinker API's built-in losses, exactly as its documentation defines them: token SUMS over
+every position of every datum (no mean anywhere, no hidden clipping, no DP scaling).
+
+Per position ``t`` of a datum, ``lp`` is the trained policy's log-probability of the target token
+(``engine_api.logprobs``: ``target_log_probs``, scored at ``t`` without a shift), ``q`` the
+sampler's (``loss_fn_inputs["logprobs"]``), ``A`` the advantage and ``w`` the weight;
+``r = exp(lp - q)``, ``sg`` stops the gradient:
+
+=======================  ==============================================================  ===================
+loss                     per-token term (the loss is the sum of the terms)               config (default)
+=======================  ==============================================================  ===================
+``cross_entropy``        ``-lp * w``  (``[T, K]`` targets: summed over the K too)        -
+``importance_sampling``  ``-r * A``                                                      -
+``ppo``                  ``-min(r * A, clip(r, lo, hi) * A)``                            lo 0.8, hi 1.2
+``cispo``                ``-sg(clip(r, lo, hi)) * lp * A``                               lo 0.8, hi 1.2
+``dro``                  ``-(lp * A - beta / 2 * (lp - q) ** 2)``                        beta 0.05
+``gspo``                 ``-min(s_t * A, clip(s_t, lo, hi) * A)``, ``s_t = sg(s) * exp(lp - sg(lp))``,  lo 0.8, hi 1.2
+                         ``s = exp(mean over the datum's ratio mask of sg(lp) - q)``
+=======================  ==============================================================  ===================
+
+``lo`` / ``hi`` come from ``loss_fn_config`` (``clip_low_threshold`` / ``clip_high_threshold``, on
+the ratio itself: 0.8 is 1 - epsilon); a datum may also carry them per token in
+``loss_fn_inputs``, which then win. GSPO's ratio mask is ``loss_fn_inputs["sequence_ratio_mask"]``
+(non-zero = in the mean); without it, every position of the datum. Assumptions, where the Tinker
+docs name no value: the PPO-family default thresholds (0.8, 1.2: the docs' fixed epsilon 0.2) and
+DRO's default ``beta`` (0.05, the docs' example).
+
+``stable_reinforce`` (needs the sampler's stability records, which only Tinker's own service
+keeps) and server-side custom losses are refused with :class:`DatumLossError`; the SDK's
+``forward_backward_custom`` works, because it runs the custom loss on the client over a forward
+and a weighted ``cross_entropy``.
+
+The functions work on the flat values of a packed batch (``offsets`` delimit the datums), so the
+same code serves one datum, a micro-batch, or a DP shard: the loss is a sum, so any partition of
+the datums gives the same total and the same gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+DATUM_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+REFUSED_LOSSES = {
+    "stable_reinforce": "it needs the sampler's per-sequence stability records, which only Tinker's own service keeps; "
+    "fix: use importance_sampling, ppo, cispo or gspo",
+    "custom": "server-side custom loss graphs are not run here (no code from a request); fix: use forward_backward_custom, "
+    "which computes the custom loss on the client",
+}
+# loss_fn_inputs name -> the batch field it travels in (``logprobs`` would read as the engine's output).
+INPUT_FIELDS = {
+    "weights": "weights",
+    "advantages": "advantages",
+    "logprobs": "sampling_logprobs",
+    "sequence_ratio_mask": "sequence_ratio_mask",
+    "clip_low_threshold": "clip_low_threshold",
+    "clip_high_threshold": "clip_high_threshold",
+}
+REQUIRED = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages"),
+}
+OPTIONAL = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": (),
+    "gspo": ("clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask"),
+}
+CONFIG_KEYS = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+}
+
+
+class DatumLossError(ValueError):
+    """A loss name, input or config value the loss cannot take; the message names it and the fix."""
+
+
+def check_loss(name: str, config: Mapping[str, object] | None) -> dict[str, float]:
+    """The loss's config with its defaults, after checking the name and every key and value.
+
+    Raises:
+        DatumLossError: an unknown or refused loss, an unknown config key, a non-finite value, or
+            thresholds with ``lo > hi``.
+    """
+    if name in REFUSED_LOSSES:
+        raise DatumLossError(f"loss_fn = {name!r} is not served: {REFUSED_LOSSES[name]}")
+    if name not in DATUM_LOSSES:
+        raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(DATUM_LOSSES)}")
+    out = dict(CONFIG_KEYS[name])
+    for key, value in (config or {}).items():
+        if key not in out:
+            known = ", ".join(out) or "none"
+            raise DatumLossError(f"loss_fn_config[{key!r}] is not a setting of {name} (its settings: {known}); fix: drop it")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DatumLossError(f"loss_fn_config[{key!r}] = {value!r}; fix: a finite number")
+        out[key] = float(value)
+    if "clip_low_threshold" in out and not 0 <= out["clip_low_threshold"] <= out["clip_high_threshold"]:
+        raise DatumLossError(
+            f"loss_fn_config clip thresholds ({out['clip_low_threshold']}, {out['clip_high_threshold']}): they bound the ratio "
+            "itself; fix: 0 <= clip_low_threshold <= clip_high_threshold (e.g. 0.8 and 1.2)"
+        )
+    return out
+
+
+def required_inputs(name: str) -> tuple[str, ...]:
+    """The ``loss_fn_inputs`` (besides ``target_tokens``) that ``name`` needs."""
+    return REQUIRED[name]
+
+
+def accepted_inputs(name: str) -> tuple[str, ...]:
+    """Every ``loss_fn_inputs`` name ``name`` reads (besides ``target_tokens``)."""
+    return REQUIRED[name] + OPTIONAL[name]
+
+
+def per_token_terms(
+    name: str, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], offsets: torch.Tensor, config: Mapping[str, float]
+) -> torch.Tensor:
+    """The per-token loss terms of ``name`` (their sum is the loss), differentiable in ``lp``.
+
+    Args:
+        name: a loss of :data:`DATUM_LOSSES` (checked with :func:`check_loss` first).
+        lp: the target log-probs, flat ``[tokens]`` (``[tokens, K]`` for ``cross_entropy``).
+        inputs: ``loss_fn_inputs`` by their Tinker names, flat in ``lp``'s token order.
+        offsets: ``[datums + 1]`` boundaries of the datums in the flat order (GSPO's mean is per datum).
+        config: :func:`check_loss`'s result.
+    """
+    if name == "cross_entropy":
+        w = inputs["weights"].to(lp.dtype)
+        if w.dim() < lp.dim():
+            w = w[:, None]  # one weight per position for all K targets
+        return -lp * w
+    q = inputs["logprobs"].to(lp.dtype)
+    adv = inputs["advantages"].to(lp.dtype)
+    if name == "dro":
+        return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2)
+    lo = inputs["clip_low_threshold"].to(lp.dtype) if "clip_low_threshold" in inputs else config.get("clip_low_threshold")
+    hi = inputs["clip_high_threshold"].to(lp.dtype) if "clip_high_threshold" in inputs else config.get("clip_high_threshold")
+    if name == "gspo":
+        mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else torch.ones_like(lp, dtype=torch.bool)
+        seq = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=lp.device), offsets[1:] - offsets[:-1])
+        n = offsets.numel() - 1
+        log_ratio = (lp.detach() - q) * mask
+        per_seq = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, log_ratio)
+        count = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, mask.to(lp.dtype))
+        mean = per_seq / count.clamp(min=1)  # a datum with an empty mask has the ratio 1
+        ratio = torch.exp(mean[seq] + lp - lp.detach())
+        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    ratio = torch.exp(lp - q)
+    if name == "importance_sampling":
+        return -ratio * adv
+    if name == "ppo":
+        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    if name == "cispo":
+        return -torch.clamp(ratio, lo, hi).detach() * lp * adv
+    raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(DATUM_LOSSES)}")
+
+
+def engine_loss_fn(name: str, config: Mapping[str, float]):
+    """The engine ``LossFn`` of ``name`` for a batch built from datums (``target_ids`` and the
+    :data:`INPUT_FIELDS`): the micro-batch's sum of terms, over the call's denominator (1 in the
+    engine's ``sum`` mode, which a datum engine runs in). Metric ``loss:sum`` per micro-batch."""
+
+    def loss_fn(mb, out, norm):
+        lp = out["target_log_probs"].values()
+        inputs = {key: mb[field].values() for key, field in INPUT_FIELDS.items() if field in mb.keys()}
+        total = per_token_terms(name, lp, inputs, mb["input_ids"].offsets(), config).sum()
+        return total / norm.denominator, {"loss:sum": float(total.detach())}
+
+    return loss_fn
