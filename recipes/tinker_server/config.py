@@ -1,0 +1,154 @@
+"""The Tinker server's settings: ``python -m recipes.tinker_server --config configs/tinker_tiny.yaml
+[key=value ...]`` (docs/tinker.md). Typed and frozen; every bad value is reported with its key,
+the value and the fix before anything starts."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipes.tinker_server.contract import ServerSettings
+from recipes.tinker_server.runs import RunSettings
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """The HTTP side.
+
+    Attributes:
+        host: address to bind; 127.0.0.1 (this machine only) unless told otherwise.
+        port: TCP port.
+        api_keys: the keys a client may send (``tml-...``, the SDK's prefix); empty: any key.
+        model_root: a directory of HF model directories; each is served under its directory name.
+        aliases: further served names, each ``NAME=DIR`` (e.g. ``Qwen/Qwen3-8B=/models/q3``: a list of
+            strings, because model names hold dots, which config keys cannot).
+        state_dir: where checkpoints (``tinker://`` paths) are written.
+        max_runs: training runs held at once (one engine each); past it create_model is refused.
+        max_body_mb: the largest request body accepted.
+        poll_timeout_s: how long a ``retrieve_future`` poll is held open before ``try_again``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    model_root: str | None = None
+    aliases: list[str] = field(default_factory=list)
+    state_dir: str = "outputs/tinker"
+    max_runs: int = 2
+    max_body_mb: float = 64.0
+    poll_timeout_s: float = 30.0
+
+    def _problems(self) -> list[str]:
+        out = []
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if self.host != "localhost":
+                out.append(f"host = {self.host!r}: not an IP address; fix: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
+        if not 0 < self.port < 65536:
+            out.append(f"port = {self.port}: not a TCP port; fix: e.g. 8000")
+        malformed = [a for a in self.aliases if "=" not in a or not a.split("=", 1)[0] or not a.split("=", 1)[1]]
+        if malformed:
+            out.append(f"aliases = {malformed}: each must be NAME=DIR; fix: e.g. Qwen/Qwen3-8B=/models/qwen3-8b")
+        bad = [k for k in self.api_keys if not str(k).startswith("tml-")]
+        if bad:
+            out.append(f"api_keys = {bad}: the tinker SDK only sends keys starting with 'tml-'; fix: e.g. tml-local")
+        if self.model_root is None and not self.aliases:
+            out.append("model_root = null and no aliases: no model would be served; fix: server.model_root=DIR of HF model directories")
+        elif self.model_root is not None and not Path(self.model_root).is_dir():
+            out.append(f"model_root = {self.model_root!r}: no such directory; fix: a directory of HF model directories")
+        if self.max_runs < 1:
+            out.append(f"max_runs = {self.max_runs}: must be >= 1; fix: e.g. 2")
+        if not self.max_body_mb > 0:
+            out.append(f"max_body_mb = {self.max_body_mb}: must be > 0; fix: e.g. 64")
+        if not self.poll_timeout_s > 0:
+            out.append(f"poll_timeout_s = {self.poll_timeout_s}: must be > 0; fix: e.g. 30")
+        return out
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """The engine of every training run.
+
+    Attributes:
+        strategy: ``engine.strategy`` (a backend that trains LoRA adapters: fsdp, or a plug-in).
+        settings: further engine settings as ``key=value`` (e.g. ``max_token_len_per_micro_batch=4096``).
+    """
+
+    strategy: str = "fsdp"
+    settings: list[str] = field(default_factory=list)
+
+    def _problems(self) -> list[str]:
+        bad = [s for s in self.settings if "=" not in s]
+        return [f"settings = {bad}: each must be key=value; fix: e.g. micro_batch_size=4"] if bad else []
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """The samplers.
+
+    Attributes:
+        backend: ``rollout.backend`` (hf or vllm).
+        max_tokens: a sample's length when the request names none.
+    """
+
+    backend: str = "hf"
+    max_tokens: int = 64
+
+    def _problems(self) -> list[str]:
+        return [f"max_tokens = {self.max_tokens}: must be >= 1; fix: e.g. 64"] if self.max_tokens < 1 else []
+
+
+@dataclass(frozen=True)
+class TinkerSection:
+    """How Tinker's requests map onto the engines.
+
+    Attributes:
+        lora_alpha: LoRA alpha of every run, whatever its rank (the update is ``alpha / rank * B A``).
+    """
+
+    lora_alpha: float = 32.0
+
+    def _problems(self) -> list[str]:
+        return [f"lora_alpha = {self.lora_alpha}: must be > 0; fix: e.g. 32"] if not self.lora_alpha > 0 else []
+
+
+@dataclass(frozen=True)
+class TinkerServerConfig:
+    server: ServerSection = field(default_factory=ServerSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    tinker: TinkerSection = field(default_factory=TinkerSection)
+
+    def alias_table(self) -> dict[str, str]:
+        """``server.aliases`` as a name -> directory table."""
+        return dict(a.split("=", 1) for a in self.server.aliases)
+
+    def server_settings(self) -> ServerSettings:
+        s = self.server
+        return ServerSettings(
+            host=s.host,
+            port=s.port,
+            api_keys=tuple(s.api_keys),
+            state_dir=Path(s.state_dir),
+            max_runs=s.max_runs,
+            max_body_bytes=int(s.max_body_mb * 2**20),
+            poll_timeout_s=s.poll_timeout_s,
+        )
+
+    def run_settings(self) -> RunSettings:
+        return RunSettings(
+            strategy=self.engine.strategy,
+            engine_overrides=tuple(self.engine.settings),
+            rollout_backend=self.rollout.backend,
+            lora_alpha=self.tinker.lora_alpha,
+            max_tokens=self.rollout.max_tokens,
+        )
+
+
+def load_server_config(path: str | None, overrides: list[str] = ()) -> TinkerServerConfig:
+    """The config of ``path`` (YAML) with dot-list ``overrides``; raises ``ValueError`` listing every problem."""
+    from engine_api.typed_config import load_typed
+
+    return load_typed(TinkerServerConfig, path, list(overrides))

@@ -1,0 +1,279 @@
+"""Futures (the SDK's ``request_id`` promises, long polled) and the one worker thread that runs them.
+
+**Futures.** Every call that does work answers ``{"request_id": ...}`` at once; the SDK then polls
+``retrieve_future``. :meth:`FuturesTable.wait` holds such a poll open until the result is there or
+``poll_timeout_s`` passed (the SDK re-polls a ``try_again`` at once, so an open poll costs nothing
+and answers the moment the work ends). Results can be large (per-token outputs of a whole batch),
+so one is dropped ``grace_s`` after it was first handed out (the SDK may poll again after a
+dropped connection) and an uncollected one after ``keep_s``; a poll for an id that is not (or no
+longer) in the table is answered as expired.
+
+**Execution.** All calls into the training side (``TrainingRun``, ``Sampler``, ``RunFactory``) run
+on one thread, :class:`OrderedWorker`: the engines share the process, its CUDA context and its
+``torch.distributed`` state, and are not written to be called concurrently. Work is queued per
+key: a model's queue runs its jobs strictly in ``seq_id`` order (job ``n`` waits until ``n - 1``
+ran; the SDK sends the chunks of one ``forward_backward`` concurrently, the first one last), other
+queues (a sampling session, control work) are FIFO. The worker takes one runnable job from each
+queue in turn, so models and samplers interleave fairly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recipes.tinker_server.contract import UserError
+from recipes.tinker_server.wire import error_body
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A future's final answer: the response body and its media type."""
+
+    body: bytes
+    media_type: str = JSON
+
+    @staticmethod
+    def json(data: dict) -> Outcome:
+        # allow_nan: a NaN loss is worth seeing; Python's json (the SDK's) reads it back.
+        return Outcome(json.dumps(data, allow_nan=True).encode())
+
+    @staticmethod
+    def failed(message: str, category: str) -> Outcome:
+        return Outcome.json(error_body(message, category))
+
+
+def outcome_of_exception(e: Exception, what: str) -> Outcome:
+    """A :class:`UserError` -> category ``user``; anything else -> ``server`` (logged with traceback)."""
+    if isinstance(e, UserError):
+        return Outcome.failed(str(e), "user")
+    log.error("%s failed", what, exc_info=e)
+    return Outcome.failed(f"{what} failed on the server: {type(e).__name__}: {e}", "server")
+
+
+@dataclass
+class _Entry:
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Outcome | None = None
+    done_at: float = 0.0
+    handed_out_at: float | None = None
+
+
+class FuturesTable:
+    """request_id -> result, filled from any thread, awaited on the event loop."""
+
+    def __init__(self, keep_s: float = 900.0, grace_s: float = 60.0):
+        self._keep_s = keep_s
+        self._grace_s = grace_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._next_sweep = 0.0
+        self._prefix = uuid.uuid4().hex[:8]  # ids of an earlier server process never match
+        self._ids = itertools.count(1)
+
+    def create(self) -> str:
+        """A new pending future (call on the event loop)."""
+        entry = _Entry(asyncio.get_running_loop())
+        with self._lock:
+            self._expire()
+            request_id = f"{self._prefix}-{next(self._ids)}"
+            self._entries[request_id] = entry
+        return request_id
+
+    def complete(self, request_id: str, outcome: Outcome) -> None:
+        """Set the result (from any thread; a second completion is ignored)."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.outcome is not None:
+                return
+            entry.outcome = outcome
+            entry.done_at = time.monotonic()
+        try:
+            entry.loop.call_soon_threadsafe(entry.event.set)
+        except RuntimeError:  # the loop is closed: the server is shutting down, nobody waits
+            pass
+
+    def known(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._entries
+
+    async def wait(self, request_id: str, timeout: float) -> Outcome | None:
+        """The result, waiting up to ``timeout`` s; ``None`` if still pending; ``KeyError`` if unknown."""
+        with self._lock:
+            entry = self._entries[request_id]
+        if entry.outcome is None:
+            try:
+                await asyncio.wait_for(entry.event.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        entry.handed_out_at = entry.handed_out_at or time.monotonic()
+        return entry.outcome
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0  # a sweep is a scan of the table: at most once a second
+        for request_id, entry in list(self._entries.items()):
+            if entry.outcome is not None and (
+                (entry.handed_out_at is not None and entry.handed_out_at < now - self._grace_s) or entry.done_at < now - self._keep_s
+            ):
+                del self._entries[request_id]
+
+
+class QueueClosed(Exception):
+    """The queue (a model, a sampling session) was closed; the message says why."""
+
+
+class SeqConflict(Exception):
+    """A ``seq_id`` that already ran (or is below the queue's start)."""
+
+
+Job = Callable[[], None]
+
+
+@dataclass
+class _Queue:
+    ordered: bool
+    next_seq: int = 0
+    held: dict[int, tuple[Job, Callable[[str], None]]] = field(default_factory=dict)  # seq -> (job, fail)
+    fifo: collections.deque = field(default_factory=collections.deque)  # (job, fail)
+    claimed: dict[int, str | None] = field(default_factory=dict)  # seq -> request id (None: no future)
+
+    def pop_runnable(self):
+        if self.ordered:
+            item = self.held.pop(self.next_seq, None)
+            if item is not None:
+                self.next_seq += 1
+                # Keep the recent claims only (for duplicate detection of retried sends).
+                self.claimed.pop(self.next_seq - 1025, None)
+            return item
+        return self.fifo.popleft() if self.fifo else None
+
+
+class OrderedWorker:
+    """The single thread that runs every training-side call (see the module docstring)."""
+
+    def __init__(self, name: str = "tinker-worker"):
+        self._cond = threading.Condition()
+        self._queues: dict[str, _Queue] = {}
+        self._turns: collections.deque[str] = collections.deque()  # round-robin order of keys
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ queues
+    def open(self, key: str, ordered: bool) -> None:
+        """Create the queue ``key`` (ordered: jobs run in seq order from 0)."""
+        with self._cond:
+            if key not in self._queues:
+                self._queues[key] = _Queue(ordered=ordered)
+                self._turns.append(key)
+
+    def is_open(self, key: str) -> bool:
+        with self._cond:
+            return key in self._queues
+
+    def claimed(self, key: str, seq: int) -> tuple[bool, str | None]:
+        """Whether ``seq`` was already submitted to ``key`` (a retried send), and its request id."""
+        with self._cond:
+            queue = self._queues.get(key)
+            if queue is None or seq not in queue.claimed:
+                return False, None
+            return True, queue.claimed[seq]
+
+    def submit(self, key: str, seq: int | None, job: Job, fail: Callable[[str], None], request_id: str | None = None) -> None:
+        """Queue ``job``; ``fail(message)`` is called instead if the queue is closed before it runs."""
+        with self._cond:
+            queue = self._queues.get(key)
+            if queue is None:
+                raise QueueClosed(f"{key} is closed")
+            if queue.ordered:
+                if seq is None:
+                    raise SeqConflict("seq_id is required")
+                if seq < queue.next_seq or seq in queue.held or seq in queue.claimed:
+                    raise SeqConflict(f"seq_id {seq} was already used (the next one expected is {queue.next_seq})")
+                queue.held[seq] = (job, fail)
+                queue.claimed[seq] = request_id
+            else:
+                queue.fifo.append((job, fail))
+            self._cond.notify()
+
+    def skip(self, key: str, seq: int) -> None:
+        """Mark ``seq`` as done without work (a refused request) so the ones after it still run."""
+        try:
+            self.submit(key, seq, lambda: None, lambda _msg: None)
+        except (QueueClosed, SeqConflict):
+            pass
+
+    def close(self, key: str, reason: str) -> None:
+        """Drop the queue; its waiting jobs fail with ``reason`` (a running job finishes)."""
+        with self._cond:
+            queue = self._queues.pop(key, None)
+            if queue is None:
+                return
+            self._turns.remove(key)
+            waiting = [fail for _, fail in queue.held.values()] + [fail for _, fail in queue.fifo]
+        for fail in waiting:
+            fail(reason)
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the worker (control work: closing runs); its result as a future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def job() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the waiter
+                    future.set_exception(e)
+
+        self.open("__control__", ordered=False)
+        self.submit("__control__", None, job, lambda msg: future.set_exception(QueueClosed(msg)))
+        return future
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the running job, then end the thread (waiting jobs are dropped)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _next(self):
+        for _ in range(len(self._turns)):
+            key = self._turns[0]
+            self._turns.rotate(-1)
+            item = self._queues[key].pop_runnable()
+            if item is not None:
+                return item
+        return None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                item = self._next()
+                while item is None and not self._stopping:
+                    self._cond.wait()
+                    item = self._next()
+                if self._stopping:
+                    return
+            job, _ = item
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - jobs report their own errors; this keeps the worker alive
+                log.exception("a worker job raised")

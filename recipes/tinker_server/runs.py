@@ -1,0 +1,386 @@
+"""The training side of the Tinker server: a LoRA training run on one Enginekit engine, and the
+samplers that serve its weights through the rollout contract (``recipes/tinker_server/contract.py``
+is the interface the HTTP layer calls).
+
+A run is an engine built from the base model's HF directory with ``model.lora`` (rank, alpha and
+the modules the Tinker toggles select), ``loss_agg_mode=sum`` (every Tinker loss is a token sum)
+and no deferred normalization. Tinker's call pattern maps onto the engine contract directly:
+
+* ``forward_backward(datums, loss_fn)``: one ``forward_backward_step`` of the datums with
+  ``target_ids`` (scored without a shift, ``engine_api.logprobs``) and the datum loss
+  (``roles.datum_losses``). Gradients accumulate over calls until ``optim_step``, as Tinker's do;
+  a split of the datums over calls (or chunks, or DP ranks) gives the same sum.
+* ``optim_step(AdamParams)``: ``set_optim_hparams`` (lr, betas, eps, weight decay, clipping: they
+  may change every step), ``optimizer_step``, then the gradients are cleared.
+* ``save_state`` / ``load_state``: the engine's own checkpoint (model, optimizer, RNG, step);
+  a load without the optimizer clears the AdamW moments afterwards.
+* samplers: a snapshot of the run's merged weights, served by one rollout engine per base model
+  (``rollout.backend``), synced with the rollout contract's versioned update whenever another
+  snapshot is sampled; prompt log-probs come from the rollout model's forward (hf backend).
+
+Every request is checked before the engine is touched: a bad one raises ``contract.UserError``
+and changes nothing. Assumptions (docs/tinker.md): LoRA alpha is ``tinker.lora_alpha`` (default
+32) whatever the rank; ``train_attn`` / ``train_mlp`` / ``train_unembed`` select the attention
+projections, the MLP projections and ``lm_head`` by their HF module names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipes.tinker_server.contract import (
+    AdamIn,
+    DatumIn,
+    ForwardBackwardOut,
+    LoraIn,
+    SampleOut,
+    SampleParamsIn,
+    SequenceOut,
+    UserError,
+)
+from roles.datum_losses import INPUT_FIELDS, DatumLossError, accepted_inputs, check_loss, engine_loss_fn, per_token_terms, required_inputs
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+_ALL_INPUTS = {"target_tokens", *INPUT_FIELDS}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every run of the server shares (the ``tinker.*`` and engine keys of the config).
+
+    Attributes:
+        strategy: ``engine.strategy`` of the runs (a backend that supports LoRA).
+        engine_overrides: further ``engine.*`` settings (``key=value``), e.g. micro-batching.
+        rollout_backend: ``rollout.backend`` of the samplers.
+        lora_alpha: LoRA alpha of every run (the update is ``alpha / rank * B A``).
+        max_tokens: a sample's length when the request names none.
+    """
+
+    strategy: str = "fsdp"
+    engine_overrides: tuple[str, ...] = ()
+    rollout_backend: str = "hf"
+    lora_alpha: float = 32.0
+    max_tokens: int = 64
+
+
+def lora_modules(lora: LoraIn) -> list[str]:
+    """The HF module names the Tinker toggles put adapters on."""
+    names = [*(ATTN_MODULES if lora.train_attn else ()), *(MLP_MODULES if lora.train_mlp else ())]
+    names += list(UNEMBED_MODULES if lora.train_unembed else ())
+    if not names:
+        raise UserError("lora_config: train_attn, train_mlp and train_unembed are all false, so nothing would train; fix: enable one")
+    return names
+
+
+def datums_to_batch(datums: list[DatumIn], loss_fn: str):
+    """The protocol batch of ``datums`` for ``loss_fn``: ``input_ids``, ``target_ids`` and the loss's
+    inputs (under :data:`roles.datum_losses.INPUT_FIELDS`). Checks everything first.
+
+    Raises:
+        UserError: no datums, an empty or mis-shaped datum, a missing input, or an unknown one,
+            naming the datum and the field.
+    """
+    from engine_api.batch import make_batch
+
+    if not datums:
+        raise UserError("data: no datums; fix: pass at least one Datum")
+    wanted = accepted_inputs(loss_fn)
+    fields: dict[str, list[torch.Tensor]] = {INPUT_FIELDS[k]: [] for k in wanted}
+    present = None
+    seqs, targets = [], []
+    for i, d in enumerate(datums):
+        n = int(d.tokens.numel())
+        if n == 0:
+            raise UserError(f"data[{i}].model_input: empty; fix: give every datum at least one token")
+        unknown = sorted(set(d.inputs) - _ALL_INPUTS)
+        if unknown:
+            raise UserError(f"data[{i}].loss_fn_inputs: {unknown} are not inputs of any loss; fix: drop them")
+        if "target_tokens" not in d.inputs:
+            raise UserError(f"data[{i}].loss_fn_inputs['target_tokens'] is missing; fix: one target token per input position")
+        for key in required_inputs(loss_fn):
+            if key not in d.inputs:
+                raise UserError(f"data[{i}].loss_fn_inputs[{key!r}] is missing; {loss_fn} needs {list(required_inputs(loss_fn))}")
+        mine = {k for k in wanted if k in d.inputs}
+        if present is not None and mine != present:
+            raise UserError(
+                f"data[{i}].loss_fn_inputs: {sorted(mine)} but data[0] has {sorted(present)}; fix: the same inputs in every datum"
+            )
+        present = mine
+        target = d.inputs["target_tokens"]
+        k_targets = target.dim() == 2
+        if target.shape[0] != n or target.dim() not in (1, 2) or (k_targets and loss_fn != "cross_entropy"):
+            raise UserError(
+                f"data[{i}].loss_fn_inputs['target_tokens'] has shape {list(target.shape)} for {n} input tokens; fix: [{n}]"
+                + (" or [N, K] (cross_entropy only)" if loss_fn == "cross_entropy" else "")
+            )
+        seqs.append(d.tokens.long())
+        targets.append(target.long())
+        for key in mine:
+            value = d.inputs[key]
+            ok = value.shape[0] == n and (
+                value.dim() == 1 or (key == "weights" and k_targets and tuple(value.shape) == tuple(target.shape))
+            )
+            if not ok:
+                raise UserError(
+                    f"data[{i}].loss_fn_inputs[{key!r}] has shape {list(value.shape)}; fix: one value per input position ([{n}])"
+                )
+            if not bool(torch.isfinite(value.float()).all()):
+                raise UserError(f"data[{i}].loss_fn_inputs[{key!r}] holds a NaN or inf; fix: finite values only")
+            fields[INPUT_FIELDS[key]].append(value.float())
+    fields = {k: v for k, v in fields.items() if v}
+    return make_batch(seqs, target_ids=targets, **fields)
+
+
+class Snapshot:
+    """One frozen set of weights of a base model (merged LoRA weights, or the base itself: None)."""
+
+    def __init__(self, pool: _RolloutPool, weights: dict[str, torch.Tensor] | None) -> None:
+        self.pool, self.weights = pool, weights
+
+    def sample(self, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
+        return self.pool.sample(self, prompt, num_samples, params, prompt_logprobs)
+
+
+class _RolloutPool:
+    """The rollout engine of one base model, shared by every snapshot of it (one at a time: the
+    server runs engine work on one thread)."""
+
+    def __init__(self, model_dir: str, settings: RunSettings) -> None:
+        from engine_api.rollout import RolloutEngineConfig
+        from engine_api.rollout_registry import build_rollout
+
+        tokenizer = model_dir if any(Path(model_dir, f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
+        self.engine = build_rollout(settings.rollout_backend, RolloutEngineConfig(model_path=model_dir, tokenizer_path=tokenizer))
+        self.settings = settings
+        self.base = {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()} if hasattr(self.engine, "model") else None
+        self.loaded: Snapshot | None = None
+        self.version = 0
+
+    def _use(self, snap: Snapshot) -> None:
+        if self.loaded is snap:
+            return
+        weights = snap.weights if snap.weights is not None else self.base
+        if weights is None:
+            raise UserError("sampling the base model after a trained snapshot needs rollout.backend=hf here")
+        self.version += 1
+        self.engine.sync_weights(weights.items(), self.version)
+        self.loaded = snap
+
+    def sample(self, snap: Snapshot, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
+        from engine_api.rollout import SamplingParams
+
+        if not prompt:
+            raise UserError("prompt: empty; fix: at least one token")
+        sp = SamplingParams(
+            n=num_samples,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens or self.settings.max_tokens,
+            stop_token_ids=tuple(params.stop_token_ids),
+            stop=tuple(params.stop_strings),
+        )
+        problems = sp._problems()
+        if problems:
+            raise UserError("sampling_params: " + "; ".join(problems))
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._use(snap)
+        try:
+            samples = self.engine.generate([torch.tensor(prompt)], sp, [seed])[0]
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        sequences = [
+            SequenceOut(s.token_ids.tolist(), s.log_probs.tolist(), "stop" if s.finish_reason == "stop" else "length") for s in samples
+        ]
+        scored = self._prompt_log_probs(prompt) if prompt_logprobs else None
+        return SampleOut(sequences, scored)
+
+    @torch.no_grad()
+    def _prompt_log_probs(self, prompt: list[int]) -> list[float | None]:
+        model = getattr(self.engine, "model", None)
+        if model is None:
+            raise UserError(
+                f"prompt_logprobs: the {self.settings.rollout_backend} rollout backend does not score prompts here; fix: rollout.backend=hf"
+            )
+        ids = torch.tensor(prompt)[None].to(next(model.parameters()).device)
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        return [None, *logp.cpu().tolist()]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class EngineRun:
+    """A training run (``contract.TrainingRun``) on one in-process engine."""
+
+    def __init__(self, base_model: str, model_dir: str, lora: LoraIn, settings: RunSettings, pool: _RolloutPool) -> None:
+        from engine_api import build_engine, load_config
+
+        if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
+            raise UserError(f"lora_config.rank = {lora.rank!r}; fix: a positive integer (e.g. 32)")
+        modules = lora_modules(lora)
+        overrides = [
+            f"strategy={settings.strategy}",
+            f"model.path={model_dir}",
+            f"model.lora.rank={lora.rank}",
+            f"model.lora.alpha={settings.lora_alpha}",
+            f"model.lora.target_modules=[{','.join(modules)}]",
+            "loss_agg_mode=sum",
+            "deferred_normalization=false",
+            # a non-zero placeholder: groups built with decay are the ones optim_step's weight decay reaches
+            "optim.weight_decay=0.01",
+            "optim.clip_grad=null",
+            f"seed={lora.seed if lora.seed is not None else 0}",
+            *settings.engine_overrides,
+        ]
+        self.base_model, self.lora, self.pool = base_model, lora, pool
+        self.engine = build_engine(load_config(None, overrides))
+        self.engine.init_model()
+        with self.engine.train_mode():
+            self.engine.optimizer_zero_grad()
+        self.steps = 0
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
+        try:
+            config = check_loss(loss_fn, loss_fn_config)
+        except DatumLossError as exc:
+            raise UserError(str(exc)) from None
+        batch = datums_to_batch(datums, loss_fn)
+        fn = engine_loss_fn(loss_fn, config)
+        try:
+            if forward_only:
+                with self.engine.eval_mode():
+                    preds = self.engine.infer_batch(batch)
+                lp = preds["target_log_probs"].values()
+                inputs = {k: batch[f].values() for k, f in INPUT_FIELDS.items() if f in batch.keys()}
+                loss = float(per_token_terms(loss_fn, lp, inputs, batch["input_ids"].offsets(), config).sum())
+            else:
+                self.engine.set_loss_fn(fn)
+                with self.engine.train_mode():
+                    preds, loss, _ = self.engine.forward_backward_step(batch)
+        except ValueError as exc:  # the engine's input checks (vocabulary, length) run before any state changes
+            raise UserError(str(exc)) from None
+        outputs = [{"logprobs": row.detach().float().cpu()} for row in preds["target_log_probs"].unbind()]
+        return ForwardBackwardOut(outputs, {"loss:sum": float(loss)})
+
+    def optim_step(self, adam: AdamIn) -> dict[str, float]:
+        values = {"learning_rate": adam.learning_rate, "beta1": adam.beta1, "beta2": adam.beta2, "eps": adam.eps}
+        values.update(weight_decay=adam.weight_decay, grad_clip_norm=adam.grad_clip_norm)
+        for name, value in values.items():
+            if not math.isfinite(value) or value < 0 or (name in ("beta1", "beta2") and value >= 1) or (name == "eps" and value <= 0):
+                raise UserError(
+                    f"adam_params.{name} = {value!r}; fix: a finite value (lr, weight_decay, grad_clip_norm >= 0; betas in [0, 1); eps > 0)"
+                )
+        self.engine.set_optim_hparams(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+            clip_grad=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
+        )
+        with self.engine.train_mode():
+            norm = self.engine.optimizer_step()
+            self.engine.optimizer_zero_grad()
+        self.steps += 1
+        return {"grad_norm:mean": float(norm)}
+
+    # ------------------------------------------------------------------ state
+    def save_state(self, directory: Path, with_optimizer: bool) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(directory / "engine"), global_step=self.steps)
+
+    def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        root = directory / "engine"
+        if not root.is_dir():
+            raise UserError(f"path: {directory.name!r} holds no training state; fix: a path from save_state")
+        self.steps = self.engine.load_checkpoint(str(root), del_local_after_load=False)
+        if not with_optimizer:
+            # weights only: AdamW starts afresh (its moments and step count), as on a new run
+            self.engine.optimizer.state.clear()
+        with self.engine.train_mode():
+            self.engine.optimizer_zero_grad()
+
+    def sampler(self, directory: Path | None) -> Snapshot:
+        weights = {k: v.detach().clone().cpu() for k, v in self.engine.export_weights()}
+        if directory is not None:
+            from safetensors.torch import save_file
+
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+            (directory / "sampler.json").write_text(json.dumps({"base_model": self.base_model}))
+        return Snapshot(self.pool, weights)
+
+    def close(self) -> None:
+        self.engine = None
+
+
+class EngineFactory:
+    """``contract.RunFactory``: base models are the HF directories under ``model_root`` (by
+    directory name) and the ``aliases`` (name -> directory)."""
+
+    def __init__(self, model_root: str | None, aliases: dict[str, str], settings: RunSettings) -> None:
+        self.models: dict[str, str] = {}
+        if model_root and Path(model_root).is_dir():
+            for child in sorted(Path(model_root).iterdir()):
+                if (child / "config.json").exists():
+                    self.models[child.name] = str(child)
+        for name, path in aliases.items():
+            if not (Path(path) / "config.json").exists():
+                raise ValueError(f"server.aliases[{name!r}] = {path!r}: not an HF model directory (no config.json); fix: point it at one")
+            self.models[name] = str(path)
+        self.settings = settings
+        self.pools: dict[str, _RolloutPool] = {}
+        #: every run built, in order (tests reach a served run's engine through it)
+        self.created: list[EngineRun] = []
+
+    def served_models(self) -> list[str]:
+        return sorted(self.models)
+
+    def _dir(self, base_model: str) -> str:
+        if base_model not in self.models:
+            raise UserError(f"base_model = {base_model!r} is not served here; fix: one of {self.served_models()}")
+        return self.models[base_model]
+
+    def _pool(self, base_model: str) -> _RolloutPool:
+        if base_model not in self.pools:
+            self.pools[base_model] = _RolloutPool(self._dir(base_model), self.settings)
+        return self.pools[base_model]
+
+    def create_run(self, base_model: str, lora: LoraIn) -> EngineRun:
+        run = EngineRun(base_model, self._dir(base_model), lora, self.settings, self._pool(base_model))
+        self.created.append(run)
+        return run
+
+    def base_sampler(self, base_model: str) -> Snapshot:
+        return Snapshot(self._pool(base_model), None)
+
+    def load_sampler(self, directory: Path) -> Snapshot:
+        """A snapshot saved by a run's named ``sampler`` (weights and its base model's name; JSON
+        and safetensors only: nothing in the directory is executed or unpickled)."""
+        from safetensors.torch import load_file
+
+        path, meta = directory / "model.safetensors", directory / "sampler.json"
+        if not path.exists() or not meta.exists():
+            raise UserError(f"model_path: {directory.name!r} holds no sampler weights; fix: a path from save_weights_for_sampler")
+        base_model = json.loads(meta.read_text()).get("base_model")
+        return Snapshot(self._pool(str(base_model)), load_file(str(path)))
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a checkpoint directory (the HTTP layer's delete / TTL)."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,206 @@
+"""The Tinker server on a real engine (FSDP, LoRA) driven by the official ``tinker`` SDK, against
+independent references: the same datums straight into a ``runs.EngineRun`` in this process, and
+one fp32 step of HF + peft + torch AdamW written out here.
+
+One server per module (uvicorn in a thread over ``runs.EngineFactory``), a tiny Llama-style model
+with a character tokenizer (``tests/support/user_data.py``), fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from recipes.tinker_server.config import load_server_config
+from recipes.tinker_server.contract import AdamIn, DatumIn, LoraIn
+from recipes.tinker_server.runs import EngineFactory
+from tests.support.user_data import build_model_dir
+from tests.tinker.serving import KEY, running_server
+
+RANK, ALPHA = 4, 32.0
+ADAM = dict(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-3, weight_decay=0.01, grad_clip_norm=0.0)
+VOCAB = 21  # the character tokenizer of tests/support/user_data.py
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    build_model_dir(root / "tiny", family="llama")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    cfg = load_server_config(
+        "configs/tinker_tiny.yaml",
+        [
+            f"server.model_root={models}",
+            f"server.api_keys=[{KEY}]",
+            f"server.state_dir={tmp_path_factory.mktemp('state')}",
+            f"tinker.lora_alpha={ALPHA}",
+            "server.max_runs=8",
+        ],
+    )
+    factory = EngineFactory(cfg.server.model_root, {}, cfg.run_settings())
+    with running_server(cfg.server_settings(), factory) as url:
+        yield url, factory, cfg
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+
+
+def _datums(seed: int, n: int = 6, loss: str = "cross_entropy") -> list[types.Datum]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 4 + (i * 3) % 7
+        tokens = torch.randint(3, VOCAB, (length,), generator=g)
+        inputs = {"target_tokens": torch.randint(3, VOCAB, (length,), generator=g)}
+        if loss == "cross_entropy":
+            inputs["weights"] = torch.randn(length, generator=g)
+        else:
+            inputs["logprobs"] = -torch.rand(length, generator=g) * 4
+            inputs["advantages"] = torch.randn(length, generator=g)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens.tolist()), loss_fn_inputs=inputs))
+    return out
+
+
+def _plain(datums: list[types.Datum]) -> list[DatumIn]:
+    """The same datums as the training side's plain type (what the HTTP layer hands it)."""
+    return [
+        DatumIn(torch.tensor(d.model_input.to_ints()), {k: torch.as_tensor(v.to_torch()) for k, v in d.loss_fn_inputs.items()})
+        for d in datums
+    ]
+
+
+def _new_client(service, factory, create):
+    """``create()`` (a training client), and the engine run the server built for it: runs are built
+    on the server's engine thread, in request order."""
+    import time
+
+    before = len(factory.created)
+    client = create()
+    deadline = time.monotonic() + 20
+    while len(factory.created) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(factory.created) == before + 1, "the server built no run for the client"
+    return client, factory.created[-1]
+
+
+def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Relative L2 difference of two tensor sets as one vector."""
+    num = sum(float(((got[k] - want[k]).double() ** 2).sum()) for k in want)
+    return (num / sum(float((v.double() ** 2).sum()) for v in want.values())) ** 0.5
+
+
+def _adapter(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.engine.export_adapter_weights()}
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])
+def test_through_the_server_equals_the_engine_in_process(server, service, loss):
+    """Losses, per-token log-probs and the updated adapter: the SDK's results equal the same
+    datums given to an EngineRun directly, in the same two calls per step, over two steps (fp32;
+    what differs is only the wire: protobuf tensors, futures, the engine thread)."""
+    _, factory, _ = server
+    client, served = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0))
+    direct = factory.create_run("tiny", LoraIn(rank=RANK, seed=0))
+    for step in range(2):
+        data = _datums(10 + step, loss=loss)
+        a = client.forward_backward(data[:2], loss).result()
+        b = client.forward_backward(data[2:], loss).result()
+        client.optim_step(types.AdamParams(**ADAM)).result()
+        wa = direct.forward_backward(_plain(data[:2]), loss, None, False)
+        wb = direct.forward_backward(_plain(data[2:]), loss, None, False)
+        direct.optim_step(AdamIn(**ADAM))
+        for got, want in ((a, wa), (b, wb)):
+            assert math.isclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rel_tol=1e-6), (step, got.metrics, want.metrics)
+            for g, w in zip(got.loss_fn_outputs, want.outputs, strict=True):
+                assert torch.allclose(torch.as_tensor(g["logprobs"].to_torch()), w["logprobs"], atol=1e-6)
+    ours, theirs = _adapter(served), _adapter(direct)
+    assert ours.keys() == theirs.keys()
+    assert _rel(ours, theirs) <= 1e-6, _rel(ours, theirs)
+
+
+def test_one_step_equals_hf_peft_and_torch_adamw(server, service, models):
+    """cross_entropy with real weights, summed (no mean), one AdamW step with clipping: the trained
+    adapter equals peft's LoRA on the HF model stepped by torch AdamW, fp32."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    client, served = _new_client(service, server[1], lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=3))
+    before = _adapter(served)
+    data = _datums(21)
+    adam = {**ADAM, "grad_clip_norm": 0.5}
+    fb = client.forward_backward(data, "cross_entropy").result()
+    client.optim_step(types.AdamParams(**adam)).result()
+
+    hf = AutoModelForCausalLM.from_pretrained(str(models / "tiny"), dtype=torch.float32)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    ref = peft.get_peft_model(hf, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules, lora_dropout=0.0))
+    peft.set_peft_model_state_dict(ref, before)
+    ref.train()
+    loss = 0.0
+    for d in data:
+        ids = torch.tensor(d.model_input.to_ints())[None]
+        logp = torch.log_softmax(ref(ids).logits[0].float(), -1)
+        lp = logp.gather(-1, torch.as_tensor(d.loss_fn_inputs["target_tokens"].to_torch())[:, None]).squeeze(-1)
+        loss = loss - (lp * torch.as_tensor(d.loss_fn_inputs["weights"].to_torch())).sum()
+    loss.backward()
+    params = [p for p in ref.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+    torch.optim.AdamW(
+        params, lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"], weight_decay=adam["weight_decay"]
+    ).step()
+    # peft's state dict also carries lm_head's frozen base weight (an adapted output layer): the adapters are compared
+    want = {k: v for k, v in peft.get_peft_model_state_dict(ref).items() if "lora_" in k}
+    got = _adapter(served)
+    assert math.isclose(fb.metrics["loss:sum"], float(loss), rel_tol=1e-6)
+    assert got.keys() == want.keys()
+    assert _rel(got, want) <= 1e-6, _rel(got, want)
+    assert any(not torch.equal(got[k], before[k]) for k in want)
+
+
+def test_seeded_samples_reproduce_and_prompt_logprobs_score_the_prompt(server, service):
+    client = service.create_lora_training_client(base_model="tiny", rank=RANK)
+    sampler = client.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([5, 9, 12, 7])
+    params = types.SamplingParams(max_tokens=6, seed=7, temperature=1.0)
+    a = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()
+    b = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert len({tuple(s.tokens) for s in a.sequences}) > 1  # the samples of one request differ
+    scored = sampler.compute_logprobs(prompt).result()
+    assert scored[0] is None and len(scored) == 4
+    # the prompt's log-probs equal the trained run's forward of the same tokens (targets = next tokens)
+    fwd = client.forward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([5, 9, 12]), loss_fn_inputs={"target_tokens": [9, 12, 7], "weights": [1.0, 1.0, 1.0]}
+            )
+        ],
+        "cross_entropy",
+    ).result()
+    want = torch.as_tensor(fwd.loss_fn_outputs[0]["logprobs"].to_torch())
+    assert torch.allclose(torch.tensor(scored[1:]), want, atol=1e-5)
+
+
+def test_resume_with_the_optimizer_continues_exactly(server, service):
+    """save_state -> create_training_client_from_state_with_optimizer -> the next step equals the
+    uninterrupted run's (adapter bit for bit within fp32 reordering)."""
+    client, first = _new_client(service, server[1], lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=5))
+    client.forward_backward(_datums(31), "cross_entropy").result()
+    client.optim_step(types.AdamParams(**ADAM)).result()
+    path = client.save_state("mid").result().path
+    resumed, second = _new_client(service, server[1], lambda: service.create_training_client_from_state_with_optimizer(path))
+    for c in (client, resumed):
+        c.forward_backward(_datums(32), "cross_entropy").result()
+        c.optim_step(types.AdamParams(**ADAM)).result()
+    assert _rel(_adapter(second), _adapter(first)) <= 1e-7

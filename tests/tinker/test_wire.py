@@ -1,0 +1,494 @@
+"""The Tinker HTTP layer (``recipes.tinker_server``) driven by the official ``tinker`` SDK.
+
+One server per module (uvicorn in a thread) over :class:`FakeFactory`, whose every output is a
+known function of its input: the checks compare what the SDK decodes with what the fake computed,
+what reached the fake (the exact AdamParams, datums in ``seq_id`` order) and, for refused
+requests, that nothing reached it. Raw ``httpx`` requests cover what the SDK would refuse to send.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+import uvicorn
+import zstandard
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from recipes.tinker_server.app import build_app
+from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
+from tests.tinker.fake_run import MODEL, VOCAB, FakeFactory, FakeRun, fake_logprob
+
+KEY = "tml-test"
+MAX_RUNS = 8
+MAX_BODY = 1 << 20
+CHUNK_LEN = 4  # the server tells the SDK to send at most 4 datums per forward_backward request
+
+
+@dataclass
+class Server:
+    url: str
+    factory: FakeFactory
+    settings: ServerSettings
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    old = os.environ.get("TINKER_TELEMETRY")
+    os.environ["TINKER_TELEMETRY"] = "0"
+    factory = FakeFactory()
+    settings = ServerSettings(
+        api_keys=(KEY,),
+        state_dir=tmp_path_factory.mktemp("tinker") / "state",
+        max_runs=MAX_RUNS,
+        max_body_bytes=MAX_BODY,
+        poll_timeout_s=5.0,
+        extra={"client_config": {"fwdbwd_max_chunk_len": CHUNK_LEN}},
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(settings, factory), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert uv.started
+    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", factory, settings)
+    uv.should_exit = True
+    thread.join(30)
+    if old is None:
+        os.environ.pop("TINKER_TELEMETRY", None)
+    else:
+        os.environ["TINKER_TELEMETRY"] = old
+    assert factory.closed and not factory.live  # shutdown closed every run, then the factory
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    yield client
+    client.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def trainer(service, server) -> tuple[tinker.TrainingClient, FakeRun]:
+    client = service.create_lora_training_client(MODEL, rank=8, seed=3).result()
+    return client, server.factory.runs[-1]
+
+
+def batch(n: int, start: int) -> list[types.Datum]:
+    """``n`` datums; datum i's tokens start at ``start + i`` (so the fake's log shows the order)."""
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([start + i, start + i + 1, start + i + 2]),
+            loss_fn_inputs={"target_tokens": [start + i + 1, start + i + 2, start + i + 3], "weights": [1.0, 1.0, 0.5]},
+        )
+        for i in range(n)
+    ]
+
+
+def expected(data: list[types.Datum], step: int) -> tuple[list[np.ndarray], float]:
+    """The fake's logprobs per datum and its ``loss:sum``."""
+    lps = [fake_logprob(np.asarray(d.loss_fn_inputs["target_tokens"].data, np.float32), step) for d in data]
+    loss = sum(float(-(lp * np.asarray(d.loss_fn_inputs["weights"].data)).sum()) for lp, d in zip(lps, data, strict=True))
+    return lps, loss
+
+
+def check_output(out: types.ForwardBackwardOutput, data: list[types.Datum], step: int) -> None:
+    lps, loss = expected(data, step)
+    assert len(out.loss_fn_outputs) == len(data)
+    for got, want in zip(out.loss_fn_outputs, lps, strict=True):
+        np.testing.assert_allclose(got["logprobs"].to_numpy(), want, rtol=1e-6)
+    assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5)
+
+
+def user_error(excinfo, *words: str) -> str:
+    """The refused request's message; checks the SDK's error shape, category user, and the words."""
+    err = excinfo.value
+    assert isinstance(err, tinker.APIStatusError), err
+    assert err.body["category"] == "user", err.body
+    for word in words:
+        assert word in err.body["error"], (word, err.body)
+    return err.body["error"]
+
+
+def raw_error(response: httpx.Response, status: int, *words: str) -> str:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert body["category"] == "user" and set(body) == {"error", "category"}, body
+    for word in words:
+        assert word in body["error"], (word, body)
+    return body["error"]
+
+
+# ---------------------------------------------------------------------------------- training
+def test_forward_backward_forward_and_optim_step_round_trip(trainer):
+    client, run = trainer
+    info = client.get_info()
+    assert (info.model_id, info.lora_rank, info.model_data.model_name) == (client.model_id, 8, MODEL)
+    assert client.model_id.endswith(":train:0") and run.lora == LoraIn(rank=8, seed=3)
+    data = batch(2, 10)
+
+    check_output(client.forward_backward(data, "cross_entropy").result(), data, step=0)
+    assert run.calls[-1] == ("forward_backward", {"loss_fn": "cross_entropy", "config": None, "forward_only": False, "n": 2})
+    torch.testing.assert_close(run.datums[-1].tokens, torch.tensor([11, 12, 13]))
+    assert run.datums[-1].inputs["weights"].dtype == torch.float32
+
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.25}
+    check_output(client.forward(data, "ppo", config).result(), data, step=0)
+    assert run.calls[-1] == ("forward_backward", {"loss_fn": "ppo", "config": config, "forward_only": True, "n": 2})
+
+    adam = types.AdamParams(learning_rate=2e-4, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.5)
+    assert client.optim_step(adam).result().metrics == {"step:max": 1.0}
+    assert run.adam[-1] == AdamIn(learning_rate=2e-4, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.5)
+    check_output(client.forward(data, "cross_entropy").result(), data, step=1)
+
+
+def test_two_dimensional_targets_arrive_dense_through_sparse_encoding(trainer):
+    client, run = trainer
+    targets = torch.zeros(5, 3, dtype=torch.int64)
+    targets[1, 2], targets[4, 0] = 7, 9  # mostly zeros: the SDK sends it as sparse CSR
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]), loss_fn_inputs={"target_tokens": targets})
+    assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
+    out = client.forward([datum], "cross_entropy").result()
+    torch.testing.assert_close(run.datums[-1].inputs["target_tokens"], targets)
+    got = out.loss_fn_outputs[0]["logprobs"]
+    assert got.shape == [5, 3]
+    np.testing.assert_allclose(got.to_numpy(), fake_logprob(targets.float().numpy(), run.step), rtol=1e-6)
+
+
+def test_chunked_forward_backward_executes_in_seq_order(trainer):
+    client, run = trainer
+    data = batch(18, 100)  # 5 requests of <= 4 datums, sent concurrently, the first one last
+    before = len(run.calls)
+    out = client.forward_backward(data, "cross_entropy").result()
+    assert [c[1]["n"] for c in run.calls[before:]] == [4, 4, 4, 4, 2]
+    assert [int(d.tokens[0]) for d in run.datums[-18:]] == list(range(100, 118))
+    check_output(out, data, step=run.step)
+
+
+def test_forward_backward_custom_runs_forward_then_weighted_cross_entropy(trainer):
+    client, run = trainer
+    data = batch(2, 40)
+
+    def loss_fn(data, logprobs_list):
+        loss = sum((lp * lp).sum() for lp in logprobs_list)
+        return loss, {"custom_sq:sum": float(loss.detach())}
+
+    before = len(run.calls)
+    out = client.forward_backward_custom(data, loss_fn).result()
+    assert [(c[1]["forward_only"], c[1]["loss_fn"]) for c in run.calls[before:]] == [(True, "cross_entropy"), (False, "cross_entropy")]
+    lps, _ = expected(data, run.step)
+    for datum, lp in zip(run.datums[-2:], lps, strict=True):  # the backward pass: weights = -dC/dlogprobs = -2 lp
+        np.testing.assert_allclose(datum.inputs["weights"].numpy(), -2 * lp, rtol=1e-6)
+    assert out.metrics["loss:sum"] == pytest.approx(sum(float((lp * lp).sum()) for lp in lps), rel=1e-5)
+    assert "surrogate_loss:sum" in out.metrics and "custom_sq:sum" in out.metrics
+
+
+def test_save_state_load_state_and_create_from_state(server):
+    service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    client = service.create_lora_training_client(MODEL, rank=4, train_unembed=False).result()
+    run = server.factory.runs[-1]
+    client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    saved = client.save_state("ckpt-a").result()
+    assert saved.path == f"tinker://{client.model_id}/weights/ckpt-a"
+    assert (Path(server.settings.state_dir) / client.model_id / "weights" / "ckpt-a" / "tinker_checkpoint.json").is_file()
+    client.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    assert run.step == 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # load_state* are deprecated in the SDK, still served
+        client.load_state(saved.path).result()
+        assert (run.calls[-1][0], run.calls[-1][1]["with_optimizer"], run.step) == ("load_state", False, 1)
+        client.load_state_with_optimizer(saved.path).result()
+        assert (run.calls[-1][1]["with_optimizer"], [a.learning_rate for a in run.adam]) == (True, [1e-3])
+
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
+    run2 = server.factory.runs[-1]
+    assert run2 is not run and run2.lora == LoraIn(rank=4, train_unembed=False)
+    assert [(c[0], c[1].get("with_optimizer")) for c in run2.calls] == [("load_state", True)]
+    assert resumed.get_info().lora_rank == 4 and resumed.model_id.endswith(":train:1")
+    data = batch(1, 7)
+    check_output(resumed.forward(data, "cross_entropy").result(), data, step=1)
+
+    fresh = service.create_training_client_from_state(saved.path).result()
+    assert server.factory.runs[-1].calls == [
+        ("load_state", {"directory": server.factory.runs[-1].calls[0][1]["directory"], "with_optimizer": False})
+    ]
+    assert fresh.get_info().lora_rank == 4
+
+    with pytest.raises(tinker.BadRequestError) as e:  # refused before it runs; the client goes on
+        client.save_state("ckpt-a").result()
+    user_error(e, "ckpt-a", "already exists")
+    client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=15)
+    service.close("success").result()
+    assert run.closed and run2.closed
+
+
+def test_sampling_snapshot_named_sampler_and_base_model(service, trainer, server):
+    client, run = trainer
+    step = run.step
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    params = types.SamplingParams(max_tokens=3, seed=11, temperature=0.5, top_k=20, top_p=0.9, stop=["\n"])
+    result = sampler.sample(prompt, 2, params).result()
+    assert [s.tokens for s in result.sequences] == [[(7 + step + i + k) % VOCAB for k in range(3)] for i in range(2)]
+    assert [s.stop_reason for s in result.sequences] == ["length", "length"]
+    np.testing.assert_allclose(result.sequences[0].logprobs, [-0.25, -0.5, -0.75])
+    assert all(s.sequence_id for s in result.sequences) and result.prompt_logprobs is None
+    assert server.factory.log[-1][2]["params"] == SampleParamsIn(
+        max_tokens=3, temperature=0.5, top_k=20, top_p=0.9, seed=11, stop_strings=("\n",)
+    )
+
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, stop=[13, 14])).result()
+    assert server.factory.log[-1][2]["params"] == SampleParamsIn(max_tokens=2, stop_token_ids=(13, 14))
+
+    lps = sampler.compute_logprobs(prompt).result()
+    assert lps[0] is None and lps[1:] == pytest.approx([fake_logprob(6, step), fake_logprob(7, step)])
+    assert sampler.compute_logprobs(prompt, prompt_logprobs_last_n=1).result()[:2] == [None, None]
+
+    client.optim_step(types.AdamParams(learning_rate=1e-4)).result()  # the snapshot keeps its weights
+    assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result().sequences[0].tokens == [(7 + step) % VOCAB]
+
+    named = client.save_weights_for_sampler("s1").result()
+    assert named.path == f"tinker://{client.model_id}/sampler_weights/s1"
+    loaded = service.create_sampling_client(model_path=named.path).result()
+    assert loaded.get_base_model() == MODEL
+    assert loaded.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result().sequences[0].tokens == [(7 + step + 1) % VOCAB]
+    assert server.factory.log[-2][0] == "load_sampler" and server.factory.log[-2][1].name == "s1"
+
+    base = service.create_sampling_client(base_model=MODEL).result()
+    assert base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences[0].tokens == [7, 8]
+
+
+def test_checkpoint_listing_and_weights_info(server, trainer):
+    client, _ = trainer
+    client.save_state("listed").result()
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert {"weights/listed", "sampler_weights/s1"} <= set(listed)
+    assert listed["weights/listed"].checkpoint_type == "training" and listed["weights/listed"].size_bytes > 0
+    assert listed["sampler_weights/s1"].tinker_path == f"tinker://{client.model_id}/sampler_weights/s1"
+    run_info = rest.get_training_run(client.model_id).result()
+    assert (run_info.base_model, run_info.lora_rank, run_info.last_checkpoint.checkpoint_id) == (MODEL, 8, "weights/listed")
+    assert client.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
+    info = rest.get_weights_info_by_tinker_path(listed["weights/listed"].tinker_path).result()
+    assert (info.base_model, info.lora_rank, info.is_lora) == (MODEL, 8, True)
+    assert [m.model_name for m in rest.get_server_capabilities().result().supported_models] == [MODEL]
+    rest.delete_checkpoint(client.model_id, "weights/listed").result()
+    assert "weights/listed" not in {c.checkpoint_id for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+
+
+# ---------------------------------------------------------------------------------- refusals
+def test_unknown_api_key_is_refused_with_401(server, http):
+    response = httpx.post(server.url + "/api/v1/client/config", json={"sdk_version": "x"}, headers={"X-API-Key": "tml-wrong"})
+    raw_error(response, 401, "X-API-Key")
+    runs = len(server.factory.runs)
+    with pytest.raises(tinker.AuthenticationError) as e:
+        tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").create_lora_training_client(MODEL).result()
+    user_error(e, "X-API-Key")
+    assert len(server.factory.runs) == runs
+    assert http.get("/healthz").json() == {"status": "ok"}
+
+
+def test_unknown_base_model_names_the_served_ones(service, server):
+    runs = len(server.factory.runs)
+    with pytest.raises(tinker.BadRequestError) as e:
+        service.create_lora_training_client("nope/model").result()
+    user_error(e, "base_model", "'nope/model'", MODEL)
+    assert len(server.factory.runs) == runs
+
+
+def test_refused_losses_and_bad_values_leave_the_run_untouched(trainer):
+    client, run = trainer
+    calls, adam = list(run.calls), list(run.adam)
+    for loss, why in (("stable_reinforce", "sampling records"), ("custom", "client-side")):
+        with pytest.raises(tinker.BadRequestError) as e:
+            client.forward_backward(batch(1, 3), loss).result()
+        user_error(e, "loss_fn", loss, why)
+    with pytest.raises(tinker.BadRequestError) as e:
+        client.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    user_error(e, "adam_params.learning_rate", "-1.0")
+    with pytest.raises(tinker.BadRequestError) as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.load_state(f"tinker://{client.model_id}/weights/../../../etc").result()
+    user_error(e, "path", "..")
+    assert (run.calls, run.adam) == (calls, adam)
+    data = batch(1, 3)  # each refused request used up its seq_id: the next one runs
+    check_output(client.forward(data, "cross_entropy").result(timeout=15), data, step=run.step)
+
+
+def test_bad_paths_are_refused(service, server):
+    runs = len(server.factory.runs)
+    bad = {  # path -> the part the message names
+        "tinker://../weights/x": "'..' is not a model id",
+        "tinker://abc:train:0/weights/..": "'..' is not a valid checkpoint name",
+        "/etc/passwd": "'/etc/passwd' is not a checkpoint path",
+        "tinker://abc:train:0/weights/a/b": "'tinker://abc:train:0/weights/a/b' is not a checkpoint path",
+    }
+    for path, named in bad.items():
+        with pytest.raises(tinker.BadRequestError) as e:
+            service.create_training_client_from_state(path).result()
+        user_error(e, "path: ", named)
+    with pytest.raises(tinker.BadRequestError) as e:
+        service.create_sampling_client(model_path="tinker://abc:train:0/sampler_weights/..").result()
+    user_error(e, "model_path")
+    with pytest.raises(tinker.BadRequestError) as e:
+        service.create_sampling_client(model_path="tinker://abc:train:0/sampler_weights/missing").result()
+    user_error(e, "model_path", "does not exist")
+    assert len(server.factory.runs) == runs and not any(
+        name == "load_sampler" and "missing" in str(src) for name, src, _, _ in server.factory.log
+    )
+
+
+def _fb_request(model_id: str, seq_id: int, data: list[types.Datum], loss_fn: str = "cross_entropy") -> bytes:
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"), model_id=model_id, seq_id=seq_id
+    )
+    msg = forward_backward_request_to_proto(request)
+    msg.loss_fn = loss_fn
+    return msg.SerializeToString()
+
+
+def test_raw_requests_the_sdk_would_not_send(service, server, http):
+    client = service.create_lora_training_client(MODEL, rank=2).result()  # driven by raw requests from here on
+    run = server.factory.runs[-1]
+    proto = {"Content-Type": "application/x-protobuf"}
+    data = batch(1, 20)
+    raw_error(
+        http.post("/forward_backward", content=_fb_request(client.model_id, 1, data, "hinge"), headers=proto),
+        400,
+        "loss_fn",
+        "'hinge'",
+        "cross_entropy",
+    )
+    image = pb.ForwardBackwardRequest.FromString(_fb_request(client.model_id, 2, data))
+    image.data[0].model_input[0].ClearField("encoded_text")
+    image.data[0].model_input[0].image.data = b"\x89PNG"
+    raw_error(http.post("/forward_backward", content=image.SerializeToString(), headers=proto), 400, "data[0].model_input[0]", "'image'")
+    short = [types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [1, 2, 3]})]
+    raw_error(
+        http.post("/forward_backward", content=_fb_request(client.model_id, 3, short), headers=proto),
+        400,
+        "target_tokens",
+        "[3]",
+        "2 tokens",
+    )
+    raw_error(http.post("/forward_backward", content=b"\xff" * (MAX_BODY + 1), headers=proto), 413, "max_body_bytes")
+    raw_error(http.post("/forward_backward", content=iter([b"\xff" * MAX_BODY, b"\xff"]), headers=proto), 413, "max_body_bytes")  # chunked
+    raw_error(http.post("/forward_backward", json={"model_id": client.model_id}), 400, "protobuf")
+    assert run.calls == []
+
+    answer = http.post("/forward_backward", content=_fb_request(client.model_id, 4, data), headers=proto).json()
+    assert answer["model_id"] == client.model_id
+    # A re-sent request (the SDK retries after a dropped connection) gets the same future.
+    assert http.post("/forward_backward", content=_fb_request(client.model_id, 4, data), headers=proto).json() == answer
+    result = http.post("/retrieve_future", json={"request_id": answer["request_id"]}, headers={"Accept": "application/x-protobuf"})
+    assert result.status_code == 200 and "try_again" not in result.text, result.text  # held open until done, not try_again
+    assert result.headers["content-type"] == "application/x-protobuf"
+    check_output(deserialize_forward_backward_output(result.content), data, step=0)
+    assert [c[0] for c in run.calls] == ["forward_backward"]
+
+    # seq 6 arrives before seq 5: it waits for it, and a poll for its result is held open meanwhile.
+    later = http.post("/forward_backward", content=_fb_request(client.model_id, 6, batch(1, 60)), headers=proto).json()
+    send_5 = threading.Timer(
+        0.3,
+        httpx.post,
+        [http.base_url.join("forward_backward")],
+        {"content": _fb_request(client.model_id, 5, batch(1, 50)), "headers": {**proto, "X-API-Key": KEY}},
+    )
+    start = time.monotonic()
+    send_5.start()
+    result = http.post("/retrieve_future", json={"request_id": later["request_id"]})
+    send_5.join()
+    assert result.headers["content-type"] == "application/x-protobuf" and 0.25 < time.monotonic() - start < server.settings.poll_timeout_s
+    assert [int(d.tokens[0]) for d in run.datums] == [20, 50, 60]
+    zstd = {**proto, "Content-Encoding": "zstd"}
+    packed = zstandard.ZstdCompressor().compress(_fb_request(client.model_id, 7, batch(1, 70)))
+    answer = http.post("/forward_backward", content=packed, headers=zstd).json()
+    assert http.post("/retrieve_future", json={"request_id": answer["request_id"]}).status_code == 200
+    assert int(run.datums[-1].tokens[0]) == 70
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (MAX_BODY + 1))  # small on the wire, too large inflated
+    raw_error(http.post("/forward_backward", content=bomb, headers=zstd), 413, "max_body_bytes")
+
+    raw_error(http.post("/retrieve_future", json={"request_id": "nope-1"}), 410, "request_id", "'nope-1'")
+    raw_error(http.post("/get_info", json={"model_id": "abc:train:7"}), 404, "model_id", "abc:train:7")
+    raw_error(http.post("/get_info", json={}), 400, "model_id", "missing")
+    raw_error(http.post("/create_custom_loss", json={}), 400, "client-side")
+    prompt = {"chunks": [{"type": "image", "data": "AA==", "format": "png"}]}
+    raw_error(
+        http.post("/asample", json={"base_model": MODEL, "prompt": prompt, "sampling_params": {}}), 400, "prompt.chunks[0]", "'image'"
+    )
+    text = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    raw_error(
+        http.post("/asample", json={"base_model": MODEL, "prompt": text, "sampling_params": {}, "topk_prompt_logprobs": 3}),
+        400,
+        "topk_prompt_logprobs",
+    )
+
+    unload = http.post("/unload_model", json={"model_id": client.model_id}).json()
+    assert http.post("/retrieve_future", json={"request_id": unload["request_id"]}).json() == {
+        "model_id": client.model_id,
+        "type": "unload_model",
+    }
+    assert run.closed
+    raw_error(http.post("/get_info", json={"model_id": client.model_id}), 400, "closed")
+
+
+def test_too_many_runs_is_refused_until_a_session_finishes(server):
+    service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    mine = [service.create_lora_training_client(MODEL, rank=1).result() for _ in range(MAX_RUNS - len(server.factory.live))]
+    runs = len(server.factory.runs)
+    with pytest.raises(tinker.BadRequestError) as e:
+        service.create_lora_training_client(MODEL, rank=1).result()
+    user_error(e, f"max_runs={MAX_RUNS}", "finish a session", "unload")
+    assert len(server.factory.runs) == runs
+    service.close("success").result()
+    assert len(mine) >= 1 and all(r.closed for r in server.factory.runs[-len(mine) :])
+    other = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    other.create_lora_training_client(MODEL, rank=1).result()
+    other.close("success").result()
+
+
+def test_finished_session_closes_runs_and_samplers(server, http):
+    service = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    client = service.create_lora_training_client(MODEL, rank=1).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    run = server.factory.runs[-1]
+    session_id = client.model_id.split(":")[0]
+    service.close("success").result()
+    assert run.closed
+    raw_error(http.post("/session_heartbeat", json={"session_id": session_id}), 410, "finished")
+    raw_error(http.post("/get_info", json={"model_id": client.model_id}), 400, "closed")
+    sample = {
+        "sampling_session_id": sampler._sampling_session_id,
+        "seq_id": 9,
+        "prompt": {"chunks": [{"tokens": [1]}]},
+        "sampling_params": {},
+    }
+    raw_error(http.post("/asample", json=sample), 400, "finished")
+
+
+def test_every_training_side_call_ran_on_one_worker_thread(server):
+    threads = {tid for _, _, _, tid in server.factory.log}
+    assert len(threads) == 1 and threading.get_ident() not in threads
