@@ -445,6 +445,12 @@ def _client_config(settings: ServerSettings) -> dict:
         "credential_default_source": "api_key",
         "use_pyqwest_transport": False,  # plain httpx
         "parallel_fwdbwd_chunks": True,  # chunks arrive out of order; the worker runs them in seq order
+        # One forward_backward call = one request up to half the body limit (the SDK's size estimate
+        # is approximate): a request is atomic (refused whole, nothing applied), and nothing in the
+        # requests of a chunked call says they belong together, so a refused chunk cannot undo its
+        # siblings (docs/tinker.md).
+        "fwdbwd_max_chunk_len": 1 << 20,
+        "fwdbwd_max_chunk_bytes_count": max(1, settings.max_body_bytes // 2),
         "proto_compress_fwdbwd": False,
         "sample_use_retrieve_futures": False,  # one retrieve_future poll per request
         "custom_loss_server_side": False,  # custom losses run in the client

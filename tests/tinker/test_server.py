@@ -43,11 +43,14 @@ def server(models, tmp_path_factory):
             f"server.api_keys=[{KEY}]",
             f"server.state_dir={tmp_path_factory.mktemp('state')}",
             f"tinker.lora_alpha={ALPHA}",
-            "server.max_runs=8",
+            "server.max_runs=16",
         ],
     )
+    # the SDK sends at most 4 datums per forward_backward request: a 6-datum call arrives in chunks
+    cfg_settings = cfg.server_settings()
+    cfg_settings.extra["client_config"] = {"fwdbwd_max_chunk_len": 4}
     factory = EngineFactory(cfg.server.model_root, {}, cfg.run_settings())
-    with running_server(cfg.server_settings(), factory) as url:
+    with running_server(cfg_settings, factory) as url:
         yield url, factory, cfg
 
 
@@ -204,3 +207,54 @@ def test_resume_with_the_optimizer_continues_exactly(server, service):
         c.forward_backward(_datums(32), "cross_entropy").result()
         c.optim_step(types.AdamParams(**ADAM)).result()
     assert _rel(_adapter(second), _adapter(first)) <= 1e-7
+
+
+def test_split_chunks_and_interleaved_clients_change_nothing(server, service):
+    """One step of 6 datums: sent as one call (two chunks of <= 4 on the wire) by client A, as three
+    calls of 2 by client B, and by client C in one call while B's calls run interleaved with it:
+    the three adapters agree (relative 1e-6; fp32 sums in another order), so neither the split nor
+    another client's run changes a run."""
+    _, factory, _ = server
+    runs = []
+    clients = []
+    for _ in range(3):
+        client, run = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=9))
+        clients.append(client)
+        runs.append(run)
+    a, b, c = clients
+    data = _datums(41)
+    futures = [a.forward_backward(data, "cross_entropy")]
+    for i in range(3):  # B's three calls and C's one call, queued alternately
+        futures.append(b.forward_backward(data[2 * i : 2 * i + 2], "cross_entropy"))
+        if i == 1:
+            futures.append(c.forward_backward(data, "cross_entropy"))
+    [f.result() for f in futures]
+    for client in clients:
+        client.optim_step(types.AdamParams(**ADAM)).result()
+    adapters = [_adapter(run) for run in runs]
+    assert _rel(adapters[1], adapters[0]) <= 1e-6 and _rel(adapters[2], adapters[0]) <= 1e-6
+    assert any(float(v.abs().max()) > 0 for k, v in adapters[0].items() if "lora_B" in k)  # it trained (B starts at 0)
+
+
+def test_a_refused_request_leaves_the_run_untouched(server, service):
+    """A forward_backward (one request: 4 datums, the chunk size here) whose last datum holds a token
+    outside the vocabulary is refused as a user error naming it, and so is a bad loss setting, before
+    anything runs: the next step equals a run that never saw them (bit for bit)."""
+    _, factory, _ = server
+    bad = _datums(51, n=4)
+    bad[-1] = types.Datum(
+        model_input=types.ModelInput.from_ints([3, 4, 999]),
+        loss_fn_inputs=bad[-1].loss_fn_inputs | {"target_tokens": [4, 5, 6], "weights": [1.0, 1.0, 1.0]},
+    )
+    hit, clean = (
+        _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=2)) for _ in range(2)
+    )
+    with pytest.raises(tinker.RequestFailedError, match="999"):
+        hit[0].forward_backward(bad, "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="not a setting of ppo"):
+        hit[0].forward_backward(_datums(52, loss="ppo"), "ppo", {"beta": 1.0}).result()
+    for client in (hit[0], clean[0]):
+        client.forward_backward(_datums(53), "cross_entropy").result()
+        client.optim_step(types.AdamParams(**ADAM)).result()
+    got, want = _adapter(hit[1]), _adapter(clean[1])
+    assert all(torch.equal(got[k], want[k]) for k in want)
