@@ -171,12 +171,17 @@ def per_token_terms(
 def engine_loss_fn(name: str, config: Mapping[str, float]):
     """The engine ``LossFn`` of ``name`` for a batch built from datums (``target_ids`` and the
     :data:`INPUT_FIELDS`): the micro-batch's sum of terms, over the call's denominator (1 in the
-    engine's ``sum`` mode, which a datum engine runs in). Metric ``loss:sum`` per micro-batch."""
+    engine's ``sum`` mode, which a datum engine runs in). Metric ``loss:sum`` per micro-batch. A
+    per-token field ``counted`` (0 on padding datums, 1 elsewhere) multiplies the terms."""
 
     def loss_fn(mb, out, norm):
         lp = out["target_log_probs"].values()
         inputs = {key: mb[field].values() for key, field in INPUT_FIELDS.items() if field in mb.keys()}
-        total = per_token_terms(name, lp, inputs, mb["input_ids"].offsets(), config).sum()
+        terms = per_token_terms(name, lp, inputs, mb["input_ids"].offsets(), config)
+        if "counted" in mb.keys():  # padding datums (DP shards of equal size) count 0
+            counted = mb["counted"].values().to(terms.dtype)
+            terms = terms * (counted if terms.dim() == 1 else counted[:, None])
+        total = terms.sum()
         return total / norm.denominator, {"loss:sum": float(total.detach())}
 
     return loss_fn

@@ -74,14 +74,28 @@ class EngineSection:
     Attributes:
         strategy: ``engine.strategy`` (a backend that trains LoRA adapters: fsdp, or a plug-in).
         settings: further engine settings as ``key=value`` (e.g. ``max_token_len_per_micro_batch=4096``).
+        ranks: data-parallel ranks of each run's engine; above 1 each run is a Ray worker group the
+            server drives (the ``ray`` extra).
+        cpus_per_rank: CPUs each of those workers reserves (fractions allowed).
+        ray_address: null starts a local Ray instance; ``auto`` or ``HOST:PORT`` joins a cluster.
     """
 
     strategy: str = "fsdp"
     settings: list[str] = field(default_factory=list)
+    ranks: int = 1
+    cpus_per_rank: float = 1.0
+    ray_address: str | None = None
 
     def _problems(self) -> list[str]:
+        out = []
         bad = [s for s in self.settings if "=" not in s]
-        return [f"settings = {bad}: each must be key=value; fix: e.g. micro_batch_size=4"] if bad else []
+        if bad:
+            out.append(f"settings = {bad}: each must be key=value; fix: e.g. micro_batch_size=4")
+        if self.ranks < 1:
+            out.append(f"ranks = {self.ranks}: must be >= 1; fix: 1 (in process) or more (Ray workers)")
+        if not self.cpus_per_rank > 0:
+            out.append(f"cpus_per_rank = {self.cpus_per_rank}: must be > 0; fix: e.g. 1")
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,9 @@ class TinkerServerConfig:
             rollout_backend=self.rollout.backend,
             lora_alpha=self.tinker.lora_alpha,
             max_tokens=self.rollout.max_tokens,
+            ranks=self.engine.ranks,
+            cpus_per_rank=self.engine.cpus_per_rank,
+            ray_address=self.engine.ray_address,
         )
 
 

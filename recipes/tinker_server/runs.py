@@ -63,6 +63,11 @@ class RunSettings:
         rollout_backend: ``rollout.backend`` of the samplers.
         lora_alpha: LoRA alpha of every run (the update is ``alpha / rank * B A``).
         max_tokens: a sample's length when the request names none.
+        ranks: the ranks of each run's engine (data parallel); above 1 a run is a Ray worker group
+            that the server drives as its single controller (:class:`RayEngineRun`).
+        cpus_per_rank: CPUs each Ray worker reserves (fractions allowed; also its torch threads).
+        ray_address: null starts a local Ray instance (stopped with the server); ``auto`` or
+            ``HOST:PORT`` joins a running cluster.
     """
 
     strategy: str = "fsdp"
@@ -70,6 +75,9 @@ class RunSettings:
     rollout_backend: str = "hf"
     lora_alpha: float = 32.0
     max_tokens: int = 64
+    ranks: int = 1
+    cpus_per_rank: float = 1.0
+    ray_address: str | None = None
 
 
 def lora_modules(lora: LoraIn) -> list[str]:
@@ -81,9 +89,13 @@ def lora_modules(lora: LoraIn) -> list[str]:
     return names
 
 
-def datums_to_batch(datums: list[DatumIn], loss_fn: str):
+def datums_to_batch(datums: list[DatumIn], loss_fn: str, multiple_of: int = 1):
     """The protocol batch of ``datums`` for ``loss_fn``: ``input_ids``, ``target_ids`` and the loss's
     inputs (under :data:`roles.datum_losses.INPUT_FIELDS`). Checks everything first.
+
+    ``multiple_of`` (the DP size): one-token padding datums are appended until the count divides
+    it (DP shards are equal-sized); the per-token field ``counted`` is 1 on real datums and 0 on
+    padding, and the datum loss multiplies its terms by it, so padding adds exactly nothing.
 
     Raises:
         UserError: no datums, an empty or mis-shaped datum, a missing input, or an unknown one,
@@ -137,7 +149,14 @@ def datums_to_batch(datums: list[DatumIn], loss_fn: str):
                 raise UserError(f"data[{i}].loss_fn_inputs[{key!r}] holds a NaN or inf; fix: finite values only")
             fields[INPUT_FIELDS[key]].append(value.float())
     fields = {k: v for k, v in fields.items() if v}
-    return make_batch(seqs, target_ids=targets, **fields)
+    counted = [torch.ones(len(t)) for t in seqs]
+    while len(seqs) % multiple_of:
+        seqs.append(torch.zeros(1, dtype=torch.long))
+        targets.append(torch.zeros((1, *targets[0].shape[1:]), dtype=torch.long))
+        for rows in fields.values():
+            rows.append(torch.zeros((1, *rows[0].shape[1:])))
+        counted.append(torch.zeros(1))
+    return make_batch(seqs, target_ids=targets, counted=counted, **fields)
 
 
 class Snapshot:
@@ -255,23 +274,29 @@ class EngineRun:
             config = check_loss(loss_fn, loss_fn_config)
         except DatumLossError as exc:
             raise UserError(str(exc)) from None
-        batch = datums_to_batch(datums, loss_fn)
-        fn = engine_loss_fn(loss_fn, config)
+        dp = self.engine.dp_size
+        batch = datums_to_batch(datums, loss_fn, multiple_of=dp)
+        local = self.engine.shard_data(batch) if dp > 1 else batch
         try:
             if forward_only:
                 with self.engine.eval_mode():
-                    preds = self.engine.infer_batch(batch)
-                lp = preds["target_log_probs"].values()
-                inputs = {k: batch[f].values() for k, f in INPUT_FIELDS.items() if f in batch.keys()}
-                loss = float(per_token_terms(loss_fn, lp, inputs, batch["input_ids"].offsets(), config).sum())
+                    preds = self.engine.infer_batch(local)
             else:
-                self.engine.set_loss_fn(fn)
+                self.engine.set_loss_fn(engine_loss_fn(loss_fn, config))
                 with self.engine.train_mode():
-                    preds, loss, _ = self.engine.forward_backward_step(batch)
+                    preds, loss, _ = self.engine.forward_backward_step(local)
         except ValueError as exc:  # the engine's input checks (vocabulary, length) run before any state changes
             raise UserError(str(exc)) from None
-        outputs = [{"logprobs": row.detach().float().cpu()} for row in preds["target_log_probs"].unbind()]
-        return ForwardBackwardOut(outputs, {"loss:sum": float(loss)})
+        if dp > 1:
+            preds = self.engine.unshard_data(preds)  # collective: every rank gets the whole batch in order
+        if forward_only:  # the loss of the whole batch, from the gathered log-probs (padding rows count 0)
+            inputs = {k: batch[f].values() for k, f in INPUT_FIELDS.items() if f in batch.keys()}
+            lp = preds["target_log_probs"].values()
+            terms = per_token_terms(loss_fn, lp, inputs, batch["input_ids"].offsets(), config)
+            counted = batch["counted"].values().to(terms.dtype)
+            loss = float((terms * (counted if terms.dim() == 1 else counted[:, None])).sum())
+        rows = preds["target_log_probs"].unbind()[: len(datums)]
+        return ForwardBackwardOut([{"logprobs": row.detach().float().cpu()} for row in rows], {"loss:sum": float(loss)})
 
     def optim_step(self, adam: AdamIn) -> dict[str, float]:
         values = {"learning_rate": adam.learning_rate, "beta1": adam.beta1, "beta2": adam.beta2, "eps": adam.eps}
@@ -310,18 +335,88 @@ class EngineRun:
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
 
-    def sampler(self, directory: Path | None) -> Snapshot:
-        weights = {k: v.detach().clone().cpu() for k, v in self.engine.export_weights()}
-        if directory is not None:
-            from safetensors.torch import save_file
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """The run's weights with the adapters merged, by HF name, on the CPU (collective)."""
+        return {k: v.detach().clone().cpu() for k, v in self.engine.export_weights()}
 
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
-            (directory / "sampler.json").write_text(json.dumps({"base_model": self.base_model}))
-        return Snapshot(self.pool, weights)
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters by peft's names, on the CPU (collective)."""
+        return {k: v.detach().clone().cpu() for k, v in self.engine.export_adapter_weights()}
+
+    def sampler(self, directory: Path | None) -> Snapshot:
+        return snapshot(self.pool, self.base_model, self.merged_weights(), directory)
 
     def close(self) -> None:
         self.engine = None
+
+
+def snapshot(pool: _RolloutPool, base_model: str, weights: dict[str, torch.Tensor], directory: Path | None) -> Snapshot:
+    """A sampler of ``weights``; also written to ``directory`` (safetensors + a JSON naming the base
+    model) for a named ``save_weights_for_sampler``."""
+    if directory is not None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+        (directory / "sampler.json").write_text(json.dumps({"base_model": base_model}))
+    return Snapshot(pool, weights)
+
+
+def worker_run(base_model: str, model_dir: str, lora: dict, settings: dict) -> EngineRun:
+    """The host object of one Ray worker of a :class:`RayEngineRun` (``posttrain.placement``):
+    this rank's part of the run's engine, joined to the worker group's world."""
+    return EngineRun(base_model, model_dir, LoraIn(**lora), RunSettings(**settings), None)
+
+
+class RayEngineRun:
+    """A training run whose engine spans ``settings.ranks`` data-parallel ranks, each a Ray worker
+    (``posttrain.placement``: the pool, the workers' ``torch.distributed`` world, calls fanned out
+    to every rank, a dead worker named and the group torn down). The server is the single
+    controller: every call runs :class:`EngineRun`'s method on all ranks, each taking its DP shard
+    of the datums (padded to a multiple of the DP size with datums that count 0) and gathering the
+    outputs back in order; rank 0's result is returned. Samplers are the merged weights rank 0
+    exports, served by the server's rollout engine as for an in-process run."""
+
+    def __init__(self, base_model: str, model_dir: str, lora: LoraIn, settings: RunSettings, pool: _RolloutPool) -> None:
+        from dataclasses import asdict
+
+        from posttrain.placement.cluster import RayCluster
+        from posttrain.placement.config import PlacementConfig
+
+        lora_modules(lora)  # refused here, before any worker starts
+        self.base_model, self.lora, self.pool = base_model, lora, pool
+        placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
+        self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
+        try:
+            self.group = self.cluster.spawn("run")
+            self.cluster.build(self.group, "recipes.tinker_server.runs:worker_run", base_model, model_dir, asdict(lora), asdict(settings))
+        except BaseException:
+            self.cluster.close(graceful=False)
+            raise
+
+    def _call(self, method: str, *args):
+        return self.cluster.call(self.group, method, *args)
+
+    def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
+        return self._call("forward_backward", datums, loss_fn, loss_fn_config, forward_only)
+
+    def optim_step(self, adam: AdamIn) -> dict[str, float]:
+        return self._call("optim_step", adam)
+
+    def save_state(self, directory: Path, with_optimizer: bool) -> None:
+        self._call("save_state", directory, with_optimizer)
+
+    def load_state(self, directory: Path, with_optimizer: bool) -> None:
+        self._call("load_state", directory, with_optimizer)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("adapter_weights")
+
+    def sampler(self, directory: Path | None) -> Snapshot:
+        return snapshot(self.pool, self.base_model, self._call("merged_weights"), directory)
+
+    def close(self) -> None:
+        self.cluster.close()
 
 
 class EngineFactory:
@@ -356,8 +451,9 @@ class EngineFactory:
             self.pools[base_model] = _RolloutPool(self._dir(base_model), self.settings)
         return self.pools[base_model]
 
-    def create_run(self, base_model: str, lora: LoraIn) -> EngineRun:
-        run = EngineRun(base_model, self._dir(base_model), lora, self.settings, self._pool(base_model))
+    def create_run(self, base_model: str, lora: LoraIn) -> EngineRun | RayEngineRun:
+        kind = EngineRun if self.settings.ranks == 1 else RayEngineRun
+        run = kind(base_model, self._dir(base_model), lora, self.settings, self._pool(base_model))
         self.created.append(run)
         return run
 
@@ -379,6 +475,11 @@ class EngineFactory:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+        if self.settings.ranks > 1 and self.settings.ray_address is None:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()  # the local instance the first run started
 
 
 def remove_tree(path: Path) -> None:
