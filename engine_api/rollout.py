@@ -415,6 +415,24 @@ class BaseRollout(abc.ABC):
         self._load_adapter(dict(adapter), dict(lora), version)
         self._version = version
 
+    def prompt_log_probs(self, prompts: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """Per prompt, ``log p(prompt[i] | prompt[:i])`` for every ``i >= 1`` (``[len - 1]`` float32,
+        temperature 1) under the weights served now: how well the policy predicts a given text
+        (the Tinker API's ``compute_logprobs``). Generates nothing.
+
+        Raises:
+            NotImplementedError: the backend scores no prompts (the message names it).
+            ValueError: an empty prompt, or one longer than ``max_model_len``.
+        """
+        self._require_serving("prompt_log_probs")
+        ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        for i, p in enumerate(ids):
+            if p.numel() == 0:
+                raise ValueError(f"prompts[{i}] is empty; fix: give every prompt at least one token")
+            if self.max_model_len is not None and p.numel() > self.max_model_len:
+                raise ValueError(f"prompts[{i}] has {p.numel()} tokens, more than max_model_len = {self.max_model_len}; fix: shorten it")
+        return [lp.to(torch.float32).cpu() for lp in self._prompt_log_probs(ids)]
+
     def release_memory(self) -> bool:
         """Free what the engine can between rollouts (weights and KV cache); ``generate`` is
         refused until ``resume_memory``. Returns whether anything was actually freed (False:
@@ -464,6 +482,10 @@ class BaseRollout(abc.ABC):
 
     def _load_adapter(self, adapter: dict[str, torch.Tensor], lora: dict[str, Any], version: int) -> None:
         raise NotImplementedError
+
+    def _prompt_log_probs(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``prompt_log_probs`` after validation (default: not offered)."""
+        raise NotImplementedError(f"the {type(self).__name__} rollout backend scores no prompts; fix: a backend that does (hf, vllm)")
 
     def _release_memory(self) -> bool:
         return False

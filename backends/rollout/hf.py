@@ -93,6 +93,15 @@ class HFRollout(HFLayout, BaseRollout):
                 state[name].copy_(tensor.to(state[name].device, state[name].dtype))
 
     @torch.no_grad()
+    def _prompt_log_probs(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for prompt in prompts:
+            ids = prompt.to(self.device)[None]
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1))
+        return out
+
+    @torch.no_grad()
     def _generate(self, prompts: list[torch.Tensor], params: SamplingParams, seeds: list[int]) -> list[list[Sample]]:
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling params: stop strings need a tokenizer; fix: build the rollout with tokenizer_path")

@@ -448,6 +448,20 @@ class VLLMRollout(HFLayout, BaseRollout):
         n = params.n
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    def _prompt_log_probs(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        # One generated token each (vLLM always decodes one); prompt_logprobs=0 returns the log-prob of
+        # every prompt token itself (the first has none).
+        params = VLLMSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False, seed=0)
+        requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
+        outputs = self.llm.generate(requests, [params] * len(requests), use_tqdm=False, lora_request=self._lora)
+        result = []
+        for out, prompt in zip(outputs, prompts, strict=True):
+            rows = out.prompt_logprobs
+            result.append(torch.tensor([rows[i][int(prompt[i])].logprob for i in range(1, len(prompt))], dtype=torch.float32))
+        return result
+
     def _routed_experts(self, completion, prompt_len: int, response_len: int) -> torch.Tensor | None:
         """``Sample.routed_experts`` of one finished completion; None when routing is off."""
         if self._routing is None:

@@ -51,6 +51,27 @@ def check_logprobs(kit: Kit) -> str:
     return ", ".join(parts)
 
 
+@rollout_check("prompt_logprobs")
+def check_prompt_logprobs(kit: Kit) -> str:
+    """prompt_log_probs scores every prompt token after the first, equal to HF log_softmax(logits) at it; skipped for a backend that offers no prompt scoring."""
+    try:
+        got = kit.engine.prompt_log_probs(kit.prompts)
+    except NotImplementedError as exc:
+        raise Skipped(f"the backend scores no prompts ({first_line(exc)})") from None
+    kit._load(kit.expected)  # the HF reference holds the weights the engine serves
+    worst = 0.0
+    with torch.no_grad():
+        for i, (prompt, lp) in enumerate(zip(kit.prompts, got, strict=True)):
+            ids = torch.as_tensor(prompt).reshape(1, -1)
+            want = torch.log_softmax(kit.hf(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            if lp.shape != want.shape:
+                raise CheckFailed(f"prompt {i}: {tuple(lp.shape)} log-probs for a {ids.shape[1]}-token prompt (want {tuple(want.shape)})")
+            worst = max(worst, float((lp - want).abs().max()) if want.numel() else 0.0)
+    if worst > TOL:
+        raise CheckFailed(f"prompt log-probs differ from HF log_softmax(logits) by {worst:.2e} (> {TOL:g})")
+    return f"{len(got)} prompts, max|diff| {worst:.1e}"
+
+
 @rollout_check("temperature")
 def check_temperature(kit: Kit) -> str:
     """Sampling at T=0.7 and T=1.5 with the same seeds gives the log-probs of each T's reference (not those of T=1)."""

@@ -16,7 +16,7 @@ and no deferred normalization. Tinker's call pattern maps onto the engine contra
   a load without the optimizer clears the AdamW moments afterwards.
 * samplers: a snapshot of the run's merged weights, served by one rollout engine per base model
   (``rollout.backend``), synced with the rollout contract's versioned update whenever another
-  snapshot is sampled; prompt log-probs come from the rollout model's forward (hf backend).
+  snapshot is sampled; prompt log-probs from the rollout contract's ``prompt_log_probs``.
 
 Every request is checked before the engine is touched: a bad one raises ``contract.UserError``
 and changes nothing. Assumptions (docs/tinker.md): LoRA alpha is ``tinker.lora_alpha`` (default
@@ -169,6 +169,17 @@ class Snapshot:
         return self.pool.sample(self, prompt, num_samples, params, prompt_logprobs)
 
 
+def _base_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """The base model's weights by HF name, from its safetensors files (what a base-model sampler
+    syncs back after a trained snapshot was served)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    return weights
+
+
 class _RolloutPool:
     """The rollout engine of one base model, shared by every snapshot of it (one at a time: the
     server runs engine work on one thread)."""
@@ -180,7 +191,7 @@ class _RolloutPool:
         tokenizer = model_dir if any(Path(model_dir, f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
         self.engine = build_rollout(settings.rollout_backend, RolloutEngineConfig(model_path=model_dir, tokenizer_path=tokenizer))
         self.settings = settings
-        self.base = {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()} if hasattr(self.engine, "model") else None
+        self.base = _base_weights(model_dir)
         self.loaded: Snapshot | None = None
         self.version = 0
 
@@ -188,8 +199,6 @@ class _RolloutPool:
         if self.loaded is snap:
             return
         weights = snap.weights if snap.weights is not None else self.base
-        if weights is None:
-            raise UserError("sampling the base model after a trained snapshot needs rollout.backend=hf here")
         self.version += 1
         self.engine.sync_weights(weights.items(), self.version)
         self.loaded = snap
@@ -223,16 +232,12 @@ class _RolloutPool:
         scored = self._prompt_log_probs(prompt) if prompt_logprobs else None
         return SampleOut(sequences, scored)
 
-    @torch.no_grad()
     def _prompt_log_probs(self, prompt: list[int]) -> list[float | None]:
-        model = getattr(self.engine, "model", None)
-        if model is None:
-            raise UserError(
-                f"prompt_logprobs: the {self.settings.rollout_backend} rollout backend does not score prompts here; fix: rollout.backend=hf"
-            )
-        ids = torch.tensor(prompt)[None].to(next(model.parameters()).device)
-        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        return [None, *logp.cpu().tolist()]
+        try:
+            scored = self.engine.prompt_log_probs([prompt])[0]
+        except NotImplementedError as exc:
+            raise UserError(f"prompt_logprobs: {exc}") from None
+        return [None, *scored.tolist()]
 
     def close(self) -> None:
         self.engine.shutdown()

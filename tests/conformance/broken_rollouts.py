@@ -150,3 +150,16 @@ class StaleCache(HFRollout):
             return super()._sample_block(prompts, params, gens)
         finally:
             self.model = current
+
+
+class ScoresShifted(HFRollout):
+    """Prompt log-probs scored one position late: each token by the logits at its own position."""
+
+    @torch.no_grad()
+    def _prompt_log_probs(self, prompts):
+        out = []
+        for prompt in prompts:
+            ids = prompt[None]
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, 1:].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1))
+        return out

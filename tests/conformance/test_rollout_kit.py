@@ -63,6 +63,8 @@ TEETH = {
     "RescoresKept": ({"partial_resume": "re-scored under the new weights"}, ["logprobs"]),
     "StampsNewest": ({"partial_resume": "expected 0 for the 4 kept tokens"}, ["logprobs"]),
     "StaleCache": ({"partial_resume": "the new tokens mix the versions"}, ["logprobs", "sync_exact"]),
+    # prompt scoring (issue 44)
+    "ScoresShifted": ({"prompt_logprobs": "differ from HF log_softmax(logits)"}, ["logprobs"]),
 }
 
 
