@@ -86,9 +86,9 @@ def main(argv=None) -> Report:
         factory = EngineFactory(cfg.server.model_root, {}, cfg.run_settings())
         with running_server(cfg.server_settings(), factory) as url:
             service = tinker.ServiceClient(base_url=url, api_key=KEY)
-            client = service.create_lora_training_client(base_model="m", rank=RANK, seed=0)
+            client = service.create_lora_training_client(base_model="m", rank=RANK, seed=0).result()
             direct = factory.create_run("m", LoraIn(rank=RANK, seed=0))
-            sampler = client.save_weights_and_get_sampling_client()
+            sampler = client.save_weights_and_get_sampling_client().result()
             direct_sampler = direct.sampler(None)
             prompt = list(range(1, 33))
             times = {k: [] for k in ("fb_server", "fb_direct", "sample_server", "sample_direct")}

@@ -84,15 +84,10 @@ def _plain(datums: list[types.Datum]) -> list[DatumIn]:
 
 
 def _new_client(service, factory, create):
-    """``create()`` (a training client), and the engine run the server built for it: runs are built
-    on the server's engine thread, in request order."""
-    import time
-
+    """``create()`` (a future of a training client), its client, and the engine run the server
+    built for it (runs are built in request order; the future resolves once it is built)."""
     before = len(factory.created)
-    client = create()
-    deadline = time.monotonic() + 20
-    while len(factory.created) == before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    client = create().result()
     assert len(factory.created) == before + 1, "the server built no run for the client"
     return client, factory.created[-1]
 
@@ -172,8 +167,8 @@ def test_one_step_equals_hf_peft_and_torch_adamw(server, service, models):
 
 
 def test_seeded_samples_reproduce_and_prompt_logprobs_score_the_prompt(server, service):
-    client = service.create_lora_training_client(base_model="tiny", rank=RANK)
-    sampler = client.save_weights_and_get_sampling_client()
+    client = service.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([5, 9, 12, 7])
     params = types.SamplingParams(max_tokens=6, seed=7, temperature=1.0)
     a = sampler.sample(prompt=prompt, num_samples=3, sampling_params=params).result()

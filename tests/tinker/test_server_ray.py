@@ -71,7 +71,7 @@ def test_two_ray_ranks_behind_the_server_equal_one_rank_in_process(served, monke
     url, models, state, proc, log = served
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    client = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0)
+    client = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0).result()
     direct = EngineFactory(str(models), {}, RunSettings(lora_alpha=32.0)).create_run("tiny", LoraIn(rank=RANK, seed=0))
     for step, loss in enumerate(("cross_entropy", "ppo", "dro")):  # dro: padding must count 0 (its q^2 term is not)
         data = _datums(60 + step, n=5, loss=loss)
