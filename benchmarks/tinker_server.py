@@ -62,8 +62,8 @@ def main(argv=None) -> Report:
     from posttrain.tiny_model import build_tiny_model
     from recipes.tinker_server.config import load_server_config
     from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn
-    from recipes.tinker_server.runs import EngineFactory
-    from tests.tinker.serving import KEY, running_server
+    from recipes.tinker_server.runs import EngineFactory, _RolloutPool, snapshot
+    from tests.support.tinker import KEY, running_server
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     rounds = 3 if args.quick else 8
@@ -89,31 +89,59 @@ def main(argv=None) -> Report:
             client = service.create_lora_training_client(base_model="m", rank=RANK, seed=0).result()
             direct = factory.create_run("m", LoraIn(rank=RANK, seed=0))
             sampler = client.save_weights_and_get_sampling_client().result()
-            direct_sampler = direct.sampler(None)
+            # its own rollout engine: sharing the server's would re-sync the weights on every switch
+            direct_sampler = snapshot(_RolloutPool(str(root / "m"), factory.settings), "m", direct.merged_weights(), None)
             prompt = list(range(1, 33))
             times = {k: [] for k in ("fb_server", "fb_direct", "sample_server", "sample_direct")}
+            served = factory.created[0]  # the client's run (the direct one was built after it)
+            fidelity = {"loss": 0.0, "logprobs": 0.0, "samples_differ": 0}
             for r in range(rounds + 1):
                 data = _datums(r)
                 plain = _plain(data)
                 t = time.perf_counter()
-                client.forward_backward(data, "cross_entropy").result()
+                got = client.forward_backward(data, "cross_entropy").result()
                 client.optim_step(types.AdamParams(**ADAM)).result()
                 fb_server = time.perf_counter() - t
                 t = time.perf_counter()
-                direct.forward_backward(plain, "cross_entropy", None, False)
+                want = direct.forward_backward(plain, "cross_entropy", None, False)
                 direct.optim_step(AdamIn(**ADAM))
                 fb_direct = time.perf_counter() - t
                 params = types.SamplingParams(max_tokens=32, seed=r, temperature=1.0)
                 t = time.perf_counter()
-                sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=DATUMS, sampling_params=params).result()
+                sampled = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=DATUMS, sampling_params=params).result()
                 s_server = time.perf_counter() - t
                 t = time.perf_counter()
-                direct_sampler.sample(prompt, DATUMS, SampleParamsIn(max_tokens=32, seed=r), False)
+                direct_sampled = direct_sampler.sample(prompt, DATUMS, SampleParamsIn(max_tokens=32, seed=r), False)
                 s_direct = time.perf_counter() - t
+                a, b = got.metrics["loss:sum"], want.metrics["loss:sum"]
+                fidelity["loss"] = max(fidelity["loss"], abs(a - b) / abs(b))
+                for g, w in zip(got.loss_fn_outputs, want.outputs, strict=True):
+                    fidelity["logprobs"] = max(
+                        fidelity["logprobs"], float((torch.as_tensor(g["logprobs"].to_torch()) - w["logprobs"]).abs().max())
+                    )
+                fidelity["samples_differ"] += sum(
+                    x.tokens != y.tokens for x, y in zip(sampled.sequences, direct_sampled.sequences, strict=True)
+                )
                 if r:  # round 0 warms both up
                     for key, value in zip(times, (fb_server, fb_direct, s_server, s_direct), strict=True):
                         times[key].append(value)
+            ours, theirs = served.adapter_weights(), direct.adapter_weights()
+            num = sum(float(((ours[k] - theirs[k]).double() ** 2).sum()) for k in theirs)
+            fidelity["adapter"] = (num / sum(float((v.double() ** 2).sum()) for v in theirs.values())) ** 0.5
             service.close("success").result()
+    report.rows.append(
+        Row(
+            case=f"fidelity over {rounds + 1} steps: server vs in process",
+            values={
+                "loss_rel_max": fidelity["loss"],
+                "logprob_abs_max": fidelity["logprobs"],
+                "adapter_rel": fidelity["adapter"],
+                "samples_differing": fidelity["samples_differ"],
+            },
+            target="loss, log-probs, adapter <= 1e-5; seeded samples identical",
+            met=max(fidelity["loss"], fidelity["logprobs"], fidelity["adapter"]) <= 1e-5 and fidelity["samples_differ"] == 0,
+        )
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     for case, server, direct in (
         ("forward_backward + optim_step, 64 datums", "fb_server", "fb_direct"),

@@ -57,7 +57,7 @@ def test_misspelt_key_names_the_closest_valid_one():
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ValueError) as err:
         load_config(
-            {"optim": {"lr": -1.0, "lrr": 2}, "loss_agg_mode": "sum"},
+            {"optim": {"lr": -1.0, "lrr": 2}, "loss_agg_mode": "mean"},
             [
                 "micro_batch_size=2",
                 "max_token_len_per_micro_batch=128",
@@ -72,7 +72,7 @@ def test_all_problems_are_reported_at_once():
     for needle in (
         "optim.lr = -1.0",
         "optim.lrr",
-        "loss_agg_mode = 'sum'",
+        "loss_agg_mode = 'mean'",
         "max_token_len_per_micro_batch = 128",
         "seed = 'abc'",
         "does not divide the world size 4",

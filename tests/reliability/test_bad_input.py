@@ -197,7 +197,7 @@ CONFIG_CASES = {
     "NaN clip_grad": (None, ["optim.clip_grad=nan"], ["optim.clip_grad = nan", "not a finite number"]),
     "NaN weight_decay": (None, ["optim.weight_decay=nan"], ["optim.weight_decay = nan", "not a finite number"]),
     "eps below fp32 range": (None, ["optim.eps=1e-46"], ["optim.eps = 1e-46", "smallest normal"]),
-    "unknown loss_agg_mode": (None, ["loss_agg_mode=sum"], ["loss_agg_mode = 'sum'"]),
+    "unknown loss_agg_mode": (None, ["loss_agg_mode=mean"], ["loss_agg_mode = 'mean'"]),
     "micro_batch_size 0": (None, ["micro_batch_size=0"], ["micro_batch_size = 0"]),
     "no model path": (None, ["model.path=null"], ["model.path = None"]),
     "not an HF directory": (None, ["model.path=<empty>"], ["has no config.json"]),

@@ -22,7 +22,7 @@ import pytest
 from posttrain.tiny_model import build_tiny_model
 from recipes.tinker_server.config import load_server_config
 from recipes.tinker_server.runs import EngineFactory
-from tests.tinker.serving import KEY, running_server
+from tests.support.tinker import KEY, running_server
 
 NAME = "meta-llama/Llama-3.2-1B"
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]

@@ -17,14 +17,10 @@ import torch
 from tinker import types
 
 from recipes.tinker_server.config import load_server_config
-from recipes.tinker_server.contract import AdamIn, DatumIn, LoraIn
+from recipes.tinker_server.contract import AdamIn, LoraIn
 from recipes.tinker_server.runs import EngineFactory
+from tests.support.tinker import ADAM, ALPHA, KEY, RANK, datums, plain, rel, running_server
 from tests.support.user_data import build_model_dir
-from tests.tinker.serving import KEY, running_server
-
-RANK, ALPHA = 4, 32.0
-ADAM = dict(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-3, weight_decay=0.01, grad_clip_norm=0.0)
-VOCAB = 21  # the character tokenizer of tests/support/user_data.py
 
 
 @pytest.fixture(scope="module")
@@ -59,30 +55,6 @@ def service(server):
     return tinker.ServiceClient(base_url=server[0], api_key=KEY)
 
 
-def _datums(seed: int, n: int = 6, loss: str = "cross_entropy") -> list[types.Datum]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        length = 4 + (i * 3) % 7
-        tokens = torch.randint(3, VOCAB, (length,), generator=g)
-        inputs = {"target_tokens": torch.randint(3, VOCAB, (length,), generator=g)}
-        if loss == "cross_entropy":
-            inputs["weights"] = torch.randn(length, generator=g)
-        else:
-            inputs["logprobs"] = -torch.rand(length, generator=g) * 4
-            inputs["advantages"] = torch.randn(length, generator=g)
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens.tolist()), loss_fn_inputs=inputs))
-    return out
-
-
-def _plain(datums: list[types.Datum]) -> list[DatumIn]:
-    """The same datums as the training side's plain type (what the HTTP layer hands it)."""
-    return [
-        DatumIn(torch.tensor(d.model_input.to_ints()), {k: torch.as_tensor(v.to_torch()) for k, v in d.loss_fn_inputs.items()})
-        for d in datums
-    ]
-
-
 def _new_client(service, factory, create):
     """``create()`` (a future of a training client), its client, and the engine run the server
     built for it (runs are built in request order; the future resolves once it is built)."""
@@ -90,12 +62,6 @@ def _new_client(service, factory, create):
     client = create().result()
     assert len(factory.created) == before + 1, "the server built no run for the client"
     return client, factory.created[-1]
-
-
-def _rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """Relative L2 difference of two tensor sets as one vector."""
-    num = sum(float(((got[k] - want[k]).double() ** 2).sum()) for k in want)
-    return (num / sum(float((v.double() ** 2).sum()) for v in want.values())) ** 0.5
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:
@@ -111,12 +77,12 @@ def test_through_the_server_equals_the_engine_in_process(server, service, loss):
     client, served = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0))
     direct = factory.create_run("tiny", LoraIn(rank=RANK, seed=0))
     for step in range(2):
-        data = _datums(10 + step, loss=loss)
+        data = datums(10 + step, loss=loss)
         a = client.forward_backward(data[:2], loss).result()
         b = client.forward_backward(data[2:], loss).result()
         client.optim_step(types.AdamParams(**ADAM)).result()
-        wa = direct.forward_backward(_plain(data[:2]), loss, None, False)
-        wb = direct.forward_backward(_plain(data[2:]), loss, None, False)
+        wa = direct.forward_backward(plain(data[:2]), loss, None, False)
+        wb = direct.forward_backward(plain(data[2:]), loss, None, False)
         direct.optim_step(AdamIn(**ADAM))
         for got, want in ((a, wa), (b, wb)):
             assert math.isclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rel_tol=1e-6), (step, got.metrics, want.metrics)
@@ -124,7 +90,7 @@ def test_through_the_server_equals_the_engine_in_process(server, service, loss):
                 assert torch.allclose(torch.as_tensor(g["logprobs"].to_torch()), w["logprobs"], atol=1e-6)
     ours, theirs = _adapter(served), _adapter(direct)
     assert ours.keys() == theirs.keys()
-    assert _rel(ours, theirs) <= 1e-6, _rel(ours, theirs)
+    assert rel(ours, theirs) <= 1e-6, rel(ours, theirs)
 
 
 def test_one_step_equals_hf_peft_and_torch_adamw(server, service, models):
@@ -135,7 +101,7 @@ def test_one_step_equals_hf_peft_and_torch_adamw(server, service, models):
 
     client, served = _new_client(service, server[1], lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=3))
     before = _adapter(served)
-    data = _datums(21)
+    data = datums(21)
     adam = {**ADAM, "grad_clip_norm": 0.5}
     fb = client.forward_backward(data, "cross_entropy").result()
     client.optim_step(types.AdamParams(**adam)).result()
@@ -162,7 +128,7 @@ def test_one_step_equals_hf_peft_and_torch_adamw(server, service, models):
     got = _adapter(served)
     assert math.isclose(fb.metrics["loss:sum"], float(loss), rel_tol=1e-6)
     assert got.keys() == want.keys()
-    assert _rel(got, want) <= 1e-6, _rel(got, want)
+    assert rel(got, want) <= 1e-6, rel(got, want)
     assert any(not torch.equal(got[k], before[k]) for k in want)
 
 
@@ -194,14 +160,14 @@ def test_resume_with_the_optimizer_continues_exactly(server, service):
     """save_state -> create_training_client_from_state_with_optimizer -> the next step equals the
     uninterrupted run's (adapter bit for bit within fp32 reordering)."""
     client, first = _new_client(service, server[1], lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=5))
-    client.forward_backward(_datums(31), "cross_entropy").result()
+    client.forward_backward(datums(31), "cross_entropy").result()
     client.optim_step(types.AdamParams(**ADAM)).result()
     path = client.save_state("mid").result().path
     resumed, second = _new_client(service, server[1], lambda: service.create_training_client_from_state_with_optimizer(path))
     for c in (client, resumed):
-        c.forward_backward(_datums(32), "cross_entropy").result()
+        c.forward_backward(datums(32), "cross_entropy").result()
         c.optim_step(types.AdamParams(**ADAM)).result()
-    assert _rel(_adapter(second), _adapter(first)) <= 1e-7
+    assert rel(_adapter(second), _adapter(first)) <= 1e-7
 
 
 def test_split_chunks_and_interleaved_clients_change_nothing(server, service):
@@ -217,7 +183,7 @@ def test_split_chunks_and_interleaved_clients_change_nothing(server, service):
         clients.append(client)
         runs.append(run)
     a, b, c = clients
-    data = _datums(41)
+    data = datums(41)
     futures = [a.forward_backward(data, "cross_entropy")]
     for i in range(3):  # B's three calls and C's one call, queued alternately
         futures.append(b.forward_backward(data[2 * i : 2 * i + 2], "cross_entropy"))
@@ -227,7 +193,7 @@ def test_split_chunks_and_interleaved_clients_change_nothing(server, service):
     for client in clients:
         client.optim_step(types.AdamParams(**ADAM)).result()
     adapters = [_adapter(run) for run in runs]
-    assert _rel(adapters[1], adapters[0]) <= 1e-6 and _rel(adapters[2], adapters[0]) <= 1e-6
+    assert rel(adapters[1], adapters[0]) <= 1e-6 and rel(adapters[2], adapters[0]) <= 1e-6
     assert any(float(v.abs().max()) > 0 for k, v in adapters[0].items() if "lora_B" in k)  # it trained (B starts at 0)
 
 
@@ -236,7 +202,7 @@ def test_a_refused_request_leaves_the_run_untouched(server, service):
     outside the vocabulary is refused as a user error naming it, and so is a bad loss setting, before
     anything runs: the next step equals a run that never saw them (bit for bit)."""
     _, factory, _ = server
-    bad = _datums(51, n=4)
+    bad = datums(51, n=4)
     bad[-1] = types.Datum(
         model_input=types.ModelInput.from_ints([3, 4, 999]),
         loss_fn_inputs=bad[-1].loss_fn_inputs | {"target_tokens": [4, 5, 6], "weights": [1.0, 1.0, 1.0]},
@@ -247,9 +213,9 @@ def test_a_refused_request_leaves_the_run_untouched(server, service):
     with pytest.raises(tinker.RequestFailedError, match="999"):
         hit[0].forward_backward(bad, "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="not a setting of ppo"):
-        hit[0].forward_backward(_datums(52, loss="ppo"), "ppo", {"beta": 1.0}).result()
+        hit[0].forward_backward(datums(52, loss="ppo"), "ppo", {"beta": 1.0}).result()
     for client in (hit[0], clean[0]):
-        client.forward_backward(_datums(53), "cross_entropy").result()
+        client.forward_backward(datums(53), "cross_entropy").result()
         client.optim_step(types.AdamParams(**ADAM)).result()
     got, want = _adapter(hit[1]), _adapter(clean[1])
     assert all(torch.equal(got[k], want[k]) for k in want)

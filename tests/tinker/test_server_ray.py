@@ -25,9 +25,8 @@ from tinker import types
 from recipes.tinker_server.contract import AdamIn, LoraIn
 from recipes.tinker_server.runs import EngineFactory, RunSettings
 from tests.support.launch import REPO, free_port, launch_env
+from tests.support.tinker import ADAM, KEY, RANK, datums, plain, rel
 from tests.support.user_data import build_model_dir
-from tests.tinker.serving import KEY
-from tests.tinker.test_server import ADAM, RANK, _datums, _plain, _rel
 
 pytestmark = pytest.mark.slow
 
@@ -74,10 +73,10 @@ def test_two_ray_ranks_behind_the_server_equal_one_rank_in_process(served, monke
     client = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0).result()
     direct = EngineFactory(str(models), {}, RunSettings(lora_alpha=32.0)).create_run("tiny", LoraIn(rank=RANK, seed=0))
     for step, loss in enumerate(("cross_entropy", "ppo", "dro")):  # dro: padding must count 0 (its q^2 term is not)
-        data = _datums(60 + step, n=5, loss=loss)
+        data = datums(60 + step, n=5, loss=loss)
         got = client.forward_backward(data, loss).result()
         client.optim_step(types.AdamParams(**ADAM)).result()
-        want = direct.forward_backward(_plain(data), loss, None, False)
+        want = direct.forward_backward(plain(data), loss, None, False)
         direct.optim_step(AdamIn(**ADAM))
         assert math.isclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rel_tol=1e-6), (step, got.metrics, want.metrics)
         for g, w in zip(got.loss_fn_outputs, want.outputs, strict=True):
@@ -86,7 +85,7 @@ def test_two_ray_ranks_behind_the_server_equal_one_rank_in_process(served, monke
     merged = load_file(str(state / client.model_id / "sampler_weights" / "final" / "model.safetensors"))
     assert path.endswith("/sampler_weights/final")
     # three AdamW steps of two ranks' reduction order: measured 2e-6 (a padding datum counted in dro: the loss differs by 1e-2)
-    assert _rel(merged, direct.merged_weights()) <= 1e-5
+    assert rel(merged, direct.merged_weights()) <= 1e-5
     service.close("success").result()
     proc.send_signal(signal.SIGINT)  # the server stops, and with it the runs' Ray workers
     assert proc.wait(60) == 0, log.read_text()[-3000:]

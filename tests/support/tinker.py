@@ -1,0 +1,79 @@
+"""What the Tinker server tests share: a server in this test process (uvicorn in a thread on a free
+port, telemetry off), seeded datums, and the comparison of tensor sets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import uvicorn
+from tinker import types
+
+from recipes.tinker_server.app import build_app
+from recipes.tinker_server.contract import DatumIn
+
+KEY = "tml-test"
+RANK, ALPHA = 4, 32.0
+ADAM = dict(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-3, weight_decay=0.01, grad_clip_norm=0.0)
+VOCAB = 21  # the character tokenizer of tests/support/user_data.py
+
+
+@contextlib.contextmanager
+def running_server(settings, factory) -> Iterator[str]:
+    """Serve ``factory`` with ``settings`` (host and port ignored: 127.0.0.1, a free port); yields
+    the base URL, then stops the server (which closes every run and the factory)."""
+    old = os.environ.get("TINKER_TELEMETRY")
+    os.environ["TINKER_TELEMETRY"] = "0"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(settings, factory), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        if old is None:
+            os.environ.pop("TINKER_TELEMETRY", None)
+        else:
+            os.environ["TINKER_TELEMETRY"] = old
+
+
+def datums(seed: int, n: int = 6, loss: str = "cross_entropy") -> list[types.Datum]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 4 + (i * 3) % 7
+        tokens = torch.randint(3, VOCAB, (length,), generator=g)
+        inputs = {"target_tokens": torch.randint(3, VOCAB, (length,), generator=g)}
+        if loss == "cross_entropy":
+            inputs["weights"] = torch.randn(length, generator=g)
+        else:
+            inputs["logprobs"] = -torch.rand(length, generator=g) * 4
+            inputs["advantages"] = torch.randn(length, generator=g)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens.tolist()), loss_fn_inputs=inputs))
+    return out
+
+
+def plain(datums: list[types.Datum]) -> list[DatumIn]:
+    """The same datums as the training side's plain type (what the HTTP layer hands it)."""
+    return [
+        DatumIn(torch.tensor(d.model_input.to_ints()), {k: torch.as_tensor(v.to_torch()) for k, v in d.loss_fn_inputs.items()})
+        for d in datums
+    ]
+
+
+def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Relative L2 difference of two tensor sets as one vector."""
+    num = sum(float(((got[k] - want[k]).double() ** 2).sum()) for k in want)
+    return (num / sum(float((v.double() ** 2).sum()) for v in want.values())) ** 0.5
