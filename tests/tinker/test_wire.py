@@ -8,8 +8,6 @@ requests, that nothing reached it. Raw ``httpx`` requests cover what the SDK wou
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 import warnings
@@ -21,18 +19,16 @@ import numpy as np
 import pytest
 import tinker
 import torch
-import uvicorn
 import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from recipes.tinker_server.app import build_app
 from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
+from tests.support.tinker import KEY, running_server
 from tests.tinker.fake_run import MODEL, VOCAB, FakeFactory, FakeRun, fake_logprob
 
-KEY = "tml-test"
 MAX_RUNS = 8
 MAX_BODY = 1 << 20
 CHUNK_LEN = 4  # the server tells the SDK to send at most 4 datums per forward_backward request
@@ -47,8 +43,6 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    old = os.environ.get("TINKER_TELEMETRY")
-    os.environ["TINKER_TELEMETRY"] = "0"
     factory = FakeFactory()
     settings = ServerSettings(
         api_keys=(KEY,),
@@ -58,22 +52,8 @@ def server(tmp_path_factory):
         poll_timeout_s=5.0,
         extra={"client_config": {"fwdbwd_max_chunk_len": CHUNK_LEN}},
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(settings, factory), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert uv.started
-    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", factory, settings)
-    uv.should_exit = True
-    thread.join(30)
-    if old is None:
-        os.environ.pop("TINKER_TELEMETRY", None)
-    else:
-        os.environ["TINKER_TELEMETRY"] = old
+    with running_server(settings, factory) as url:
+        yield Server(url, factory, settings)
     assert factory.closed and not factory.live  # shutdown closed every run, then the factory
 
 
