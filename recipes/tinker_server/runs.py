@@ -429,6 +429,14 @@ class EngineFactory:
     directory name) and the ``aliases`` (name -> directory)."""
 
     def __init__(self, model_root: str | None, aliases: dict[str, str], settings: RunSettings) -> None:
+        from engine_api.registry import get_engine_class
+
+        if not get_engine_class(settings.strategy).supports_lora:
+            # Every Tinker run is a LoRA run: refused at start, not at the first create_model.
+            raise ValueError(
+                f"engine.strategy = {settings.strategy!r}: that backend trains no LoRA adapters, and every Tinker training run "
+                "is a LoRA run; fix: engine.strategy=fsdp (or a plug-in backend with supports_lora)"
+            )
         self.models: dict[str, str] = {}
         if model_root and Path(model_root).is_dir():
             for child in sorted(Path(model_root).iterdir()):

@@ -6,8 +6,8 @@ under a name the cookbook knows (``meta-llama/Llama-3.2-1B``: its ``role_colon``
 text), a character tokenizer registered under that name (``tokenizer_utils.register_tokenizer``),
 and local rows in place of the hub datasets (``datasets.load_dataset`` patched). The RL loop's
 reward needs a ``\\boxed{}`` answer, which an untrained tiny model never writes; its reward
-function is replaced by a local rule that scores the sampled text (the share of the answer's
-digit), so the groups have reward variance and the loop trains.
+function is replaced by a local rule that scores the sampled text (the share of digits), so the
+groups have reward variance and the loop trains.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def test_rl_loop_samples_scores_and_trains(server, tmp_path, monkeypatch, loss_f
     scored: list[float] = []
 
     def reward(response: str, answer: str) -> float:
-        digit = answer.split()[-1]
-        value = response.count(digit) / max(1, len(response))
+        # the share of digits in the response: ~10% of an untrained character model's output, so
+        # (unseeded sampling: rl_loop passes no seed) a group of 4 x 12 tokens has reward variance
+        # but for a chance of ~1e-2, and one of the 4 groups is enough for a training step
+        value = sum(c.isdigit() for c in response) / max(1, len(response))
         scored.append(value)
         return value
 

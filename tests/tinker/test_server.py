@@ -18,7 +18,7 @@ from tinker import types
 
 from recipes.tinker_server.config import load_server_config
 from recipes.tinker_server.contract import AdamIn, LoraIn
-from recipes.tinker_server.runs import EngineFactory
+from recipes.tinker_server.runs import EngineFactory, RunSettings
 from tests.support.tinker import ADAM, ALPHA, KEY, RANK, datums, plain, rel, running_server
 from tests.support.user_data import build_model_dir
 
@@ -219,3 +219,12 @@ def test_a_refused_request_leaves_the_run_untouched(server, service):
         client.optim_step(types.AdamParams(**ADAM)).result()
     got, want = _adapter(hit[1]), _adapter(clean[1])
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_backend_without_lora_is_refused_when_the_server_starts(models):
+    """Every Tinker run is a LoRA run: a strategy whose backend trains no adapters (megatron today;
+    here the reference DDP backend, which declares none) stops the server at start with the key
+    and the fix, instead of failing each create_model."""
+    strategy = "tests.reference_engine:ReferenceEngine"
+    with pytest.raises(ValueError, match=r"engine.strategy = .*trains no LoRA adapters.*fix: engine.strategy=fsdp"):
+        EngineFactory(str(models), {}, RunSettings(strategy=strategy))
