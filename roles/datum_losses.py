@@ -175,13 +175,19 @@ def engine_loss_fn(name: str, config: Mapping[str, float]):
     per-token field ``counted`` (0 on padding datums, 1 elsewhere) multiplies the terms."""
 
     def loss_fn(mb, out, norm):
-        lp = out["target_log_probs"].values()
-        inputs = {key: mb[field].values() for key, field in INPUT_FIELDS.items() if field in mb.keys()}
-        terms = per_token_terms(name, lp, inputs, mb["input_ids"].offsets(), config)
-        if "counted" in mb.keys():  # padding datums (DP shards of equal size) count 0
-            counted = mb["counted"].values().to(terms.dtype)
-            terms = terms * (counted if terms.dim() == 1 else counted[:, None])
-        total = terms.sum()
+        total = batch_loss(name, out["target_log_probs"].values(), mb, config)
         return total / norm.denominator, {"loss:sum": float(total.detach())}
 
     return loss_fn
+
+
+def batch_loss(name: str, lp: torch.Tensor, batch, config: Mapping[str, float]) -> torch.Tensor:
+    """The loss of a batch built from datums (its :data:`INPUT_FIELDS`) given its flat target
+    log-probs ``lp``: the sum of :func:`per_token_terms`, each datum's terms times its per-token
+    field ``counted`` when present (0 on padding datums, 1 elsewhere)."""
+    inputs = {key: batch[field].values() for key, field in INPUT_FIELDS.items() if field in batch.keys()}
+    terms = per_token_terms(name, lp, inputs, batch["input_ids"].offsets(), config)
+    if "counted" in batch.keys():  # padding datums (DP shards of equal size) count 0
+        counted = batch["counted"].values().to(terms.dtype)
+        terms = terms * (counted if terms.dim() == 1 else counted[:, None])
+    return terms.sum()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from recipes.tinker_server.contract import (
     SequenceOut,
     UserError,
 )
-from roles.datum_losses import INPUT_FIELDS, DatumLossError, accepted_inputs, check_loss, engine_loss_fn, per_token_terms, required_inputs
+from roles.datum_losses import INPUT_FIELDS, DatumLossError, accepted_inputs, batch_loss, check_loss, engine_loss_fn, required_inputs
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -295,11 +294,7 @@ class EngineRun:
         if dp > 1:
             preds = self.engine.unshard_data(preds)  # collective: every rank gets the whole batch in order
         if forward_only:  # the loss of the whole batch, from the gathered log-probs (padding rows count 0)
-            inputs = {k: batch[f].values() for k, f in INPUT_FIELDS.items() if f in batch.keys()}
-            lp = preds["target_log_probs"].values()
-            terms = per_token_terms(loss_fn, lp, inputs, batch["input_ids"].offsets(), config)
-            counted = batch["counted"].values().to(terms.dtype)
-            loss = float((terms * (counted if terms.dim() == 1 else counted[:, None])).sum())
+            loss = float(batch_loss(loss_fn, preds["target_log_probs"].values(), batch, config))
         rows = preds["target_log_probs"].unbind()[: len(datums)]
         return ForwardBackwardOut([{"logprobs": row.detach().float().cpu()} for row in rows], {"loss:sum": float(loss)})
 
@@ -493,8 +488,3 @@ class EngineFactory:
 
             if ray.is_initialized():
                 ray.shutdown()  # the local instance the first run started
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a checkpoint directory (the HTTP layer's delete / TTL)."""
-    shutil.rmtree(path, ignore_errors=True)
