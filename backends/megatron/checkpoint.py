@@ -24,8 +24,18 @@ BACKEND = "megatron"  # recorded in enginekit.json
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _sharded(model_chunks, optimizer, is_loading: bool) -> dict:
-    model_sd = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+def _model_sd(chunk, lora: dict) -> dict:
+    """One chunk's sharded state dict; with LoRA only the adapters (``chunk.lora``): the frozen
+    base is the HF directory the engine loads at init."""
+    sd = chunk.module.sharded_state_dict()
+    return {k: v for k, v in sd.items() if k.startswith(_ADAPTERS)} if lora else sd
+
+
+_ADAPTERS = "lora."  # backends.megatron.lora.ChunkAdapters, registered as chunk.lora
+
+
+def _sharded(model_chunks, optimizer, is_loading: bool, lora: dict) -> dict:
+    model_sd = {f"model{i}": _model_sd(chunk, lora) for i, chunk in enumerate(model_chunks)}
     merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
     return {**model_sd, "optimizer": optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA))}
 
@@ -56,8 +66,9 @@ def layout() -> dict:
     }
 
 
-def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None) -> str:
-    """Save the sharded model + optimizer state and ``extra``. Collective.
+def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora: dict | None = None) -> str:
+    """Save the sharded model + optimizer state and ``extra``. Collective. With LoRA (``lora``:
+    the settings, recorded in ``enginekit.json``) only the adapters and their optimizer state.
 
     Raises:
         CheckpointError: writing failed (a full disk: named, with the fix); the incomplete save
@@ -66,12 +77,14 @@ def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int |
     _results_in_process()
     tmp = ckpt_layout.begin(root, step)
     with ckpt_layout.writing(tmp):  # a full disk: CheckpointError naming it; the incomplete save removed
-        dist_checkpointing.save(_sharded(model_chunks, optimizer, is_loading=False), tmp)
+        dist_checkpointing.save(_sharded(model_chunks, optimizer, False, lora or {}), tmp)
         ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "layout": layout()})
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "layout": layout(), "lora": lora or {}})
 
 
-def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True) -> dict:
+def load(
+    model_chunks, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True, lora: dict | None = None
+) -> dict:
     """Load in place; return this rank's ``extra``. Collective.
 
     ``local_path`` without a complete checkpoint: ``remote`` is downloaded into it first, and
@@ -82,25 +95,30 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
 
     Raises:
         CorruptCheckpointError: verification failed; nothing was loaded.
-        ValueError: another backend's checkpoint, another model-parallel layout, or another model
-            (a tensor's global shape differs: named with both shapes); nothing was loaded.
+        ValueError: another backend's checkpoint, another model-parallel layout, other LoRA
+            settings, or another model (a tensor's global shape differs: named with both
+            shapes); nothing was loaded.
         CheckpointError: the load itself failed (naming the checkpoint).
     """
     path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
-    problem = _incompatible(info)
+    lora = lora or {}
+    problem = _incompatible(info) or _lora_mismatch(info.get("lora") or {}, lora)
     if problem:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path}: {problem}")
     try:  # another model's checkpoint: refused by name before megatron's shape error, state untouched
-        ckpt_layout.check_shapes(path, _model_shapes(model_chunks))
+        ckpt_layout.check_shapes(path, _model_shapes(model_chunks, lora))
     except ValueError:
         ckpt_layout.finish_load(downloaded)
         raise
     with ckpt_layout.reading(path):
         _ensure_optimizer_state(optimizer)
-        state = dist_checkpointing.load(_sharded(model_chunks, optimizer, is_loading=True), path)
+        state = dist_checkpointing.load(_sharded(model_chunks, optimizer, True, lora), path)
         for i, chunk in enumerate(model_chunks):
-            chunk.module.load_state_dict(state[f"model{i}"])
+            if lora:  # the adapters only: every one of them must be set
+                chunk.module.lora.load_state_dict({k.removeprefix(_ADAPTERS): v for k, v in state[f"model{i}"].items()})
+            else:
+                chunk.module.load_state_dict(state[f"model{i}"])
         steps = _loaded_steps(optimizer, state["optimizer"])
         with torch.no_grad():  # the distributed optimizer copies fp32 main params in place: views of params that require grad
             optimizer.load_state_dict(state["optimizer"])
@@ -110,7 +128,15 @@ def load(model_chunks, optimizer, local_path: str, remote: str | None, del_local
     return extra
 
 
-def _model_shapes(model_chunks) -> dict[str, tuple[int, ...]]:
+def _lora_mismatch(saved: dict, lora: dict) -> str | None:
+    differ = [k for k in sorted(set(saved) | set(lora)) if saved.get(k) != lora.get(k)]
+    if not differ:
+        return None
+    got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
+    return f"written with {got}; fix: build the engine with the checkpoint's LoRA settings"
+
+
+def _model_shapes(model_chunks, lora: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> global shape of this rank's model tensors (dist_checkpointing saves each
     ``ShardedTensor`` under its key with its global shape; factories are built to see theirs)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -130,7 +156,7 @@ def _model_shapes(model_chunks) -> dict[str, tuple[int, ...]]:
             out[item.key] = tuple(item.global_shape)
 
     for chunk in model_chunks:
-        walk(chunk.module.sharded_state_dict())
+        walk(_model_sd(chunk, lora))
     return out
 
 

@@ -633,8 +633,8 @@ def to_megatron(
     if rule.layout.startswith("expert_"):
         if not any("{e}" in n for n in template):  # the fused [E, ...] layout: expert e's slice
             tensors = [t[e] for t in tensors]
-        return _import_layout(rule.layout.removeprefix("expert_"), tensors, arch, experts.etp_rank, experts.etp, arch.moe_ffn)
-    return _import_layout(rule.layout, tensors, arch, tp_rank, tp, arch.ffn)
+        return import_layout(rule.layout.removeprefix("expert_"), tensors, arch, experts.etp_rank, experts.etp, arch.moe_ffn)
+    return import_layout(rule.layout, tensors, arch, tp_rank, tp, arch.ffn)
 
 
 def _fmt(spelling: tuple[str, ...], prefix: str, e: int | None) -> tuple[str, ...]:
@@ -654,7 +654,7 @@ def _present_spelling(rule: Rule, prefix: str, e: int | None, hf: Mapping[str, t
     )
 
 
-def _import_layout(layout: str, t: list[torch.Tensor], arch: ArchInfo, rank: int, tp: int, ffn: int) -> torch.Tensor:
+def import_layout(layout: str, t: list[torch.Tensor], arch: ArchInfo, rank: int, tp: int, ffn: int) -> torch.Tensor:
     """The megatron value of HF tensors ``t`` under ``layout`` (TP rank ``rank`` of ``tp``)."""
     if layout == "copy":
         return t[0].clone()
@@ -742,7 +742,7 @@ def to_hf(name: str, full: torch.Tensor, arch: ArchInfo, layer: int | None, tp: 
 
 
 def _export_layout(layout: str, full: torch.Tensor, arch: ArchInfo, tp: int, count: int) -> list[torch.Tensor]:
-    """The inverse of :func:`_import_layout` on the concatenated TP shards; ``count`` HF tensors."""
+    """The inverse of :func:`import_layout` on the concatenated TP shards; ``count`` HF tensors."""
     if layout in ("copy", "cols"):
         return [full]
     if layout == "vocab":

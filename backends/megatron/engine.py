@@ -50,11 +50,13 @@ from tensordict import TensorDict
 from transformers import AutoConfig
 
 from backends.megatron import checkpoint as ckpt
+from backends.megatron import lora
 from backends.megatron.convert import arch_info
-from backends.megatron.export import export_hf
+from backends.megatron.export import export_adapters, export_hf
 from backends.megatron.model import (
     build_chunks,
     build_transformer_config,
+    global_layer,
     init_parallel,
     load_hf_weights,
     megatron_problems,
@@ -96,6 +98,7 @@ class MegatronEngine(BaseEngine):
     the loss are produced on the last pipeline stage and broadcast to every rank."""
 
     options_class = MegatronOptions
+    supports_lora = True  # dense models on the local spec (backends.megatron.lora)
 
     @classmethod
     def check_config(cls, config) -> list[str]:
@@ -118,7 +121,14 @@ class MegatronEngine(BaseEngine):
         self.router = attach_router_recorder(
             chunks, router_spec, self.arch.num_layers, self.tconfig.sequence_parallel, moe_layers=self.arch.moe_layers
         )
-        load_hf_weights(chunks, read_hf_state(cfg.model.path, cfg.model.head, cfg.seed), self.arch)
+        hf_state = read_hf_state(cfg.model.path, cfg.model.head, cfg.seed)
+        load_hf_weights(chunks, hf_state, self.arch)
+        # LoRA: the base frozen before megatron DDP, which then allocates grad buffers (and the
+        # optimizer state) for the adapters alone.
+        self.adapters = (
+            lora.attach(chunks, self.arch, _shapes(hf_state), cfg.model.lora, cfg.seed, global_layer) if cfg.model.lora.enabled else []
+        )
+        del hf_state
         if cfg.frozen:
             for chunk in chunks:
                 chunk.requires_grad_(False)  # megatron DDP then allocates no grad buffers
@@ -258,6 +268,18 @@ class MegatronEngine(BaseEngine):
         self._call_len = max(self._row_len(mb) for mb in micro) if self.fixed_shape else 0
         if state.preprocess_fn is not None:
             micro = [state.preprocess_fn(mb, state.ctx) for mb in micro]
+        # disable_adapters (forward-only calls of a LoRA engine): the base weights for the call.
+        base_only = bool(self.adapters) and "disable_adapters" in micro[0].keys() and bool(micro[0].get_non_tensor("disable_adapters"))
+        for adapter in self.adapters:
+            adapter.enabled = not base_only
+        try:
+            return self._scheduled(state, micro)
+        finally:
+            for adapter in self.adapters:
+                adapter.enabled = True
+
+    def _scheduled(self, state: CallState, micro: list):
+        """:meth:`_run_schedule` past the layout checks: megatron's schedule over ``micro``."""
         step = partial(
             self._forward_step,
             ctx=state.ctx,
@@ -462,9 +484,9 @@ class MegatronEngine(BaseEngine):
         self.optimizer.step_with_ready_grads()
 
     def _updated_parameters(self):
-        # Every shard this rank holds (other TP/PP shards live on other ranks: the check is
-        # collective over the world, so all stop together).
-        return ((n, p) for chunk in self.model for n, p in chunk.module.named_parameters())
+        # Every trained shard this rank holds (other TP/PP shards live on other ranks: the check
+        # is collective over the world, so all stop together); with LoRA the adapters alone.
+        return ((n, p) for chunk in self.model for n, p in chunk.module.named_parameters() if p.requires_grad)
 
     # ------------------------------------------------------------------ state
     def _checkpoint_extra(self, global_step: int) -> dict:
@@ -480,11 +502,17 @@ class MegatronEngine(BaseEngine):
                 "save_checkpoint before the first optimizer step: megatron's optimizer has no state to save yet, so the "
                 "checkpoint could not be loaded; fix: save after a step (the initial weights are the HF directory)"
             )
-        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path)
+        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path, self._lora)
 
     def _load_checkpoint(self, local_path, hdfs_path, del_local_after_load) -> dict:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
-        return ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify)
+        return ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora)
+
+    @property
+    def _lora(self) -> dict:
+        """The LoRA settings a checkpoint records and a load must match (empty without LoRA)."""
+        cfg = self.config.model.lora
+        return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": list(cfg.target_modules)} if cfg.enabled else {}
 
     def _restore_extra(self, extra: dict) -> int:
         # One RNG stream per (pipeline stage, DP replica): tensor-parallel peers draw alike.
@@ -503,6 +531,10 @@ class MegatronEngine(BaseEngine):
         (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``; extra
         memory a few times one bucket); ``None``: one parameter at a time. Collective."""
         return export_hf(self.model, self.arch, size)
+
+    def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapters by peft's names, full tensors on CPU (TP gathered, PP broadcast). Collective."""
+        return export_adapters(self.model)
 
 
 # Cost of one attention score per head and layer (QK^T and PV: 2 x head_dim multiply-adds, plus
@@ -526,6 +558,10 @@ def _packed_is_cheaper(lengths: list[int], arch) -> bool:
     packed = total * per_row + total * total * per_score
     padded = b * longest * per_row + b * longest * longest * per_score
     return packed <= padded
+
+
+def _shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state.items()}
 
 
 def _pad_rows(ids: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:

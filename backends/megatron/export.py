@@ -4,6 +4,10 @@ table import uses, inverted), one parameter or one bucket of parameters at a tim
 item 2), with tensor collectives only (the PP broadcast is ``engine_api.dist.broadcast_tensors``:
 a JSON header, then flat buffers; nothing is pickled).
 
+LoRA: each adapted weight is exported merged (``W + alpha / r * B A`` per HF projection, computed
+on the local shard: ``backends.megatron.lora.LinearAdapter.delta_weight``), the adapters
+themselves are not HF weights; :func:`export_adapters` yields them by peft's names.
+
 MoE layers: each layer's experts become HF's two fused tensors (``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``; ``convert.hf_experts``), gathered over expert-TP and EP.
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from backends.megatron.convert import ArchInfo, hf_experts, to_hf
+from backends.megatron.lora import adapter_of, peft_items
 from backends.megatron.model import global_layer
 from engine_api.kit import broadcast_tensors
 
@@ -109,8 +114,10 @@ def _export_items(model_chunks) -> list[tuple]:
     for chunk in model_chunks:
         params = dict(chunk.module.named_parameters())
         for name, param in params.items():
+            if name.startswith("lora."):
+                continue  # merged into the weights they adapt
             if _EXPERT not in name:
-                items.append((chunk.module, name, param))
+                items.append((chunk.module, name, _merged(chunk.module, name, param)))
                 continue
             prefix = name.split(_EXPERT)[0]
             if (id(chunk), prefix) in experts:
@@ -122,6 +129,45 @@ def _export_items(model_chunks) -> list[tuple]:
             experts[(id(chunk), prefix)] = True
             items.append((chunk.module, name, pairs))
     return items
+
+
+def _merged(module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """``param`` with its LoRA delta added (a new tensor carrying megatron's TP attributes,
+    which the gather reads), or ``param`` itself where no adapter sits."""
+    owner, _, leaf = name.rpartition(".")
+    adapter = adapter_of(module.get_submodule(owner)) if leaf == "weight" else None
+    if adapter is None:
+        return param
+    merged = param.detach() + adapter.delta_weight().to(param.dtype)
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(param, attr):
+            setattr(merged, attr, getattr(param, attr))
+    return merged
+
+
+def export_adapters(model_chunks) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(peft_name, full_tensor)`` (on CPU) of every LoRA adapter tensor, named as peft
+    saves them: TP-split tensors gathered, each stage's tensors broadcast over PP, TP padding
+    rows of an output layer's ``B`` dropped. Collective over the world."""
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
+    for stage in range(pp):
+        groups = _adapter_groups(model_chunks) if stage == pp_rank else None
+        if pp > 1:
+            groups = _broadcast_groups(groups, dist.get_global_rank(pp_group, stage), pp_group)
+        for pairs in groups:
+            for name, tensor in pairs:
+                yield name, tensor.cpu()
+
+
+def _adapter_groups(model_chunks) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """This stage's adapter tensors, one list (one TP gather) per adapted linear."""
+    for chunk in model_chunks:
+        lora = getattr(chunk.module, "lora", None)
+        for adapter in lora.adapters if lora is not None else ():
+            items = list(peft_items(adapter))
+            fulls = _gather_tp_bucket([t for _, t, _ in items])
+            yield [(name, full[:rows].detach().clone()) for (name, _, rows), full in zip(items, fulls, strict=True)]
 
 
 def _experts_to_hf(module, name: str, local: list, arch: ArchInfo) -> list[tuple[str, torch.Tensor]]:

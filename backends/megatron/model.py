@@ -43,6 +43,7 @@ from backends.megatron.convert import (
     transformer_config_kwargs,
     unconsumed_problems,
 )
+from backends.megatron.lora import lora_problems
 from backends.megatron.options import MegatronOptions
 from engine_api.kit import EngineConfig, RouterSpec, compute_device, ensure_process_group, format_problem, options_of, process_group_timeout
 
@@ -119,7 +120,7 @@ def megatron_problems(config: EngineConfig) -> list[str]:
     value and the fix); TP divides the heads,
     the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
     layers; context parallelism needs the TE spec (:func:`_cp_problems`); sequence parallelism
-    and the TE spec need CUDA + TE;
+    and the TE spec need CUDA + TE; LoRA's limits (``backends.megatron.lora.lora_problems``);
     ``model.attn_implementation`` is an HF setting (only ``auto`` here).
     """
     m = options_of(config, MegatronOptions)
@@ -164,6 +165,7 @@ def megatron_problems(config: EngineConfig) -> list[str]:
         return [*out, *(f"model.path = {path!r} (megatron backend): {r}" for r in refusals)]
     arch = arch_info(hf_config)
     out += _moe_problems(config, m, arch, hf_config)
+    out += lora_problems(config, arch, te)
     if m.context_parallel_size > 1 and arch.is_moe:
         out.append(
             format_problem(

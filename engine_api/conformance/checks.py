@@ -552,7 +552,7 @@ def frozen(env: Env) -> str:
 
 @check("lora")
 def lora(env: Env) -> str:
-    """model.lora: refused unless the backend declares supports_lora; else adapters off == HF, on == peft, merged export == peft's merge, only adapters train."""
+    """model.lora: refused unless the backend declares supports_lora; else two steps (per-step AdamW settings, the second in two calls) train the adapters as peft + torch AdamW do, adapters off == HF, on == peft, merged export == peft's merge."""
     from engine_api import build_engine, load_config
     from engine_api.registry import get_engine_class
 
@@ -568,17 +568,17 @@ def lora(env: Env) -> str:
         raise CheckFailed("build_engine accepted model.lora.rank=4 on a backend that does not declare supports_lora")
     import peft
 
-    engine = new_engine(env, *settings)
+    engine = new_engine(env, *settings, "max_token_len_per_micro_batch=16", mode="sum")
     base = fx.hf_model(env.model_dir)
     untouched = weights(engine)
-    window(engine, _local(engine))  # lora_B leaves its zero init: adapters on and off differ
+    trained = _lora_steps(env, engine)  # lora_B leaves its zero init: adapters on and off differ
     adapters = {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
     merged = weights(engine)
     off = _local(engine, seed=1, disable_adapters=True)
     on = _local(engine, seed=1)
     with engine.eval_mode():
         out_off, out_on = engine.infer_batch(off), engine.infer_batch(on)
-    wrapped = peft.get_peft_model(fx.hf_model(env.model_dir), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    wrapped = peft.get_peft_model(fx.hf_model(env.model_dir), peft.LoraConfig(r=4, lora_alpha=8, target_modules=fx.peft_targets(adapters)))
     if peft.set_peft_model_state_dict(wrapped, adapters).unexpected_keys:
         raise CheckFailed("export_adapter_weights names are not peft's adapter names")
     wrapped.eval()
@@ -595,7 +595,45 @@ def lora(env: Env) -> str:
         raise CheckFailed(f"merged export differs from peft's merge_and_unload by {err:.2e} relative")
     if not any(not torch.equal(merged[k], untouched[k]) for k in want):
         raise CheckFailed("the step changed nothing")
-    return f"{len(adapters)} adapter tensors; merged export rel {err:.1e}"
+    return f"{len(adapters)} adapter tensors; {trained}; merged export rel {err:.1e}"
+
+
+def _lora_steps(env: Env, engine) -> str:
+    """Two steps of :func:`per_step_optim`'s target loss on a LoRA engine (rank 4, alpha 8)
+    against peft + torch AdamW from the engine's initial adapters: the second step is the first
+    in which ``lora_A`` gets a gradient (``lora_B`` starts at zero). A layout that refuses
+    ``target_ids`` takes one step of the kit's loss instead, with no reference (said so)."""
+    seeds = (10, 11)
+    before = {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
+    engine.set_loss_fn(fx.target_loss_fn)
+    ref = None
+    worst = 0.0
+    for i, (seed, hp) in enumerate(zip(seeds, fx.STEP_HPARAMS, strict=True)):
+        engine.set_optim_hparams(**hp)
+        local = engine.shard_data(fx.make_target_batch(seed))
+        n = local.batch_size[0]
+        parts = [local] if i == 0 else [local[: n // 2], local[n // 2 :]]
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            try:
+                loss = sum(_targets_or_skip(lambda part=part: engine.forward_backward_step(part))[1] for part in parts)
+            except Skipped as why:
+                engine.set_loss_fn(fx.loss_fn)
+                window(engine, _local(engine))
+                return f"one step of the kit's loss ({why})"
+            norm = engine.optimizer_step()
+        ref = ref or fx.reference_target_steps(env.model_dir, seeds, lora=(before, 4, 8.0))
+        label = f"LoRA step {i + 1} ({len(parts)} call(s), {env.world} rank(s))"
+        close(f"{label}: loss", loss, ref[i]["loss"], UPDATE_RTOL)
+        close(f"{label}: pre-clip grad norm", norm, ref[i]["grad_norm"], UPDATE_RTOL)
+        got = {k: v.detach().cpu() for k, v in engine.export_adapter_weights()}
+        if set(got) != set(ref[i]["after"]):
+            raise CheckFailed(f"{label}: adapter names differ from peft's: {sorted(set(got) ^ set(ref[i]['after']))[:4]}")
+        err = fx.rel(got, ref[i]["after"])
+        worst = max(worst, err)
+        if err > UPDATE_RTOL:
+            raise CheckFailed(f"{label}: adapters differ from peft + torch AdamW by {err:.2e} relative (> {UPDATE_RTOL:g})")
+    return f"2 steps == peft + AdamW (worst {worst:.1e})"
 
 
 def _offload_stages(engine) -> list[tuple[str, dict, dict]]:

@@ -232,14 +232,25 @@ def hf_target_log_probs(model, batch) -> list[torch.Tensor]:
     return out
 
 
-def reference_target_steps(model_dir: str, seeds: tuple[int, ...]) -> list[dict]:
+def reference_target_steps(model_dir: str, seeds: tuple[int, ...], lora: tuple[dict, int, float] | None = None) -> list[dict]:
     """Optimizer steps of :func:`target_loss_fn` summed over the batch of each seed, computed
     independently (per-sequence HF forward, autograd, clipping, torch AdamW whose groups are set
-    to :data:`STEP_HPARAMS` before each step). Per step: loss, pre-clip grad norm, parameters."""
+    to :data:`STEP_HPARAMS` before each step). Per step: loss, pre-clip grad norm, parameters.
+
+    ``lora``: ``(adapters, rank, alpha)``: peft's LoRA on the modules ``adapters`` (peft's names)
+    sit on, set to them, trains instead; ``after`` then holds the adapters by peft's names."""
     model = hf_model(model_dir)
+    if lora is not None:
+        import peft
+
+        adapters, rank, alpha = lora
+        model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=peft_targets(adapters)))
+        if peft.set_peft_model_state_dict(model, adapters).unexpected_keys:
+            raise ValueError("the adapters are not named as peft names them")
     model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
     first = STEP_HPARAMS[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"])
+    opt = torch.optim.AdamW(params, lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"])
     steps = []
     for seed, hp in zip(seeds, STEP_HPARAMS, strict=True):
         for group in opt.param_groups:
@@ -252,12 +263,22 @@ def reference_target_steps(model_dir: str, seeds: tuple[int, ...]) -> list[dict]
             loss = loss + target_per_token_loss(lp, w).sum()
         loss.backward()
         clip = hp["clip_grad"] if hp["clip_grad"] is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         opt.step()
-        steps.append(
-            {"loss": float(loss.detach()), "grad_norm": norm, "after": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-        )
+        if lora is None:
+            after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            import peft
+
+            after = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items() if ".lora_" in k}
+        steps.append({"loss": float(loss.detach()), "grad_norm": norm, "after": after})
     return steps
+
+
+def peft_targets(adapters: dict) -> list[str]:
+    """The module names (last component) that adapters by peft's names sit on: the engine's own
+    choice of ``model.lora.target_modules``, for peft's ``LoraConfig``."""
+    return sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in adapters})
 
 
 def rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -257,8 +257,9 @@ def test_value_head_with_lora_trains_the_new_head_and_the_adapters(model_dir):
 
 
 def test_backends_without_lora_refuse_it(model_dir):
-    with pytest.raises(ValueError, match=r"model.lora.rank = 4: the 'megatron' backend does not support LoRA; fix: .*lora.rank=0"):
-        build_engine(load_config(None, ["strategy=megatron", f"model.path={model_dir}", *LORA]))
+    strategy = "tests.reference_engine:ReferenceEngine"  # declares no supports_lora
+    with pytest.raises(ValueError, match=rf"model.lora.rank = 4: the '{strategy}' backend does not support LoRA; fix: .*lora.rank=0"):
+        build_engine(load_config(None, [f"strategy={strategy}", f"model.path={model_dir}", *LORA]))
     plain = engine_for(model_dir)
     with pytest.raises(ValueError, match="no LoRA adapters"):
         next(plain.export_adapter_weights())
