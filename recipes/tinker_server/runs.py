@@ -330,8 +330,10 @@ class EngineRun:
             raise UserError(f"path: {directory.name!r} holds no training state; fix: a path from save_state")
         self.steps = self.engine.load_checkpoint(str(root), del_local_after_load=False)
         if not with_optimizer:
-            # weights only: AdamW starts afresh (its moments and step count), as on a new run
-            self.engine.optimizer.state.clear()
+            # weights only: AdamW starts afresh (its moments and step count), as on a new run; a
+            # megatron optimizer wraps (or chains) torch optimizers, whose state is cleared
+            for opt in getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer]):
+                getattr(opt, "optimizer", opt).state.clear()
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
 
@@ -430,7 +432,7 @@ class EngineFactory:
             # Every Tinker run is a LoRA run: refused at start, not at the first create_model.
             raise ValueError(
                 f"engine.strategy = {settings.strategy!r}: that backend trains no LoRA adapters, and every Tinker training run "
-                "is a LoRA run; fix: engine.strategy=fsdp (or a plug-in backend with supports_lora)"
+                "is a LoRA run; fix: engine.strategy=fsdp or megatron (or a plug-in backend with supports_lora)"
             )
         self.models: dict[str, str] = {}
         if model_root and Path(model_root).is_dir():

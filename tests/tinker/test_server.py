@@ -222,8 +222,8 @@ def test_a_refused_request_leaves_the_run_untouched(server, service):
 
 
 def test_a_backend_without_lora_is_refused_when_the_server_starts(models):
-    """Every Tinker run is a LoRA run: a strategy whose backend trains no adapters (megatron today;
-    here the reference DDP backend, which declares none) stops the server at start with the key
+    """Every Tinker run is a LoRA run: a strategy whose backend trains no adapters (here the
+    reference DDP backend, which declares none) stops the server at start with the key
     and the fix, instead of failing each create_model."""
     strategy = "tests.reference_engine:ReferenceEngine"
     with pytest.raises(ValueError, match=r"engine.strategy = .*trains no LoRA adapters.*fix: engine.strategy=fsdp"):
