@@ -302,6 +302,28 @@ class BaseEngine(abc.ABC):
         if clip_grad != "keep":
             self._clip_grad = None if clip_grad is None else float(clip_grad)
 
+    def reset_optimizer_state(self) -> None:
+        """Restart the optimizer from the current weights: every tensor of its per-parameter
+        state (AdamW's moments and step count) zeroed in place, and a step count a parameter
+        group keeps (fused Adam implementations) set to 0, so the next ``optimizer_step`` is a
+        first step, as on a new engine with these weights. Hyperparameters and the LR schedule
+        stay. In place rather than cleared, so a checkpoint saved before the next step still has
+        the state a load needs. Refused on a frozen engine and while the optimizer is
+        :attr:`offloaded` (call it inside ``train_mode``). A backend whose optimizer is not a
+        torch optimizer names its torch optimizers in :meth:`_torch_optimizers`."""
+        self._refuse_if_frozen("reset_optimizer_state")
+        self._offloader.require_loaded(model=False, optimizer=True)
+        for opt in self._torch_optimizers():
+            for group in opt.param_groups:
+                if "step" in group and not isinstance(group["step"], torch.Tensor):
+                    group["step"] = 0
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+                    elif key == "step":
+                        state[key] = 0
+
     def lr_scheduler_step(self) -> float:
         """Advance the LR scheduler by one step and return the new learning rate."""
         self._refuse_if_frozen("lr_scheduler_step")
@@ -578,6 +600,10 @@ class BaseEngine(abc.ABC):
         """The optimizer's parameter groups, as the step reads them (megatron: the torch
         optimizers' groups inside its chained optimizer, which its ``param_groups`` concatenates)."""
         return self.optimizer.param_groups
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers holding the state (default: ``[self.optimizer]``)."""
+        return [self.optimizer]
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (with LoRA, the adapters)."""

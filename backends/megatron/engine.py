@@ -215,13 +215,16 @@ class MegatronEngine(BaseEngine):
                     yield buffer.param_data
             yield from chunk.module.parameters()
 
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        # megatron's optimizer wraps one torch optimizer, or chains several (one per group kind)
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if self.optimizer is not None else []
+        return [opt.optimizer for opt in chained]
+
     def _optimizer_tensors(self):
-        if self.optimizer is None:
-            return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for group in opt.optimizer.param_groups:
+        for opt in self._torch_optimizers():
+            for group in opt.param_groups:
                 yield from group["params"]  # distributed-optimizer shards; model params are kept
-            for state in opt.optimizer.state.values():
+            for state in opt.state.values():
                 yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     # ------------------------------------------------------------------ compute
@@ -512,7 +515,8 @@ class MegatronEngine(BaseEngine):
     def _lora(self) -> dict:
         """The LoRA settings a checkpoint records and a load must match (empty without LoRA)."""
         cfg = self.config.model.lora
-        return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": list(cfg.target_modules)} if cfg.enabled else {}
+        # (the targets as a set: the same modules named in another order are the same adapters)
+        return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": sorted(cfg.target_modules)} if cfg.enabled else {}
 
     def _restore_extra(self, extra: dict) -> int:
         # One RNG stream per (pipeline stage, DP replica): tensor-parallel peers draw alike.

@@ -86,7 +86,8 @@ def _convert(bucket: list[tuple], arch: ArchInfo, tp: int) -> Iterator[list[tupl
     """One bucket's HF pairs: its TP-split parameters gathered in one all-gather."""
     if not bucket:
         return
-    fulls = _gather_tp_bucket([param for _, _, param in bucket])
+    # LoRA merged here, a bucket at a time (not all up front: a second copy of the model)
+    fulls = _gather_tp_bucket([_merged(module, name, param) for module, name, param in bucket])
     pairs = []
     for (module, name, _), full in zip(bucket, fulls, strict=True):
         pairs += to_hf(name, full, arch, global_layer(module, name), tp)
@@ -117,7 +118,7 @@ def _export_items(model_chunks) -> list[tuple]:
             if name.startswith("lora."):
                 continue  # merged into the weights they adapt
             if _EXPERT not in name:
-                items.append((chunk.module, name, _merged(chunk.module, name, param)))
+                items.append((chunk.module, name, param))
                 continue
             prefix = name.split(_EXPERT)[0]
             if (id(chunk), prefix) in experts:

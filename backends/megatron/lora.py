@@ -135,7 +135,19 @@ def lora_problems(config: EngineConfig, arch: ArchInfo, te: bool) -> list[str]:
                 "use model.lora.dropout=0 with megatron.tensor_model_parallel_size > 1",
             )
         )
+    fused = len(layer_rules(arch, False)["self_attention.linear_qkv.weight"].hf) == 1
+    if fused and tp > 1:
+        out.append(
+            format_problem(
+                "megatron.tensor_model_parallel_size",
+                tp,
+                f"with LoRA on {arch.family}: its fused qkv_proj / gate_up_proj adapters would split over TP in pieces that are not one "
+                "block of the projection",
+                "use 1 (or strategy=fsdp)",
+            )
+        )
     names = adaptable_modules(arch)
+    out += _stage_problems(config, arch, names)
     unmatched = [t for t in lora.target_modules if t != "all-linear" and not any(matches(n, [t]) for n in names)]
     if unmatched:
         out.append(
@@ -156,6 +168,34 @@ def lora_problems(config: EngineConfig, arch: ArchInfo, te: bool) -> list[str]:
             )
         )
     return out
+
+
+def _stage_problems(config: EngineConfig, arch: ArchInfo, names: list[str]) -> list[str]:
+    """Every pipeline rank must hold an adapter (a rank with nothing to train has no optimizer);
+    layers split evenly over PP x VPP stages, virtual stage ``v`` of rank ``r`` holding block
+    ``v * PP + r``, the head on the last rank."""
+    m = options_of(config, MegatronOptions)
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    if pp <= 1 or arch.num_layers % (pp * vpp):
+        return []  # (an uneven split is refused by megatron_problems)
+    per = arch.num_layers // (pp * vpp)
+    targets = list(config.model.lora.target_modules)
+    bare = []
+    for rank in range(pp):
+        layers = {(v * pp + rank) * per + i for v in range(vpp) for i in range(per)}
+        held = [n for n in names if (n == "lm_head" and rank == pp - 1) or (n != "lm_head" and int(n.split(".")[2]) in layers)]
+        if not any(matches(n, targets) for n in held):
+            bare.append(rank)
+    if not bare:
+        return []
+    return [
+        format_problem(
+            "model.lora.target_modules",
+            targets,
+            f"pipeline rank(s) {bare} of {pp} would hold no adapter (nothing to train there)",
+            "adapt a module of every pipeline stage (e.g. [all-linear]), or use megatron.pipeline_model_parallel_size=1",
+        )
+    ]
 
 
 def _suffixes(names: list[str]) -> str:
@@ -189,20 +229,23 @@ class LinearAdapter(nn.Module):
             self.A.append(a)
             self.B.append(b)
         if column:
-            self.register_buffer("positions", torch.tensor([p for part in parts for p in part.positions], device=device), persistent=False)
+            positions = [p for part in parts for p in part.positions]
+            self.register_buffer("positions", torch.tensor(positions, device=device), persistent=False)
+            # (decided once: checking it per forward would sync a GPU every call)
+            self.in_order = positions == list(range(out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output for the linear's input ``x`` (``[s, b, in_local]``): this rank's
         ``[s, b, out_local]`` (column) or the full ``[s, b, out]`` (row)."""
         tp = mpu.get_tensor_model_parallel_world_size()
-        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        h = torch.cat([x @ a.t() for a in self.A], dim=-1)
+        # peft draws one dropout mask per adapted projection
+        h = torch.cat([(F.dropout(x, self.dropout, self.training) if self.dropout else x) @ a.t() for a in self.A], dim=-1)
         r = self.A[0].shape[0]
         if self.column:
             if tp > 1:
                 h = copy_to_tensor_model_parallel_region(h)  # A's gradient summed over TP
             y = torch.cat([hj @ b.t() for hj, b in zip(h.split(r, dim=-1), self.B, strict=True)], dim=-1)
-            if y.shape[-1] != self.out_local or not _is_identity(self.positions):
+            if not self.in_order:
                 y = y.new_zeros(*y.shape[:-1], self.out_local).index_copy(-1, self.positions, y)
         else:
             if tp > 1:
@@ -218,10 +261,6 @@ class LinearAdapter(nn.Module):
                 return self.scale * self.B[0] @ self.A[0]
             delta = torch.cat([b @ a for a, b in zip(self.A, self.B, strict=True)])
             return self.scale * delta.new_zeros(self.out_local, delta.shape[1]).index_copy(0, self.positions, delta)
-
-
-def _is_identity(positions: torch.Tensor) -> bool:
-    return bool(torch.equal(positions, torch.arange(positions.numel(), device=positions.device)))
 
 
 class ChunkAdapters(nn.Module):
@@ -254,11 +293,18 @@ def attach(
 ) -> list[LinearAdapter]:
     """Freeze every base weight, give each targeted linear a :class:`LinearAdapter` (a forward
     hook adds its output) and register them as ``chunk.lora``. ``global_layer(chunk, name)``: the
-    global layer index of a chunk's parameter (``model.global_layer``). Returns every adapter."""
+    global layer index of a chunk's parameter (``model.global_layer``). Returns every adapter.
+
+    The first stage's embedding output is marked as requiring grad: with the embedding frozen,
+    megatron's full recompute (``model.gradient_checkpointing``, a reentrant checkpoint) would
+    otherwise see layer inputs that need no gradient and give the adapters inside none (HF's
+    ``enable_input_require_grads`` for the same reason)."""
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     every = []
     for chunk in chunks:
         chunk.requires_grad_(False)
+        if getattr(chunk, "embedding", None) is not None:
+            chunk.embedding.register_forward_hook(_input_needs_grad)
         adapters = {}
         for name, module in chunk.named_modules():
             key = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
@@ -284,6 +330,8 @@ def _parts(rule, prefix: str, arch: ArchInfo, hf_shapes, lora: LoraConfig, tp_ra
     """The targeted HF projections of one linear and, for a column-parallel one, the local rows
     each owns: the converter's import layout applied to row ids (1-based; 0 is TP padding)."""
     names = [prefix + h for h in rule.hf]
+    if not any(matches(n.removesuffix(".weight"), lora.target_modules) for n in names):
+        return []  # (before any shape is read: a tied head has no lm_head tensor of its own)
     shapes = [hf_shapes[n] for n in names]
     if not column:
         (shape,) = shapes
@@ -307,11 +355,17 @@ def _parts(rule, prefix: str, arch: ArchInfo, hf_shapes, lora: LoraConfig, tp_ra
         if not matches(module, lora.target_modules):
             continue
         positions = torch.nonzero((local >= lo) & (local < hi)).flatten()
-        rows = local[positions] - lo
+        order = torch.argsort(local[positions])  # B's rows in the projection's own (HF) row order
+        positions, rows = positions[order], local[positions[order]] - lo
         if not torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))):
-            raise AssertionError(f"{module}: this rank's rows are not one contiguous block of the projection")  # the layouts keep them so
+            # (a fused HF projection under TP: refused by lora_problems)
+            raise AssertionError(f"{module}: this rank's rows are not one contiguous block of the projection")
         parts.append(Part(module, shape[0], shape[1], tuple(positions.tolist())))
     return parts
+
+
+def _input_needs_grad(module, args, out):
+    return out.requires_grad_() if torch.is_grad_enabled() and not out.requires_grad else out
 
 
 def _hook(adapter: LinearAdapter, tp: int):

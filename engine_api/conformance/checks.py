@@ -322,13 +322,35 @@ def target_logprobs(env: Env) -> str:
 
 @check("per_step_optim")
 def per_step_optim(env: Env) -> str:
-    """Two steps of a weighted target-token loss in loss_agg_mode=sum, AdamW's lr, betas, eps, weight decay and clipping reset by set_optim_hparams before each, the second in two calls, equal HF + torch AdamW set the same way."""
-    seeds = (10, 11)
-    ref = fx.reference_target_steps(env.model_dir, seeds)
+    """Two steps of a weighted target-token loss in loss_agg_mode=sum, AdamW's lr, betas, eps, weight decay and clipping reset by set_optim_hparams before each, the second in two calls, equal HF + torch AdamW set the same way; after reset_optimizer_state the next step equals a fresh AdamW's first from the current weights."""
     engine = new_engine(env, "max_token_len_per_micro_batch=16", mode="sum")
+    worst = _target_steps(env, engine, lambda seeds: fx.reference_target_steps(env.model_dir, seeds), lambda: weights(engine), "weights")
+    start = weights(engine)
+    with engine.train_mode():
+        engine.reset_optimizer_state()
+    fresh = _target_steps(
+        env,
+        engine,
+        lambda seeds: fx.reference_target_steps(env.model_dir, seeds, start=start),
+        lambda: weights(engine),
+        "weights (a step after reset_optimizer_state)",
+        seeds=(12,),
+    )
+    return f"2 steps, worst weight error {worst:.1e}; after reset_optimizer_state {fresh:.1e}"
+
+
+def _target_steps(
+    env: Env, engine, reference: Callable, trained: Callable[[], dict], what: str, seeds: tuple[int, ...] = (10, 11)
+) -> float:
+    """Steps (one per seed) of :func:`fixtures.target_loss_fn` on ``engine`` (built with
+    ``mode="sum"``), each with :data:`fixtures.STEP_HPARAMS` set by ``set_optim_hparams`` first,
+    the second in two calls, no LR scheduler step (the rate is set per step). After each, loss, pre-clip grad norm
+    and ``trained()`` (``what``) are compared with ``reference(seeds)[i]`` (computed once, after
+    the first call: a layout that refuses ``target_ids`` raises :class:`Skipped` before it).
+    Returns the worst relative error of ``trained()``."""
     engine.set_loss_fn(fx.target_loss_fn)
-    worst = 0.0
-    for i, (seed, hp, want) in enumerate(zip(seeds, fx.STEP_HPARAMS, ref, strict=True)):
+    ref, worst = None, 0.0
+    for i, (seed, hp) in enumerate(zip(seeds, fx.STEP_HPARAMS[: len(seeds)], strict=True)):
         engine.set_optim_hparams(**hp)
         local = engine.shard_data(fx.make_target_batch(seed))
         n = local.batch_size[0]
@@ -336,15 +358,20 @@ def per_step_optim(env: Env) -> str:
         with engine.train_mode():
             engine.optimizer_zero_grad()
             loss = sum(_targets_or_skip(lambda part=part: engine.forward_backward_step(part))[1] for part in parts)
-            norm = engine.optimizer_step()  # no lr_scheduler_step: the rate is set per step
+            norm = engine.optimizer_step()
+        ref = ref or reference(seeds)
         label = f"step {i + 1} ({len(parts)} call(s), {env.world} rank(s))"
-        close(f"{label}: loss", loss, want["loss"], UPDATE_RTOL)
-        close(f"{label}: pre-clip grad norm", norm, want["grad_norm"], UPDATE_RTOL)
-        err = fx.rel(weights(engine), want["after"])
+        close(f"{label}: loss", loss, ref[i]["loss"], UPDATE_RTOL)
+        close(f"{label}: pre-clip grad norm", norm, ref[i]["grad_norm"], UPDATE_RTOL)
+        got = trained()
+        differ = sorted(set(ref[i]["after"]) ^ set(got))
+        if differ:
+            raise CheckFailed(f"{label}: the names of the engine's {what} differ from the reference's: {differ[:4]}")
+        err = fx.rel(got, ref[i]["after"])
         worst = max(worst, err)
         if err > UPDATE_RTOL:
-            raise CheckFailed(f"{label}: updated weights differ from the reference by {err:.2e} relative (> {UPDATE_RTOL:g})")
-    return f"2 steps, worst weight error {worst:.1e}"
+            raise CheckFailed(f"{label}: updated {what} differ from the reference by {err:.2e} relative (> {UPDATE_RTOL:g})")
+    return worst
 
 
 # ----------------------------------------------------------------------------- state safety
@@ -572,7 +599,7 @@ def lora(env: Env) -> str:
     base = fx.hf_model(env.model_dir)
     untouched = weights(engine)
     trained = _lora_steps(env, engine)  # lora_B leaves its zero init: adapters on and off differ
-    adapters = {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
+    adapters = _adapters(engine)
     merged = weights(engine)
     off = _local(engine, seed=1, disable_adapters=True)
     on = _local(engine, seed=1)
@@ -599,41 +626,28 @@ def lora(env: Env) -> str:
 
 
 def _lora_steps(env: Env, engine) -> str:
-    """Two steps of :func:`per_step_optim`'s target loss on a LoRA engine (rank 4, alpha 8)
-    against peft + torch AdamW from the engine's initial adapters: the second step is the first
-    in which ``lora_A`` gets a gradient (``lora_B`` starts at zero). A layout that refuses
-    ``target_ids`` takes one step of the kit's loss instead, with no reference (said so)."""
-    seeds = (10, 11)
-    before = {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
-    engine.set_loss_fn(fx.target_loss_fn)
-    ref = None
-    worst = 0.0
-    for i, (seed, hp) in enumerate(zip(seeds, fx.STEP_HPARAMS, strict=True)):
-        engine.set_optim_hparams(**hp)
-        local = engine.shard_data(fx.make_target_batch(seed))
-        n = local.batch_size[0]
-        parts = [local] if i == 0 else [local[: n // 2], local[n // 2 :]]
-        with engine.train_mode():
-            engine.optimizer_zero_grad()
-            try:
-                loss = sum(_targets_or_skip(lambda part=part: engine.forward_backward_step(part))[1] for part in parts)
-            except Skipped as why:
-                engine.set_loss_fn(fx.loss_fn)
-                window(engine, _local(engine))
-                return f"one step of the kit's loss ({why})"
-            norm = engine.optimizer_step()
-        ref = ref or fx.reference_target_steps(env.model_dir, seeds, lora=(before, 4, 8.0))
-        label = f"LoRA step {i + 1} ({len(parts)} call(s), {env.world} rank(s))"
-        close(f"{label}: loss", loss, ref[i]["loss"], UPDATE_RTOL)
-        close(f"{label}: pre-clip grad norm", norm, ref[i]["grad_norm"], UPDATE_RTOL)
-        got = {k: v.detach().cpu() for k, v in engine.export_adapter_weights()}
-        if set(got) != set(ref[i]["after"]):
-            raise CheckFailed(f"{label}: adapter names differ from peft's: {sorted(set(got) ^ set(ref[i]['after']))[:4]}")
-        err = fx.rel(got, ref[i]["after"])
-        worst = max(worst, err)
-        if err > UPDATE_RTOL:
-            raise CheckFailed(f"{label}: adapters differ from peft + torch AdamW by {err:.2e} relative (> {UPDATE_RTOL:g})")
+    """:func:`_target_steps` on a LoRA engine (rank 4, alpha 8) against peft + torch AdamW from
+    the engine's initial adapters: the second step is the first in which ``lora_A`` gets a
+    gradient (``lora_B`` starts at zero). A layout that refuses ``target_ids`` takes one step of
+    the kit's loss instead, with no reference (said so)."""
+    before = _adapters(engine)
+    try:
+        worst = _target_steps(
+            env,
+            engine,
+            lambda seeds: fx.reference_target_steps(env.model_dir, seeds, lora=(before, 4, 8.0)),
+            lambda: _adapters(engine),
+            "adapters",
+        )
+    except Skipped as why:
+        engine.set_loss_fn(fx.loss_fn)
+        window(engine, _local(engine))
+        return f"one step of the kit's loss ({why})"
     return f"2 steps == peft + AdamW (worst {worst:.1e})"
+
+
+def _adapters(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().cpu() for k, v in engine.export_adapter_weights()}
 
 
 def _offload_stages(engine) -> list[tuple[str, dict, dict]]:

@@ -232,14 +232,19 @@ def hf_target_log_probs(model, batch) -> list[torch.Tensor]:
     return out
 
 
-def reference_target_steps(model_dir: str, seeds: tuple[int, ...], lora: tuple[dict, int, float] | None = None) -> list[dict]:
+def reference_target_steps(
+    model_dir: str, seeds: tuple[int, ...], lora: tuple[dict, int, float] | None = None, start: dict | None = None
+) -> list[dict]:
     """Optimizer steps of :func:`target_loss_fn` summed over the batch of each seed, computed
     independently (per-sequence HF forward, autograd, clipping, torch AdamW whose groups are set
     to :data:`STEP_HPARAMS` before each step). Per step: loss, pre-clip grad norm, parameters.
 
     ``lora``: ``(adapters, rank, alpha)``: peft's LoRA on the modules ``adapters`` (peft's names)
-    sit on, set to them, trains instead; ``after`` then holds the adapters by peft's names."""
+    sit on, set to them, trains instead; ``after`` then holds the adapters by peft's names.
+    ``start``: HF weights to start from (a fresh AdamW on them) instead of ``model_dir``'s."""
     model = hf_model(model_dir)
+    if start is not None:
+        model.load_state_dict(start)
     if lora is not None:
         import peft
 
@@ -252,7 +257,7 @@ def reference_target_steps(model_dir: str, seeds: tuple[int, ...], lora: tuple[d
     first = STEP_HPARAMS[0]
     opt = torch.optim.AdamW(params, lr=first["lr"], betas=first["betas"], eps=first["eps"], weight_decay=first["weight_decay"])
     steps = []
-    for seed, hp in zip(seeds, STEP_HPARAMS, strict=True):
+    for seed, hp in zip(seeds, STEP_HPARAMS[: len(seeds)], strict=True):
         for group in opt.param_groups:
             group.update(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"])
         opt.zero_grad()

@@ -329,12 +329,9 @@ class EngineRun:
         if not root.is_dir():
             raise UserError(f"path: {directory.name!r} holds no training state; fix: a path from save_state")
         self.steps = self.engine.load_checkpoint(str(root), del_local_after_load=False)
-        if not with_optimizer:
-            # weights only: AdamW starts afresh (its moments and step count), as on a new run; a
-            # megatron optimizer wraps (or chains) torch optimizers, whose state is cleared
-            for opt in getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer]):
-                getattr(opt, "optimizer", opt).state.clear()
         with self.engine.train_mode():
+            if not with_optimizer:  # weights only: AdamW starts afresh (its moments and step count), as on a new run
+                self.engine.reset_optimizer_state()
             self.engine.optimizer_zero_grad()
 
     def merged_weights(self) -> dict[str, torch.Tensor]:

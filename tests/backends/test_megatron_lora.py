@@ -1,21 +1,27 @@
 """LoRA on the megatron backend (``backends/megatron/lora.py``), beyond the conformance kit's ``lora``
-check (which runs on every megatron layout of tests/conformance: two steps equal peft + torch
-AdamW, adapters off equal HF, on equal peft, merged export equals peft's merge): only the adapters
-train, the checkpoint holds the adapters alone and resumes bit-exactly, another LoRA setting's
-checkpoint is refused by name, and what the backend does not adapt is refused at build time with
-the field and the fix.
+check (which runs on every megatron layout of tests/conformance on a GQA Llama: two steps equal
+peft + torch AdamW, adapters off equal HF, on equal peft, merged export equals peft's merge): only
+the adapters train, the checkpoint holds the adapters alone and resumes bit-exactly, another LoRA
+setting's checkpoint is refused by name; other families place their adapters as peft does (Qwen2:
+q/k/v biases and a tied head that gets no adapter; Phi-3: fused ``qkv_proj`` / ``gate_up_proj``, each
+one adapter over megatron's interleaved rows); gradient checkpointing trains the same adapters
+(a frozen embedding would otherwise leave the recomputed layers without gradients); and what the
+backend does not adapt is refused at build time with the field and the fix.
 
 fp32, CPU, one process (the multi-rank layouts are the kit's).
 """
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Phi3Config
 
 from backends.megatron.engine import MegatronEngine
 from engine_api import build_engine, load_config
-from tests.support.hf_utils import EPS, engine_for, make_model, make_test_batch
+from engine_api.conformance.fixtures import TINY_DIMS, save_model
+from tests.support.hf_utils import EPS, engine_for, hf_log_probs_of, make_model, make_test_batch, max_abs_diff
 from tests.support.launch import run_distributed
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
@@ -39,9 +45,11 @@ def _steps(engine, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.clone() for k, v in engine.export_adapter_weights()}
 
 
-def _checkpoint_worker(rank, world, model_dir, root) -> dict:
-    """Three steps in one engine; one step, a save, and a resume for the other two; the loads
-    another LoRA setting refuses. Runs in a spawned process (megatron's CPU compat layer)."""
+def _worker(rank, world, model_dir, root, family_dirs) -> dict:
+    """Three steps in one engine (and with gradient checkpointing); one step, a save, and a
+    resume for the other two; the loads another LoRA setting refuses; per other family two steps,
+    then the log-probs with the adapters on, the merged export and the adapters. One spawned
+    process (megatron's CPU compat layer stays out of the test process)."""
     batches = [make_test_batch(i) for i in range(3)]
     full = _engine(model_dir)
     base = {k: v.clone() for k, v in full.export_weights()}
@@ -68,11 +76,33 @@ def _checkpoint_worker(rank, world, model_dir, root) -> dict:
         except ValueError as exc:
             out["refusals"].append(str(exc))
     out["untouched"] = all(torch.equal(v, before[k]) for k, v in resumed.export_adapter_weights())
+    out["recomputed"] = _steps(_engine(model_dir, "model.gradient_checkpointing=true"), batches)
+    for family, path in family_dirs.items():
+        engine = _engine(path)
+        _steps(engine, batches[:2])
+        with engine.eval_mode():
+            logp = engine.infer_batch(make_test_batch(7))["log_probs"]
+        out[family] = (logp, dict(engine.export_weights()), dict(engine.export_adapter_weights()))
     return out
 
 
-def test_only_adapters_train_and_the_checkpoint_holds_them_alone_and_resumes_bit_exactly(model_dir, tmp_path):
-    out = run_distributed(_checkpoint_worker, 1, model_dir, str(tmp_path))[0]
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {
+        "qwen2": make_model(root / "qwen2", "qwen2"),  # q/k/v biases, a tied head
+        "phi3": save_model(Phi3Config(**TINY_DIMS, pad_token_id=None, bos_token_id=1, eos_token_id=2), root / "phi3"),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, family_dirs, tmp_path_factory) -> tuple[dict, str]:
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    return run_distributed(_worker, 1, model_dir, root, family_dirs, timeout=300)[0], root
+
+
+def test_only_adapters_train_and_the_checkpoint_holds_them_alone_and_resumes_bit_exactly(results):
+    out, root = results
     full_losses, full_final = out["full"]
     assert out["trained_numel"] == sum(v.numel() for v in full_final.values())  # the adapters only
     assert out["state_numel"] == 2 * out["trained_numel"]  # Adam's two moments of the adapters
@@ -80,7 +110,7 @@ def test_only_adapters_train_and_the_checkpoint_holds_them_alone_and_resumes_bit
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved = FileSystemReader(str(tmp_path / "global_step_1")).read_metadata().state_dict_metadata
+    saved = FileSystemReader(f"{root}/global_step_1").read_metadata().state_dict_metadata
     model_keys = [k for k in saved if not k.startswith("optimizer")]
     assert model_keys and all(k.startswith("lora/") for k in model_keys), model_keys[:4]
     assert len(model_keys) == len(full_final)
@@ -92,6 +122,25 @@ def test_only_adapters_train_and_the_checkpoint_holds_them_alone_and_resumes_bit
     assert off and "model.lora.rank = 4 (this engine: 'off')" in off and "fix: build the engine with the checkpoint's LoRA" in off
     assert alpha and "model.lora.alpha = 8.0 (this engine: 4.0)" in alpha
     assert out["untouched"]
+
+
+def test_other_families_place_adapters_as_peft_and_recompute_trains_the_same(results, family_dirs):
+    out, _ = results
+    batch = make_test_batch(7)
+    for family, path in family_dirs.items():
+        logp, merged, adapters = out[family]
+        ref = peft.get_peft_model(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        )
+        assert not peft.set_peft_model_state_dict(ref, adapters).unexpected_keys, family
+        assert max_abs_diff(logp, hf_log_probs_of(ref.eval(), batch)) <= 1e-5, family
+        want = ref.merge_and_unload().state_dict()
+        assert set(merged) == set(want), family
+        assert max(float((merged[k] - want[k]).abs().max()) for k in want) <= 1e-6, family
+    (losses, plain), (recomputed_losses, recomputed) = out["full"], out["recomputed"]
+    assert recomputed_losses == pytest.approx(losses, rel=1e-6)
+    # (without gradients in the recomputed layers only weight decay would move their adapters: far off)
+    assert all(torch.allclose(recomputed[k], plain[k], rtol=1e-6, atol=1e-8) for k in plain)
 
 
 def _problems(model_dir, *settings) -> str:
@@ -110,5 +159,12 @@ def test_what_megatron_does_not_adapt_is_refused_naming_the_field(model_dir, tmp
     assert "model.lora.dropout = 0.1" in dropout and "fix: use model.lora.dropout=0" in dropout
     tied = make_model(tmp_path / "qwen2", "qwen2")  # tie_word_embeddings
     assert "fix: drop lm_head from target_modules" in _problems(tied, "model.lora.target_modules=[q_proj,lm_head]")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    stages = _problems(model_dir, "model.lora.target_modules=[lm_head]", "megatron.pipeline_model_parallel_size=2")
+    assert "pipeline rank(s) [0] of 2 would hold no adapter" in stages and "fix: adapt a module of every pipeline stage" in stages
+    assert _problems(model_dir, "megatron.pipeline_model_parallel_size=2") == ""
+    phi3 = save_model(Phi3Config(**TINY_DIMS, pad_token_id=None, bos_token_id=1, eos_token_id=2), tmp_path / "phi3")
+    assert "megatron.tensor_model_parallel_size = 2" in _problems(phi3, "megatron.tensor_model_parallel_size=2")
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="model.lora.target_modules"):
         build_engine(load_config(None, ["strategy=megatron", f"model.path={model_dir}", *LORA, "model.lora.target_modules=[nothing]"]))

@@ -9,7 +9,8 @@ stays out of the test process): the same losses, log-probs and trained weights a
 datums (at DP=2 the server pads the shards with datums that count 0: dro would see them otherwise),
 so which datums share a rank changes nothing. On megatron (whose runs cannot share the test
 process) then every other call on the 2-rank run: a forward, save_state and a resume with the
-optimizer that continues exactly, seeded samples, and compute_logprobs equal to the forward.
+optimizer that continues exactly, a weights-only resume (AdamW restarted), seeded samples, and
+compute_logprobs equal to the forward.
 """
 
 from __future__ import annotations
@@ -133,16 +134,28 @@ def test_two_ray_ranks_behind_the_server_equal_one_rank_in_process(served, monke
 
 def _every_other_call(service, client) -> None:
     """The other calls on a 2-rank run: a resume with the optimizer continues exactly (the next
-    step's log-probs), seeded samples reproduce, compute_logprobs equals the forward."""
-    saved = client.save_state("mid").result().path
-    resumed = service.create_training_client_from_state_with_optimizer(saved).result()
-    after = []
-    for c in (client, resumed):
+    step's log-probs); a resume of the weights alone starts from them (the same forward) with
+    AdamW afresh (its next step differs); seeded samples reproduce; compute_logprobs equals the
+    forward."""
+
+    def logprobs(c) -> torch.Tensor:
+        return torch.cat(
+            [torch.as_tensor(o["logprobs"].to_torch()) for o in c.forward(datums(71), "cross_entropy").result().loss_fn_outputs]
+        )
+
+    def step(c) -> torch.Tensor:
         c.forward_backward(datums(70), "cross_entropy").result()
         c.optim_step(types.AdamParams(**ADAM)).result()
-        after.append(c.forward(datums(71), "cross_entropy").result())
-    for a, b in zip(after[0].loss_fn_outputs, after[1].loss_fn_outputs, strict=True):
-        assert torch.allclose(torch.as_tensor(a["logprobs"].to_torch()), torch.as_tensor(b["logprobs"].to_torch()), atol=1e-6)
+        return logprobs(c)
+
+    saved = client.save_state("mid").result().path
+    at_save = logprobs(client)
+    resumed = service.create_training_client_from_state_with_optimizer(saved).result()
+    continued = step(client)
+    assert torch.allclose(step(resumed), continued, atol=1e-6)
+    resumed.load_state(saved).result()  # the weights alone, into the same run
+    assert torch.allclose(logprobs(resumed), at_save, atol=1e-6)
+    assert (step(resumed) - continued).abs().max() > 1e-3  # AdamW restarted (its moments kept: equal to the continuation)
     sampler = client.save_weights_and_get_sampling_client()
     prompt = types.ModelInput.from_ints([5, 9, 12])
     params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=7)
