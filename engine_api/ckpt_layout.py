@@ -252,6 +252,16 @@ def writing(tmp: str):
         ) from exc
 
 
+def lora_mismatch(saved: dict, lora: dict) -> str | None:
+    """Why a checkpoint written with LoRA settings ``saved`` (its ``enginekit.json`` ``lora``;
+    empty: none) cannot load into an engine with ``lora`` (None: it can), naming each setting."""
+    differ = [k for k in sorted(set(saved) | set(lora)) if saved.get(k) != lora.get(k)]
+    if not differ:
+        return None
+    got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
+    return f"written with {got}; fix: build the engine with the checkpoint's LoRA settings"
+
+
 def check_shapes(directory: str, model_shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse, before anything is loaded, a checkpoint of another model: compare the global shape
     of each of this model's tensors (``model_shapes``: checkpoint key -> shape, as this rank

@@ -86,12 +86,10 @@ def load(
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path} was written by backend {info.get('backend')!r}; fix: load it with that engine.strategy")
     lora = lora or {}
-    saved = info.get("lora") or {}
-    differ = [k for k in sorted(set(saved) | set(lora)) if saved.get(k) != lora.get(k)]
-    if differ:
+    problem = ckpt_layout.lora_mismatch(info.get("lora") or {}, lora)
+    if problem:
         ckpt_layout.finish_load(downloaded)
-        got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
-        raise ValueError(f"checkpoint {path} was written with {got}; fix: build the engine with the checkpoint's LoRA settings")
+        raise ValueError(f"checkpoint {path} was {problem}")
     options = _options(lora)
     try:  # another model's checkpoint: refused by name before DCP's opaque size error, state untouched
         ckpt_layout.check_shapes(path, _model_shapes(model, lora))

@@ -102,7 +102,7 @@ def load(
     """
     path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
     lora = lora or {}
-    problem = _incompatible(info) or _lora_mismatch(info.get("lora") or {}, lora)
+    problem = _incompatible(info) or ckpt_layout.lora_mismatch(info.get("lora") or {}, lora)
     if problem:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path}: {problem}")
@@ -126,14 +126,6 @@ def load(
     extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra
-
-
-def _lora_mismatch(saved: dict, lora: dict) -> str | None:
-    differ = [k for k in sorted(set(saved) | set(lora)) if saved.get(k) != lora.get(k)]
-    if not differ:
-        return None
-    got = ", ".join(f"model.lora.{k} = {saved.get(k, 'off')!r} (this engine: {lora.get(k, 'off')!r})" for k in differ)
-    return f"written with {got}; fix: build the engine with the checkpoint's LoRA settings"
 
 
 def _model_shapes(model_chunks, lora: dict) -> dict[str, tuple[int, ...]]:

@@ -41,22 +41,14 @@ def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> 
     order, bit-identical tensors either way. Extra memory on the stage that owns a bucket: a few
     times the bucket (the local shards side by side, the gathered buffer, the reassembled full
     tensors and their HF-layout copies), on the compute device until they move to CPU."""
-    pp_group = mpu.get_pipeline_model_parallel_group()
-    pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     seen: set[str] = set()
     embedding = None
-    for stage in range(pp):
-        groups = _hf_groups(model_chunks, arch, bucket_bytes) if stage == pp_rank else None
-        if pp > 1:
-            groups = _broadcast_groups(groups, dist.get_global_rank(pp_group, stage), pp_group)
-        for pairs in groups:
-            for hf_name, tensor in pairs:
-                tensor = tensor.cpu()
-                if hf_name == "model.embed_tokens.weight":
-                    embedding = tensor.clone()  # (a view would keep its whole bucket alive)
-                if hf_name not in seen:  # tied embeddings: the last stage's copy repeats lm_head
-                    seen.add(hf_name)
-                    yield hf_name, tensor
+    for hf_name, tensor in _every_stage(lambda: _hf_groups(model_chunks, arch, bucket_bytes)):
+        if hf_name == "model.embed_tokens.weight":
+            embedding = tensor.clone()  # (a view would keep its whole bucket alive)
+        if hf_name not in seen:  # tied embeddings: the last stage's copy repeats lm_head
+            seen.add(hf_name)
+            yield hf_name, tensor
     if arch.tied and "lm_head.weight" not in seen and embedding is not None:
         # HF's own state_dict lists the tied head too; keep the same key set as the FSDP backend.
         yield "lm_head.weight", embedding
@@ -150,10 +142,16 @@ def export_adapters(model_chunks) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(peft_name, full_tensor)`` (on CPU) of every LoRA adapter tensor, named as peft
     saves them: TP-split tensors gathered, each stage's tensors broadcast over PP, TP padding
     rows of an output layer's ``B`` dropped. Collective over the world."""
+    yield from _every_stage(lambda: _adapter_groups(model_chunks))
+
+
+def _every_stage(own_groups) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pipeline stage's ``(name, tensor)`` pairs on every rank, stage by stage, on CPU:
+    ``own_groups()`` (this stage's lists of pairs) on the owning stage, broadcast over PP."""
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp, pp_rank = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
     for stage in range(pp):
-        groups = _adapter_groups(model_chunks) if stage == pp_rank else None
+        groups = own_groups() if stage == pp_rank else None
         if pp > 1:
             groups = _broadcast_groups(groups, dist.get_global_rank(pp_group, stage), pp_group)
         for pairs in groups:
