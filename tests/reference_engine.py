@@ -54,6 +54,19 @@ class ReferenceEngine(kit.BaseEngine):
 
     options_class = ReferenceOptions
 
+    @classmethod
+    def check_config(cls, config) -> list[str]:
+        """The reference computes in fp32 only (no mixed-precision policy) and compiles nothing:
+        another ``model.dtype`` or ``compile=true`` is refused here, not silently ignored."""
+        out = []
+        if config.model.dtype != "float32":
+            out.append(
+                kit.format_problem("model.dtype", config.model.dtype, "the reference engine computes in fp32 only", "model.dtype=float32")
+            )
+        if config.compile:
+            out.append(kit.format_problem("compile", True, "the reference engine does not compile its model", "compile=false"))
+        return out
+
     def _build_model(self) -> None:
         """Join or create the process group, load the HF model, wrap it in DDP, build AdamW + LR."""
         cfg = self.config

@@ -13,6 +13,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from backends.megatron.precision import unwrap
 from engine_api.kit import ckpt_layout
 
 BACKEND = "megatron"  # recorded in enginekit.json
@@ -116,7 +117,7 @@ def load(
         state = dist_checkpointing.load(_sharded(model_chunks, optimizer, True, lora), path)
         for i, chunk in enumerate(model_chunks):
             if lora:  # the adapters only: every one of them must be set
-                chunk.module.lora.load_state_dict({k.removeprefix(_ADAPTERS): v for k, v in state[f"model{i}"].items()})
+                unwrap(chunk).lora.load_state_dict({k.removeprefix(_ADAPTERS): v for k, v in state[f"model{i}"].items()})
             else:
                 chunk.module.load_state_dict(state[f"model{i}"])
         steps = _loaded_steps(optimizer, state["optimizer"])

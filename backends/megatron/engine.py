@@ -50,7 +50,7 @@ from tensordict import TensorDict
 from transformers import AutoConfig
 
 from backends.megatron import checkpoint as ckpt
-from backends.megatron import lora
+from backends.megatron import lora, precision
 from backends.megatron.convert import arch_info
 from backends.megatron.export import export_adapters, export_hf
 from backends.megatron.model import (
@@ -137,6 +137,10 @@ class MegatronEngine(BaseEngine):
             overlap_grad_reduce=False,
             use_distributed_optimizer=options_of(cfg, MegatronOptions).use_distributed_optimizer,
         )
+        # bf16 / fp16: half parameters in Float16Module, fp32 mains in the optimizer
+        # (backends.megatron.precision); the exact fp32 values seed the mains below.
+        self.mixed = precision.is_mixed(self.tconfig)
+        chunks, exact = precision.to_half(chunks, self.tconfig) if self.mixed else (chunks, {})
         self.model = [
             DistributedDataParallel(self.tconfig, ddp_config, chunk.to(self.device), disable_bucketing=(i > 0))
             for i, chunk in enumerate(chunks)
@@ -157,11 +161,16 @@ class MegatronEngine(BaseEngine):
                     bf16=self.tconfig.bf16,
                     fp16=self.tconfig.fp16,
                     params_dtype=torch.float32,
+                    # fp16: a constant scale of 1 (no dynamic loss scaling), as the FSDP engine's fp16
+                    loss_scale=1.0 if self.tconfig.fp16 else None,
                     use_distributed_optimizer=options_of(cfg, MegatronOptions).use_distributed_optimizer,
                 ),
                 self.model,
             )
         )
+        if self.optimizer is not None:
+            precision.seed_main_params(self.optimizer, exact)
+        del exact
         self.scheduler = None if cfg.frozen else build_lr_scheduler(_TorchOptimizerView(self.optimizer), o)
         pipelined = options_of(cfg, MegatronOptions).pipeline_model_parallel_size > 1
         self.packed = (cfg.use_remove_padding or pipelined) and not use_te_spec(cfg)
@@ -489,7 +498,7 @@ class MegatronEngine(BaseEngine):
     def _updated_parameters(self):
         # Every trained shard this rank holds (other TP/PP shards live on other ranks: the check
         # is collective over the world, so all stop together); with LoRA the adapters alone.
-        return ((n, p) for chunk in self.model for n, p in chunk.module.named_parameters() if p.requires_grad)
+        return ((n, p) for chunk in self.model for n, p in precision.unwrap(chunk).named_parameters() if p.requires_grad)
 
     # ------------------------------------------------------------------ state
     def _checkpoint_extra(self, global_step: int) -> dict:
@@ -534,11 +543,11 @@ class MegatronEngine(BaseEngine):
         collectives. ``size``: move consecutive parameters in buckets of about this many bytes
         (one TP all-gather and one PP broadcast per bucket; ``backends.megatron.export``; extra
         memory a few times one bucket); ``None``: one parameter at a time. Collective."""
-        return export_hf(self.model, self.arch, size)
+        return export_hf(self.model, self.arch, size, precision.main_values(self.optimizer, self.mixed))
 
     def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The adapters by peft's names, full tensors on CPU (TP gathered, PP broadcast). Collective."""
-        return export_adapters(self.model)
+        return export_adapters(self.model, precision.main_values(self.optimizer, self.mixed))
 
 
 # Cost of one attention score per head and layer (QK^T and PV: 2 x head_dim multiply-adds, plus

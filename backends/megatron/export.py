@@ -27,13 +27,18 @@ from megatron.core import parallel_state as mpu
 from backends.megatron.convert import ArchInfo, hf_experts, to_hf
 from backends.megatron.lora import adapter_of, peft_items
 from backends.megatron.model import global_layer
+from backends.megatron.precision import unwrap
 from engine_api.kit import broadcast_tensors
 
 _EXPERT = ".mlp.experts.local_experts."
 
 
-def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None, value=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` (on CPU) for every weight of the model.
+
+    ``value(param)``: the local tensor to export for a model parameter (under mixed precision
+    its fp32 main: ``backends.megatron.precision.main_values``; may be a collective, called in
+    the same parameter order on every rank); the parameter itself by default.
 
     ``bucket_bytes``: gather and move consecutive parameters of one dtype in buckets of about
     this many bytes of full tensors (one TP all-gather and one PP broadcast per bucket; a larger
@@ -43,7 +48,8 @@ def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> 
     tensors and their HF-layout copies), on the compute device until they move to CPU."""
     seen: set[str] = set()
     embedding = None
-    for hf_name, tensor in _every_stage(lambda: _hf_groups(model_chunks, arch, bucket_bytes)):
+    value = value or (lambda param: param)
+    for hf_name, tensor in _every_stage(lambda: _hf_groups(model_chunks, arch, bucket_bytes, value)):
         if hf_name == "model.embed_tokens.weight":
             embedding = tensor.clone()  # (a view would keep its whole bucket alive)
         if hf_name not in seen:  # tied embeddings: the last stage's copy repeats lm_head
@@ -54,32 +60,33 @@ def export_hf(model_chunks, arch: ArchInfo, bucket_bytes: int | None = None) -> 
         yield "lm_head.weight", embedding
 
 
-def _hf_groups(model_chunks, arch: ArchInfo, bucket_bytes: int | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _hf_groups(model_chunks, arch: ArchInfo, bucket_bytes: int | None, value) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """This stage's HF pairs, one list per bucket (one MoE layer's experts are a bucket)."""
     tp = mpu.get_tensor_model_parallel_world_size()
     bucket: list[tuple] = []
     size = 0
     for module, name, param in _export_items(model_chunks):
         if isinstance(param, list):  # one MoE layer's experts
-            yield from _convert(bucket, arch, tp)
+            yield from _convert(bucket, arch, tp, value)
             bucket, size = [], 0
-            yield _experts_to_hf(module, name, param, arch)
+            yield _experts_to_hf(module, name, [(value(w1), value(w2)) for w1, w2 in param], arch)
             continue
+        param = value(param)  # read here, a bucket at a time (under mixed precision: the fp32 main)
         nbytes = param.numel() * param.element_size() * (tp if _tp_split(param) else 1)
         if bucket and (bucket_bytes is None or size + nbytes > bucket_bytes or bucket[0][2].dtype != param.dtype):
-            yield from _convert(bucket, arch, tp)
+            yield from _convert(bucket, arch, tp, value)
             bucket, size = [], 0
         bucket.append((module, name, param))
         size += nbytes
-    yield from _convert(bucket, arch, tp)
+    yield from _convert(bucket, arch, tp, value)
 
 
-def _convert(bucket: list[tuple], arch: ArchInfo, tp: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _convert(bucket: list[tuple], arch: ArchInfo, tp: int, value) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """One bucket's HF pairs: its TP-split parameters gathered in one all-gather."""
     if not bucket:
         return
     # LoRA merged here, a bucket at a time (not all up front: a second copy of the model)
-    fulls = _gather_tp_bucket([_merged(module, name, param) for module, name, param in bucket])
+    fulls = _gather_tp_bucket([_merged(module, name, param, value) for module, name, param in bucket])
     pairs = []
     for (module, name, _), full in zip(bucket, fulls, strict=True):
         pairs += to_hf(name, full, arch, global_layer(module, name), tp)
@@ -105,44 +112,47 @@ def _export_items(model_chunks) -> list[tuple]:
     become one item ``(module, first expert name, [(fc1, fc2) per local expert])``."""
     items, experts = [], {}
     for chunk in model_chunks:
-        params = dict(chunk.module.named_parameters())
+        model = unwrap(chunk)
+        params = dict(model.named_parameters())
         for name, param in params.items():
             if name.startswith("lora."):
                 continue  # merged into the weights they adapt
             if _EXPERT not in name:
-                items.append((chunk.module, name, param))
+                items.append((model, name, param))
                 continue
             prefix = name.split(_EXPERT)[0]
             if (id(chunk), prefix) in experts:
                 continue
-            count = len(chunk.module.get_submodule(prefix + ".mlp.experts.local_experts"))
+            count = len(model.get_submodule(prefix + ".mlp.experts.local_experts"))
             pairs = [
                 (params[f"{prefix}{_EXPERT}{j}.linear_fc1.weight"], params[f"{prefix}{_EXPERT}{j}.linear_fc2.weight"]) for j in range(count)
             ]
             experts[(id(chunk), prefix)] = True
-            items.append((chunk.module, name, pairs))
+            items.append((model, name, pairs))
     return items
 
 
-def _merged(module, name: str, param: torch.Tensor) -> torch.Tensor:
+def _merged(module, name: str, param: torch.Tensor, value) -> torch.Tensor:
     """``param`` with its LoRA delta added (a new tensor carrying megatron's TP attributes,
     which the gather reads), or ``param`` itself where no adapter sits."""
     owner, _, leaf = name.rpartition(".")
     adapter = adapter_of(module.get_submodule(owner)) if leaf == "weight" else None
     if adapter is None:
         return param
-    merged = param.detach() + adapter.delta_weight().to(param.dtype)
+    merged = param.detach() + adapter.delta_weight(value).to(param.dtype)
     for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
         if hasattr(param, attr):
             setattr(merged, attr, getattr(param, attr))
     return merged
 
 
-def export_adapters(model_chunks) -> Iterator[tuple[str, torch.Tensor]]:
+def export_adapters(model_chunks, value=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(peft_name, full_tensor)`` (on CPU) of every LoRA adapter tensor, named as peft
     saves them: TP-split tensors gathered, each stage's tensors broadcast over PP, TP padding
-    rows of an output layer's ``B`` dropped. Collective over the world."""
-    yield from _every_stage(lambda: _adapter_groups(model_chunks))
+    rows of an output layer's ``B`` dropped. ``value``: as :func:`export_hf`'s. Collective
+    over the world."""
+    value = value or (lambda param: param)
+    yield from _every_stage(lambda: _adapter_groups(model_chunks, value))
 
 
 def _every_stage(own_groups) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,13 +169,13 @@ def _every_stage(own_groups) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor.cpu()
 
 
-def _adapter_groups(model_chunks) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _adapter_groups(model_chunks, value) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """This stage's adapter tensors, one list (one TP gather) per adapted linear."""
     for chunk in model_chunks:
-        lora = getattr(chunk.module, "lora", None)
+        lora = getattr(unwrap(chunk), "lora", None)
         for adapter in lora.adapters if lora is not None else ():
             items = list(peft_items(adapter))
-            fulls = _gather_tp_bucket([t for _, t, _ in items])
+            fulls = _gather_tp_bucket([value(t) for _, t, _ in items])
             yield [(name, full[:rows].detach().clone()) for (name, _, rows), full in zip(items, fulls, strict=True)]
 
 

@@ -253,13 +253,17 @@ class LinearAdapter(nn.Module):
             y = h @ self.B[0].t()
         return y * self.scale
 
-    def delta_weight(self) -> torch.Tensor:
+    def delta_weight(self, value=None) -> torch.Tensor:
         """``scale * B A`` in the linear's local weight layout (``[out_local, in_local]``), as
-        peft's ``get_delta_weight`` per projection."""
+        peft's ``get_delta_weight`` per projection. ``value(param)``: the tensor to read for each
+        adapter parameter (the fp32 mains under mixed precision; the parameters themselves by
+        default)."""
+        value = value or (lambda param: param)
         with torch.no_grad():
+            a_s, b_s = [value(a) for a in self.A], [value(b) for b in self.B]
             if not self.column:
-                return self.scale * self.B[0] @ self.A[0]
-            delta = torch.cat([b @ a for a, b in zip(self.A, self.B, strict=True)])
+                return self.scale * b_s[0] @ a_s[0]
+            delta = torch.cat([b @ a for a, b in zip(a_s, b_s, strict=True)])
             return self.scale * delta.new_zeros(self.out_local, delta.shape[1]).index_copy(0, self.positions, delta)
 
 

@@ -121,10 +121,20 @@ def megatron_problems(config: EngineConfig) -> list[str]:
     the KV groups and the MLP width (megatron splits each evenly); PP (x VPP) divides the
     layers; context parallelism needs the TE spec (:func:`_cp_problems`); sequence parallelism
     and the TE spec need CUDA + TE; LoRA's limits (``backends.megatron.lora.lora_problems``);
-    ``model.attn_implementation`` is an HF setting (only ``auto`` here).
+    ``model.attn_implementation`` is an HF setting (only ``auto`` here); ``compile`` is refused
+    (megatron-core's layers are not compiled here: its fused kernels come from the TE spec).
     """
     m = options_of(config, MegatronOptions)
     out = []
+    if config.compile:
+        out.append(
+            format_problem(
+                "compile",
+                True,
+                "the megatron engine does not torch.compile its layers (its fast kernels come from the Transformer-Engine spec)",
+                "set compile=false with strategy=megatron",
+            )
+        )
     if config.model.attn_implementation != "auto":
         out.append(
             format_problem(

@@ -868,3 +868,7 @@ def tampered_checkpoint(env: Env) -> str:
             raise CheckFailed(f"loading the {name} checkpoint ran code from it")
     same("weights after refused loads", {"w": weights(engine)}, {"w": before})
     return f"refused: {', '.join(refused)}; no code ran; state unchanged"
+
+
+# The mixed-precision check lives in its own module; importing it registers it after the above.
+from engine_api.conformance import precision_checks as _precision_checks  # noqa: E402,F401

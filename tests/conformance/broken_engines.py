@@ -186,3 +186,12 @@ class OneWeightOffAfterLoad(ReferenceEngine):
             w = next(self.module.parameters()).view(-1)
             w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
         return step
+
+
+class Fp32UnderBf16(ReferenceEngine):
+    """Accepts ``model.dtype=bfloat16`` and keeps computing in fp32 (fp32 parameters under a
+    bf16 setting: the megatron engine's state before issue 52, where it then crashed)."""
+
+    @classmethod
+    def check_config(cls, config):
+        return []
