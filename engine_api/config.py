@@ -20,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 HEADS = ("lm", "value")
 # HF attention implementations a backend that runs the HF module may use (``auto``: the backend
 # picks what is exact for the model; see ``backends.hf.resolve_attn_implementation``).
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "varlen", "sdpa_doc_mask")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 _FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny; this module imports no torch
@@ -135,10 +135,12 @@ class ModelConfig:
         dtype: parameter dtype of the compute copy.
         gradient_checkpointing: recompute activations in backward to save memory.
         lora: low-rank adapters (:class:`LoraConfig`; ``rank`` 0: off).
-        attn_implementation: the HF attention kernel of backends that run the HF module
+        attn_implementation: the attention kernel of backends that run the HF module
             (fsdp): ``auto`` picks flash_attention_2 on CUDA when flash-attn is installed,
-            else sdpa, and eager for models whose math sdpa cannot express (Gemma-2's
-            attention logit soft-capping, which HF's sdpa path silently drops); an explicit
+            eager for models whose math sdpa cannot express (Gemma-2's attention logit
+            soft-capping, which HF's sdpa path silently drops), else for packed rows torch's
+            ``varlen`` kernel (CUDA, half precision) or ``sdpa_doc_mask`` (block-diagonal SDPA)
+            where the model's attention is plain causal, else HF's default; an explicit
             choice that would change the numbers or is not installed is refused at
             ``build_engine``. Backends with their own attention (megatron) refuse a non-auto
             value.
@@ -303,6 +305,9 @@ class EngineConfig:
             process group an engine creates or joins (None: ``$ENGINEKIT_DIST_TIMEOUT_S``, else
             torch's default of 30 minutes). Ignored when the caller already initialised
             ``torch.distributed``.
+        compile: compile each decoder layer with ``torch.compile`` before it is sharded (fsdp;
+            a backend that cannot compile refuses it at ``build_engine``). Off by default: the
+            first steps pay the compile time, and each new micro-batch shape may recompile.
         backend: the strategy's own settings: an instance of the backend's
             ``BaseEngine.options_class`` (a :class:`BackendOptions` subclass), written in YAML /
             overrides under the section the options class names (``config_section``, e.g.
@@ -331,6 +336,7 @@ class EngineConfig:
     frozen: bool = False
     world_size: int | None = None
     dist_timeout_s: float | None = None
+    compile: bool = False
     backend: BackendOptions | None = None
 
     def _problems(self) -> list[str]:

@@ -14,7 +14,8 @@ walks through them. Groups:
   ``build_lr_scheduler``;
 * the data protocol: ``pack`` / ``unpack`` / ``pad`` / ``unpad``, ``relayout``, ``to_device``,
   ``token_log_probs``, ``token_entropy``, ``align_to_tokens``, ``lm_token_outputs`` (every LM
-  output of a packed micro-batch, ``target_log_probs`` of ``TARGETS_FIELD`` too), ``temperature_of`` /
+  output of a packed micro-batch, ``target_log_probs`` of ``TARGETS_FIELD`` too), ``HeadRequest`` (the
+  same outputs from hidden states and the head's weight, chunked over tokens), ``temperature_of`` /
   ``wants_entropy``; MoE routing: ``RouterSpec``, ``RoutingRecorder``, ``ROUTING_FIELD``,
   ``NOT_ROUTED``, ``wants_routing`` (a micro-batch's replay / recording request);
 * processes and placement: ``compute_device``, ``ensure_process_group``,
@@ -51,6 +52,7 @@ from engine_api.dist import (
 from engine_api.logprobs import (
     TARGET_LOG_PROBS,
     TARGETS_FIELD,
+    HeadRequest,
     align_to_tokens,
     lm_token_outputs,
     target_log_probs,
@@ -89,7 +91,7 @@ __all__ = [
     "StepSpec", "CallState", "forward_backward_loop", "validate_call", "make_micro_batches", "build_norm_context", "backward_scale",
     "DeferredNormalizer", "RETURN_PREDICTIONS", "build_adamw", "build_lr_scheduler",
     "pack", "unpack", "pad", "unpad", "relayout", "to_device", "make_batch", "validate_batch", "loss_mask_of", "token_log_probs",
-    "token_entropy", "align_to_tokens", "lm_token_outputs", "target_log_probs", "TARGETS_FIELD", "TARGET_LOG_PROBS", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
+    "token_entropy", "align_to_tokens", "lm_token_outputs", "HeadRequest", "target_log_probs", "TARGETS_FIELD", "TARGET_LOG_PROBS", "temperature_of", "wants_entropy", "RouterSpec", "RoutingRecorder",
     "ROUTING_FIELD", "NOT_ROUTED", "wants_routing", "gather_dim1", "sum_keep_grad", "outputs_from_columns",
     "compute_device", "ensure_process_group", "process_group_timeout", "is_initialized", "group_rank", "group_size", "all_reduce",
     "barrier", "broadcast_tensors", "relocate_module", "relocate_state",

@@ -13,7 +13,10 @@ next input token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -85,3 +88,109 @@ def align_to_tokens(pred_next: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     keep = torch.ones_like(out, dtype=torch.bool)
     keep[cu_seqlens[:-1].long()] = False
     return out * keep
+
+
+# ----------------------------------------------------------------------------- chunked head
+#: fp32 logits one chunk of :class:`HeadRequest` may hold at once (elements; 2**26 = 256 MiB):
+#: tokens per chunk = this // vocab, so a 128k vocabulary runs 512-token chunks.
+CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class HeadRequest:
+    """Every LM output of one packed micro-batch (:func:`lm_token_outputs`), computed straight
+    from the final hidden states and the LM head's weight in chunks of tokens, so no
+    ``[tokens, vocab]`` logits (fp32 or not) exist for the whole micro-batch: each chunk's
+    logits, fp32 log-softmax and entropy live only inside that chunk, and backward recomputes
+    them chunk by chunk (``torch.utils.checkpoint``). The numbers are
+    :func:`lm_token_outputs`' up to fp32 summation order.
+
+    Attributes:
+        input_ids: ``[total]`` packed token ids.
+        cu_seqlens: ``[B + 1]`` sequence boundaries.
+        temperature: the logits are divided by it (after the fp32 upcast).
+        entropy: also the entropy of each predicting distribution.
+        targets: :data:`TARGETS_FIELD` values (``[total]`` or ``[total, K]``), or None.
+        index: ``[total]`` place of each packed token in the flattened hidden rows the model
+            ran (padding and row layouts), or None when the rows are the packed tokens in order.
+        chunk_tokens: tokens per chunk (None: ``CHUNK_ELEMENTS // vocab``).
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    temperature: float = 1.0
+    entropy: bool = False
+    targets: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    chunk_tokens: int | None = None
+
+    @classmethod
+    def of(cls, micro_batch, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, index: torch.Tensor | None = None) -> HeadRequest:
+        """The request :func:`lm_token_outputs` would answer for ``micro_batch`` (temperature,
+        ``calculate_entropy`` and targets read from it)."""
+        targets = micro_batch[TARGETS_FIELD].values() if TARGETS_FIELD in micro_batch.keys() else None
+        return cls(
+            input_ids=input_ids,
+            cu_seqlens=cu_seqlens,
+            temperature=float(micro_batch.get_non_tensor("temperature", 1.0)),
+            entropy=bool(micro_batch.get_non_tensor("calculate_entropy", False)),
+            targets=targets,
+            index=index,
+        )
+
+    def columns(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 ``[total, C]``: per packed position its next token's log-prob, then its entropy
+        (when asked), then its targets' log-probs (when given), from ``hidden`` ``[..., H]``
+        (the rows the model ran) and the head ``weight`` ``[V, H]`` / ``bias``. One tensor, so
+        a caller can return it as a module's output (every gradient flows through it)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.index is not None:
+            flat = flat[self.index]
+        total = flat.shape[0]
+        next_ids = torch.cat([self.input_ids[1:], self.input_ids.new_zeros(1)]).long()  # the last predicts nothing (zeroed later)
+        targets = None if self.targets is None else self.targets.long().reshape(total, -1)
+        step = self.chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
+        grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+        parts = []
+        for start in range(0, total, step):
+            args = (flat[start : start + step], weight, bias, next_ids[start : start + step])
+            args += (None if targets is None else targets[start : start + step],)
+            if grad:
+                # recompute this chunk's logits in backward instead of keeping them
+                parts.append(checkpoint(_chunk_columns, *args, self.temperature, self.entropy, use_reentrant=False))
+            else:
+                parts.append(_chunk_columns(*args, self.temperature, self.entropy))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def outputs(self, columns: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:func:`lm_token_outputs`' dict from :meth:`columns`' result (aligned, flat)."""
+        out = {"log_probs": align_to_tokens(columns[:-1, 0], self.cu_seqlens)}
+        col = 1
+        if self.entropy:
+            out["entropy"] = align_to_tokens(columns[:-1, 1], self.cu_seqlens)
+            col = 2
+        if self.targets is not None:
+            picked = columns[:, col:]
+            out[TARGET_LOG_PROBS] = picked.squeeze(-1) if self.targets.dim() == 1 else picked
+        return out
+
+
+def _chunk_columns(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    next_ids: torch.Tensor,
+    targets: torch.Tensor | None,
+    temperature: float,
+    entropy: bool,
+) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    cols = [logp.gather(-1, next_ids[:, None])]
+    if entropy:
+        cols.append(-(logp.exp() * logp).sum(-1, keepdim=True))
+    if targets is not None:
+        cols.append(logp.gather(-1, targets))
+    return torch.cat(cols, dim=-1)

@@ -26,8 +26,18 @@ from transformers import AutoConfig
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward, packed_rows_exact
+from backends.fsdp.lm_head import chunked_head_exact, chunked_head_problem
 from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
-from backends.fsdp.model import apply_activation_checkpointing, apply_fsdp, build_mesh, fsdp_problems, load_model
+from backends.fsdp.model import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    build_mesh,
+    compile_problems,
+    compute_dtype,
+    fsdp_problems,
+    load_model,
+)
 from backends.fsdp.options import FSDPOptions
 from backends.fsdp.ulysses import apply_ulysses, ulysses_problems
 from backends.hf import attach_router_recorder, note_once
@@ -62,7 +72,7 @@ class FSDPEngine(BaseEngine):
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
-        out = fsdp_problems(config) + tied_target_problems(config.model.lora, config.model.path)
+        out = fsdp_problems(config) + compile_problems(config) + tied_target_problems(config.model.lora, config.model.path)
         sp = options_of(config, FSDPOptions).ulysses_sequence_parallel_size
         if sp > 1 and not out and os.path.isdir(config.model.path or ""):  # (a missing directory is reported elsewhere)
             out += ulysses_problems(AutoConfig.from_pretrained(config.model.path), sp)
@@ -96,6 +106,8 @@ class FSDPEngine(BaseEngine):
             model.requires_grad_(False)
         if self.config.model.gradient_checkpointing:
             apply_activation_checkpointing(model)
+        if self.config.compile:
+            apply_compile(model)
         apply_fsdp(model, self.mesh, self.config)
         self.model = model.to(self.device)
         self.vocab_size = model.config.vocab_size
@@ -110,10 +122,10 @@ class FSDPEngine(BaseEngine):
         # Packed rows only where the model honours them (a family whose attention ignores the
         # position restarts would silently mix sequences): checked once, else padded rows.
         self.remove_padding = self.config.use_remove_padding
+        half = compute_dtype(self.config) != torch.float32
         # (Under SP the mask of packed rows is built from their positions by backends.fsdp.ulysses.)
         if self.remove_padding and self.sp_group is None:
-            compute = options_of(self.config, FSDPOptions).param_dtype or self.config.model.dtype
-            self.remove_padding = packed_rows_exact(self.model, self.vocab_size, self.device, half=compute != "float32")
+            self.remove_padding = packed_rows_exact(self.model, self.vocab_size, self.device, half=half)
             self._forward_ran = True
             self._reset_fsdp_iteration()
             if not self.remove_padding:
@@ -121,6 +133,18 @@ class FSDPEngine(BaseEngine):
                     f"[enginekit] use_remove_padding: {model.config.model_type} does not honour packed rows (its attention "
                     "crosses sequence boundaries), so its micro-batches run padded"
                 )
+        # Log-probs from the LM head in chunks of tokens (backends.fsdp.lm_head), where the model
+        # hands the head's output back untouched (checked once on a probe); else full logits.
+        self.chunked_head = False
+        if self.config.model.head == "lm" and self.sp_group is None:
+            why = chunked_head_problem(self.model)
+            if why is None:
+                self.chunked_head = chunked_head_exact(self.model, self.vocab_size, self.device, half=half)
+                self._forward_ran = True
+                self._reset_fsdp_iteration()
+                why = None if self.chunked_head else "the model transforms the logits after its head"
+            if why is not None:
+                note_once(f"[enginekit] {model.config.model_type}: log-probs from full logits ({why})")
 
     def _modules(self) -> list[torch.nn.Module]:
         return [self.model]
@@ -207,7 +231,9 @@ class FSDPEngine(BaseEngine):
             rows = partial(self.router.begin, routing=routing, replay=replay, record=record)
         base_only = self.config.model.lora.enabled and "disable_adapters" in mb.keys() and mb.get_non_tensor("disable_adapters")
         with adapters_off(self.model) if base_only else contextlib.nullcontext():
-            out = hf_forward(self.model, mb, self.config.model.head, self.remove_padding, on_rows=rows, sp_group=self.sp_group)
+            out = hf_forward(
+                self.model, mb, self.config.model.head, self.remove_padding, on_rows=rows, sp_group=self.sp_group, chunked=self.chunked_head
+            )
         if record:  # the router's own routing of every token (engine_api.moe, "Routing replay")
             recorded = self.router.recorded().to(mb["input_ids"].device)
             if self.sp_group is not None:  # each SP rank routed its own tokens, NOT_ROUTED (-1) elsewhere

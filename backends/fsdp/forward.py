@@ -12,8 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tensordict import TensorDict
 
+from backends.fsdp.attention import VARLEN, is_packed_kernel, packing_kwargs
+from backends.fsdp.lm_head import head_serves
 from backends.fsdp.ulysses import SP_KWARG, SequenceShard
-from engine_api.kit import align_to_tokens, gather_dim1, lm_token_outputs, outputs_from_columns, pack, pad, unpack
+from engine_api.kit import HeadRequest, align_to_tokens, gather_dim1, lm_token_outputs, outputs_from_columns, pack, pad, unpack
 
 # FSDP2 warns when a wrapped model returns a view (HF's token-classification head does): an
 # in-place op on it would skip the pre-backward hook. hf_forward only reads the outputs
@@ -28,6 +30,7 @@ def hf_forward(
     remove_padding: bool,
     on_rows: Callable[[int, torch.Tensor], None] | None = None,
     sp_group: dist.ProcessGroup | None = None,
+    chunked: bool = False,
 ) -> TensorDict:
     """Per-token outputs of micro-batch ``mb`` (jagged ``input_ids`` on the model's device).
 
@@ -36,9 +39,14 @@ def hf_forward(
     ``values``, where ``values[i]`` is predicted from the prefix before token i (0 at 0).
 
     ``remove_padding``: packed rows with per-sequence positions, no mask and no KV cache, so
-    HF starts a new sequence wherever the positions restart: one row with flash-attn's varlen
-    kernels, else the rows of :func:`packed_rows`. Otherwise a right-padded batch with an
-    attention mask.
+    HF starts a new sequence wherever the positions restart: one row with varlen kernels
+    (flash-attn's, torch's ``varlen``), else the rows of :func:`packed_rows`; the packed
+    kernels of ``backends.fsdp.attention`` also get the rows' ``cu_seqlens``. Otherwise a
+    right-padded batch with an attention mask.
+
+    ``chunked`` (``head: lm`` only): the LM head computes the outputs itself, chunk by chunk,
+    without ``[tokens, vocab]`` logits for the whole micro-batch (``backends.fsdp.lm_head``;
+    the caller checked the model with ``chunked_head_exact``).
 
     ``on_rows(rows, token_rows)`` is called before the model runs with the layout's row count
     (tokens of all its rows) and, for each real token in packed order, its row: what an MoE
@@ -51,27 +59,33 @@ def hf_forward(
         return sp_forward(model, mb, head, remove_padding, sp_group, on_rows)
     ids = mb["input_ids"]
     packed = pack(ids)
+    kwargs = {}
     if remove_padding and _varlen_kernels(model):
-        if on_rows is not None:
-            on_rows(packed.input_ids.numel(), torch.arange(packed.input_ids.numel(), device=ids.device))
-        out = model(input_ids=packed.input_ids[None], position_ids=packed.position_ids[None], use_cache=False)
-        flat = out.logits[0]
+        rows, pos, index = packed.input_ids[None], packed.position_ids[None], None
     elif remove_padding:
-        # No varlen kernel (SDPA / eager): attention over one packed row costs (row tokens)^2
-        # whatever the block-diagonal mask hides; several narrower rows cost rows x width^2
-        # (measured: benchmarks/packing.py).
+        # No varlen kernel (SDPA / eager / the doc-masked SDPA): attention over one packed row
+        # costs (row tokens)^2 whatever the block-diagonal mask hides; several narrower rows
+        # cost rows x width^2 (measured: benchmarks/packing.py).
         rows, pos, index = packed_rows(packed.input_ids, packed.position_ids, ids.offsets(), model.config)
-        if on_rows is not None:
-            on_rows(rows.numel(), torch.arange(rows.numel(), device=rows.device) if index is None else index)
-        out = model(input_ids=rows, position_ids=pos, use_cache=False)
-        flat = out.logits.flatten(0, 1)
-        flat = flat if index is None else flat[index]  # back to packed order
     else:
-        padded, mask = pad(ids)
-        if on_rows is not None:
-            on_rows(mask.numel(), mask.reshape(-1).nonzero().squeeze(1))
-        out = model(input_ids=padded, attention_mask=mask.long(), use_cache=False)
-        flat = out.logits[mask]  # back to packed order
+        rows, mask = pad(ids)
+        pos, index = None, mask.reshape(-1).nonzero().squeeze(1)
+        kwargs["attention_mask"] = mask.long()
+    if pos is not None:
+        kwargs["position_ids"] = pos
+        if is_packed_kernel(model):  # the boundaries from the batch, once per forward
+            kwargs.update(packing_kwargs(pos))
+    if on_rows is not None:
+        on_rows(rows.numel(), torch.arange(rows.numel(), device=rows.device) if index is None else index)
+    if head == "lm" and chunked:
+        request = HeadRequest.of(mb, packed.input_ids, packed.cu_seqlens, index)
+        with head_serves(model, request):
+            columns = model(input_ids=rows, use_cache=False, **kwargs).logits[0]
+        flat_outputs = request.outputs(columns)
+        return TensorDict({k: unpack(v, ids) for k, v in flat_outputs.items()}, batch_size=mb.batch_size)
+    out = model(input_ids=rows, use_cache=False, **kwargs)
+    flat = out.logits.flatten(0, 1)
+    flat = flat if index is None else flat[index]  # back to packed order
     if head == "value":
         values = align_to_tokens(flat[:-1, 0].float(), packed.cu_seqlens)
         return TensorDict({"values": unpack(values, ids)}, batch_size=mb.batch_size)
@@ -163,9 +177,10 @@ def packed_rows_exact(model: nn.Module, vocab_size: int, device: torch.device, h
 
 
 def _varlen_kernels(model: nn.Module) -> bool:
-    """Whether attention runs varlen kernels (cost per sequence, not per packed row), also
-    under Ulysses' wrapper of them (``enginekit_ulysses_flash_attention_2``)."""
-    return (getattr(model.config, "_attn_implementation", None) or "").endswith("flash_attention_2")
+    """Whether attention runs varlen kernels (cost per sequence, not per packed row): flash-attn's,
+    also under Ulysses' wrapper of them (``enginekit_ulysses_flash_attention_2``), or torch's."""
+    kernel = getattr(model.config, "_attn_implementation", None) or ""
+    return kernel.endswith("flash_attention_2") or kernel == VARLEN
 
 
 def packed_rows(
