@@ -76,6 +76,9 @@ def single_process(rank, world, models, value_dir, ckpt_dir):
     """Everything the single-process megatron tests need."""
     from backends.megatron import cpu_compat
 
+    # Only this task's call sites: a long-lived world keeps the counter across tasks, and an
+    # earlier test's path (e.g. activation recompute's RNG forks) is not this test's subject.
+    cpu_compat.SITES.clear()
     out = {}
     for family, path in models.items():
         for packed in (True, False):
