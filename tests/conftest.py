@@ -1,7 +1,9 @@
 """Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA, no test leaves
 the megatron CPU compat layer (``backends.megatron.cpu_compat``) switched on in this process, the
 long-lived worlds (``tests/support/worlds.py``) are closed when the session ends, and the time
-report (``tests/support/timing.py``) is printed at the end."""
+report (``tests/support/timing.py``) is printed at the end. A test module that needs a missing
+optional extra is skipped on a machine without the extras (a bare GPU machine's ``pytest -m gpu``)
+and is an error where every extra must be installed (``tests/support/extras.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 import pytest
 import torch
 
-pytest_plugins = ["tests.support.timing", "tests.support.inner_loop"]
+pytest_plugins = ["tests.support.timing", "tests.support.inner_loop", "tests.support.extras"]
 
 
 def pytest_collection_modifyitems(config, items):
