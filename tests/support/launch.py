@@ -92,7 +92,15 @@ def free_port() -> int:
 
 # ----------------------------------------------------------------------------- functions on ranks
 def mp_context(start_method: str = "spawn"):
-    """The multiprocessing context for ranks; the forkserver preloads :data:`FORKSERVER_PRELOAD`."""
+    """The multiprocessing context for ranks; the forkserver preloads :data:`FORKSERVER_PRELOAD`.
+
+    On a machine with CUDA every request is answered with ``spawn``: a process forked from one
+    that has touched CUDA cannot use it (``Cannot re-initialize CUDA in forked subprocess``),
+    and the forkserver is such a process there (its preloads probe the device while importing;
+    torch marks any child forked after ``torch.cuda.device_count()`` as unusable). Without CUDA
+    (CI) nothing can be poisoned, and ranks keep starting from the preloaded server.
+    """
+    start_method = start_method_for(start_method)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # One server per process, shared with the conformance kit's launcher: add to what it
@@ -102,6 +110,15 @@ def mp_context(start_method: str = "spawn"):
             have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
             ctx.set_forkserver_preload(have + [m for m in FORKSERVER_PRELOAD if m not in have])
     return ctx
+
+
+def start_method_for(start_method: str) -> str:
+    """``start_method``, or ``spawn`` in its place where CUDA is available (see :func:`mp_context`)."""
+    import torch
+
+    if start_method in ("fork", "forkserver") and torch.cuda.is_available():
+        return "spawn"
+    return start_method
 
 
 class RankError(RuntimeError):

@@ -88,3 +88,13 @@ def test_every_forkserver_preload_module_exists():
     """A module that fails to import is skipped silently, and ranks start slowly again."""
     missing = [name for name in launch.FORKSERVER_PRELOAD if importlib.util.find_spec(name) is None]
     assert not missing, f"FORKSERVER_PRELOAD names modules that do not exist: {missing}"
+
+
+def test_ranks_are_spawned_where_cuda_is_available(monkeypatch):
+    """A process forked after CUDA was touched cannot use it (issue 52: the offload tests' ranks,
+    forked from the preloaded server, failed on the GPU); without CUDA the fast start stays."""
+    assert launch.mp_context("forkserver").get_start_method() == "forkserver"
+    assert launch.start_method_for("fork") == "fork"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [launch.start_method_for(m) for m in ("fork", "forkserver", "spawn")] == ["spawn"] * 3
+    assert launch.mp_context("forkserver").get_start_method() == "spawn"
