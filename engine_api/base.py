@@ -130,7 +130,16 @@ class BaseEngine(abc.ABC):
         """Build/load the model from ``config.model.path``, the optimizer and LR scheduler
         (none for a frozen engine), then apply the offload policy. Collective."""
         self._build_model()
+        if not self.config.frozen:
+            # Which groups decay is fixed by the optimizer as built (a no-decay group for biases
+            # and norms, where a backend makes one): recorded now, before a load could bring in
+            # a step's weight decay of 0 and make every group look like a no-decay one.
+            self._decaying_groups = self._build_decaying_groups()
         self._offloader.offload(model=self.config.offload.param, optimizer=self.config.offload.optimizer)
+
+    def _build_decaying_groups(self) -> list[bool]:
+        decays = self.config.optim.weight_decay > 0
+        return [g.get("weight_decay", 0.0) > 0 or not decays for g in self._param_groups()]
 
     def train_mode(self) -> contextlib.AbstractContextManager[BaseEngine]:
         """Context manager for training: on enter, params, grads and optimizer state are on
@@ -287,9 +296,8 @@ class BaseEngine(abc.ABC):
                 raise ValueError(f"set_optim_hparams({name}={value!r}): must be {want}; nothing was changed")
         groups = self._param_groups()
         if self._decaying_groups is None or len(self._decaying_groups) != len(groups):
-            # Which groups decay is fixed when the optimizer is built; recorded before the first change.
-            decays = self.config.optim.weight_decay > 0
-            self._decaying_groups = [g.get("weight_decay", 0.0) > 0 or not decays for g in groups]
+            # (recorded at init_model; a backend that rebuilt its groups since: from the config again)
+            self._decaying_groups = self._build_decaying_groups()
         for group, decaying in zip(groups, self._decaying_groups, strict=True):
             if lr is not None:
                 group["lr"] = float(lr)

@@ -57,11 +57,20 @@ def save(model, optimizer, extra: dict, root: str, step: int, keep: int | None, 
             is removed and earlier checkpoints are intact.
     """
     lora = lora or {}
+    # torch's get_state_dict gives an optimizer that never stepped its state by running one step
+    # at lr 0: AdamW's step counter becomes 1 and every later update would use the wrong bias
+    # correction. A save must not change training: that state is saved (DCP needs the keys)
+    # and then dropped again, and the checkpoint records that it is not a real one.
+    stepped = optimizer is None or bool(optimizer.state)
     tmp = ckpt_layout.begin(root, step)
-    with ckpt_layout.writing(tmp):
-        dcp.save(_state(model, optimizer, lora), checkpoint_id=tmp)
-        ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora": lora})
+    try:
+        with ckpt_layout.writing(tmp):
+            dcp.save(_state(model, optimizer, lora), checkpoint_id=tmp)
+            ckpt_layout.save_extra(tmp, extra)
+    finally:
+        if not stepped:
+            optimizer.state.clear()
+    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "lora": lora, "optimizer_stepped": stepped})
 
 
 def load(
@@ -100,6 +109,8 @@ def load(
         state = _state(model, optimizer, lora)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
+        if optimizer is not None and not info.get("optimizer_stepped", True):  # saved before the first step: see save()
+            optimizer.state.clear()
     extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
     return extra

@@ -14,7 +14,10 @@ aggregation modes (at ``--nproc 2`` also DP-size invariance), the model's dropou
 mode, abort, non-finite skip (a NaN loss, and an inf loss with finite gradients), the LR
 schedule applied and reported (across a save and load too), bad-batch rejection before any
 state change, frozen engines, offload round trips that release the loaded storage, exact
-resume in a fresh process (with dropout: the RNG state too), and refusal of tampered
+resume in a fresh process (with dropout: the RNG state too), a save before the first step
+that changes nothing, a step that overflows the weights refused until a load, ``unshard_data``
+in row order, bf16 mixed precision (``precision_checks``: exact fp32 start weights, bf16
+compute, the step against the fp32 reference, bit-exact save/load), and refusal of tampered
 checkpoints. The backend must load an HF causal-LM
 directory (the kit builds a tiny Llama-style one; nothing is downloaded).
 

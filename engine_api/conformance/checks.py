@@ -489,6 +489,74 @@ def nonfinite_skip(env: Env) -> str:
     return "NaN loss and inf loss with finite grads: skipped on every rank, next step bit-exact"
 
 
+def _big_weight_model(env: Env) -> str:
+    """The kit's model with one MLP weight set to 4.0 (one directory per rank: no barrier)."""
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(env.workdir, f"model_big_weight_rank{env.rank}")
+    if not os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(env.model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight[0, 0] = 4.0
+        model.save_pretrained(path)
+    return path
+
+
+@check("nonfinite_update")
+def nonfinite_update(env: Env) -> str:
+    """A step whose finite gradient writes non-finite weights (weight decay 3e38 on a weight of 4) raises NonFiniteUpdateError on every rank; training, saving and exporting are refused until a load, which restores the saved weights."""
+    from engine_api.optim import NonFiniteUpdateError
+
+    engine = new_engine(env, f"model.path={_big_weight_model(env)}")
+    window(engine, _local(engine))
+    root = os.path.join(env.workdir, "ckpt_overflow")
+    engine.save_checkpoint(root, global_step=1)
+    good = weights(engine)
+    # AdamW moves a weight by at most ~lr per step, and lr itself must fit in fp32, so what
+    # overflows is the decoupled decay p * (1 - lr * wd): -3e38 times the model's weight of 4.
+    engine.set_optim_hparams(lr=1.0, weight_decay=3e38)
+    try:
+        window(engine, _local(engine, seed=1))
+    except NonFiniteUpdateError:
+        pass
+    else:
+        raise CheckFailed("an optimizer step (finite gradient, lr 1, weight decay 3e38) left non-finite weights and raised nothing")
+    refused = []
+    for what, call in {
+        "train_mode": lambda: engine.train_mode().__enter__(),
+        "export_weights": lambda: next(iter(engine.export_weights())),
+    }.items():
+        try:
+            call()
+        except RuntimeError:
+            refused.append(what)
+    if len(refused) != 2:
+        raise CheckFailed(f"after a non-finite update only {refused or 'nothing'} was refused (want train_mode and export_weights)")
+    engine.load_checkpoint(root, del_local_after_load=False)
+    same("weights after loading the checkpoint saved before the non-finite step", {"w": weights(engine)}, {"w": good})
+    window(engine, _local(engine, seed=1))  # trains again
+    return "NonFiniteUpdateError on every rank; train_mode and export refused; a load restores"
+
+
+@check("unshard_order")
+def unshard_order(env: Env) -> str:
+    """unshard_data gives back the global batch's rows in their original order on every rank: the gathered log-probs equal HF's per sequence, row by row."""
+    engine = new_engine(env)
+    batch = fx.make_test_batch()
+    with engine.eval_mode():
+        out = engine.infer_batch(engine.shard_data(batch))
+    gathered = engine.unshard_data(out) if out is not None else None
+    if gathered is None:
+        return "not an output rank"
+    if gathered.batch_size[0] != batch.batch_size[0]:
+        raise CheckFailed(f"unshard_data gave {gathered.batch_size[0]} rows for a batch of {batch.batch_size[0]}")
+    want, _ = fx.hf_token_outputs(fx.hf_model(env.model_dir), batch)
+    worst = max_diff(gathered["log_probs"], want)
+    if worst > 1e-5:
+        raise CheckFailed(f"the gathered log-probs differ from HF's for the same rows by {worst:.2e}: rows out of order or lost")
+    return f"{batch.batch_size[0]} rows in order over {env.world} rank(s), max|diff| {worst:.1e}"
+
+
 # Warmup + cosine decay with a floor; weight decay 1 makes the applied LR visible (below).
 LR_WARMUP, LR_TOTAL, LR_MIN_RATIO, LR_DECAY = 2, 6, 0.1, 1.0
 LR_SETTINGS = (
@@ -789,6 +857,35 @@ def resume(env: Env) -> str:
     got = {"steps": [window(engine, _local(engine, seed=s)) for s in (2, 3)], "w": weights(engine)}
     same("resumed run vs uninterrupted run", got, want)
     return "steps 3-4 bit-exact"
+
+
+@check("save_before_first_step")
+def save_before_first_step(env: Env) -> str:
+    """A save before the first optimizer step changes nothing: 2 steps after it equal 2 steps without it, bit-exactly (and so do 2 steps after loading it in a fresh engine); a backend may refuse such a save with a ValueError instead."""
+    plain = new_engine(env)
+    want = {"steps": [window(plain, _local(plain, seed=s)) for s in (0, 1)], "w": weights(plain)}
+    engine = new_engine(env)
+    root = os.path.join(env.workdir, "ckpt_step0")
+    try:
+        engine.save_checkpoint(root, global_step=0)
+    except ValueError as exc:
+        saved = f"refused ({str(exc).splitlines()[0][:80]}...)"
+    else:
+        saved = "saved"
+    same(
+        f"2 steps after a save before the first step ({saved}) vs without it",
+        {"steps": [window(engine, _local(engine, seed=s)) for s in (0, 1)], "w": weights(engine)},
+        want,
+    )
+    if saved == "saved":
+        loaded = new_engine(env)
+        loaded.load_checkpoint(root, del_local_after_load=False)
+        same(
+            "2 steps after loading that checkpoint vs a fresh run",
+            {"steps": [window(loaded, _local(loaded, seed=s)) for s in (0, 1)], "w": weights(loaded)},
+            want,
+        )
+    return f"{saved}; training unchanged" + (", and after loading it" if saved == "saved" else "")
 
 
 SENTINEL = "code_ran.txt"

@@ -195,3 +195,22 @@ class Fp32UnderBf16(ReferenceEngine):
     @classmethod
     def check_config(cls, config):
         return []
+
+
+class ChecksNoParameterAfterTheStep(ReferenceEngine):
+    """The post-step finite check sees no parameter (a backend whose ``_updated_parameters``
+    hook yields nothing, e.g. after renaming its module)."""
+
+    def _updated_parameters(self):
+        return iter(())
+
+
+class UnshardsInReverseRankOrder(ReferenceEngine):
+    """``unshard_data`` puts the ranks' contiguous shards back in reverse rank order."""
+
+    def unshard_data(self, data):
+        from engine_api.batch import cat_rows, take_rows
+
+        whole = super().unshard_data(data)
+        n, per = whole.batch_size[0], data.batch_size[0]
+        return cat_rows([take_rows(whole, slice(start, start + per)) for start in range(n - per, -1, -per)])

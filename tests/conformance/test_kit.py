@@ -12,7 +12,9 @@ twice, one that skips the DP normalisation (2 processes), one that changes state
 batch, and (issue 28) one whose LR scheduler never steps, one that does not restore the RNG
 on resume, one that steps on a non-finite loss whose gradient is finite (2 processes), one
 whose offload frees nothing, one that ignores the model's dropout, and engines off by 1e-4
-(loss, gradient, log-probs) or by one float step in one weight after a load, each fail the
+(loss, gradient, log-probs) or by one float step in one weight after a load, (issues 52 and
+53) one that computes in fp32 under ``model.dtype=bfloat16``, one whose post-step finite check
+sees no parameter and one whose ``unshard_data`` reverses the ranks' shards, each fail the
 check that guards that duty, while the correct reference engine passes it in the same
 configuration (``test_kit_helpers.py`` pins the comparison helpers themselves).
 """
@@ -83,6 +85,9 @@ TEETH = {
     "one weight one float step off after a load": ("OneWeightOffAfterLoad", 1, "resume"),
     # issue 52: fp32 parameters and compute under model.dtype=bfloat16
     "fp32 under bf16": ("Fp32UnderBf16", 1, "mixed_precision"),
+    # issue 53, item 4: two duties no check called
+    "post-step finite check sees no parameter": ("ChecksNoParameterAfterTheStep", 1, "nonfinite_update"),
+    "unshard_data in reverse rank order": ("UnshardsInReverseRankOrder", 2, "unshard_order"),
 }
 
 
