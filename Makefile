@@ -61,12 +61,16 @@ clean:
 bench: install
 	$(PY) -m benchmarks.run_all $(ARGS)
 
-# Every GPU-only path in one go, one report (benchmarks/gpu_check.py): the gpu-marked tests, bf16
-# FSDP vs Megatron, throughput and MFU. On a bare GPU machine (Python 3.12 + CUDA torch) carry the
-# wheels of `make gpu-wheels` (.whl/) along; without CUDA it runs its CPU smoke mode.
+# Every GPU-only path in one go, one report (benchmarks/gpu_check.py), within 8 minutes on one
+# H200: the gpu-marked tests (bf16 FSDP vs Megatron, offload, ...; modules that need an optional
+# extra the machine lacks are skipped), then the throughput rows: the hand-written FSDP2 loop, the
+# FSDP engine (compile off and on) and megatron, with tokens/s, MFU and the engine/loop ratio. On
+# a bare GPU machine (Python 3.12 + CUDA torch) carry the wheels of `make gpu-wheels` (.whl/)
+# along; without CUDA it runs its CPU smoke mode. Options: make gpu-check ARGS="--budget 600".
 gpu-check:
 	bash ci/gpu_check.sh $(ARGS)
 
+# The wheels gpu-check needs beyond the GPU image, at ci/constraints.txt's pins, into .whl/.
 gpu-wheels:
 	bash ci/gpu_wheels.sh
 

@@ -2,7 +2,9 @@
 # `make gpu-check`: run benchmarks.gpu_check (every GPU-only path, one report in $OUT or
 # outputs/gpu_check). With the project's .venv (a CPU dev machine) it uses that; on a bare GPU
 # machine (python3 with CUDA torch) it first installs the carried wheels of ci/gpu_wheels.sh
-# from .whl/ into /tmp/site. Without CUDA the check runs its smoke mode.
+# from .whl/ into /tmp/site (stale versions there are replaced). Without CUDA the check runs its
+# smoke mode. The check bounds its own time (--budget, default 450 s: with the install, within 8
+# minutes on one H200) and rewrites its report after every step, so a kill keeps what was done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then
