@@ -267,6 +267,18 @@ def config_refusals(hf_config) -> list[str]:
                 "shared_expert_intermediate_size", hf_config.shared_expert_intermediate_size, "shared experts are not converted", _FIX
             )
         )
+    moe = _moe_fields(hf_config)
+    if moe and moe["moe_topk"] == 1 and moe["norm_topk"]:
+        # HF renormalises the one selected probability: every routing weight is exactly 1.0 and
+        # the router learns only from the load-balancing loss. megatron-core refuses top-1 with
+        # the softmax after the selection ("--moe-router-pre-softmax") and before it the weight
+        # is the probability itself, so neither layout is HF's.
+        field = "num_experts_per_tok"
+        why = (
+            "top-1 routing with the selected probability renormalised (Mixtral always; Qwen3-MoE norm_topk_prob=true) gives every "
+            "token a routing weight of exactly 1.0, which megatron-core's router cannot express"
+        )
+        out.append(format_problem(field, 1, why, "use strategy=fsdp for this model (or norm_topk_prob=false on Qwen3-MoE)"))
     kinds = set(getattr(hf_config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     if kinds:
         out.append(format_problem("layer_types", sorted(kinds), "attention kinds other than full / sliding are not converted", _FIX))

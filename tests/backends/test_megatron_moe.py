@@ -309,6 +309,29 @@ def test_mixtral_router_jitter_is_refused(models, tmp_path):
         build_engine(load_config(None, ["strategy=megatron", f"model.path={path}"]))
 
 
+def test_top1_renormalised_routing_is_refused_at_build_engine(tmp_path):
+    """Top-1 routing with the selected probability renormalised (every weight exactly 1.0):
+    megatron-core cannot express it and crashed in init_model with its own message about
+    --moe-router-pre-softmax; refused at build_engine naming the key (issue 53, item 7). Top-1
+    without renormalisation (Qwen3-MoE norm_topk_prob=false: the weight is the probability,
+    megatron's pre-softmax routing) still builds."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from engine_api.conformance.fixtures import save_model
+    from tests.backends.moe_utils import BASE, QWEN3_MOE
+
+    refused = {
+        "mixtral": MixtralConfig(**{**BASE, "intermediate_size": 16}, num_local_experts=4, num_experts_per_tok=1),
+        "qwen3_moe": Qwen3MoeConfig(**BASE, **{**QWEN3_MOE, "num_experts_per_tok": 1}, norm_topk_prob=True),
+    }
+    for name, config in refused.items():
+        path = save_model(config, tmp_path / name)
+        with pytest.raises(ValueError, match=r"num_experts_per_tok = 1: top-1 routing .* renormalised.*fix: use strategy=fsdp"):
+            build_engine(load_config(None, ["strategy=megatron", f"model.path={path}"]))
+    plain = save_model(Qwen3MoeConfig(**BASE, **{**QWEN3_MOE, "num_experts_per_tok": 1}, norm_topk_prob=False), tmp_path / "plain")
+    build_engine(load_config(None, ["strategy=megatron", f"model.path={plain}"]))
+
+
 MOE_CUDA_SITES = {
     ("token_dispatcher.py", "__init__"),  # the dispatcher's device-to-host side stream
     ("token_dispatcher.py", "_maybe_dtoh_and_synchronize"),  # ... and its use
