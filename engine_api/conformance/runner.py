@@ -1,6 +1,7 @@
 """Run the conformance checks on N fresh processes and collect one report.
 
-Each launch starts ``nproc`` processes, forked from multiprocessing's forkserver, which has
+Each launch starts ``nproc`` processes (on a machine with CUDA: spawned interpreters; else)
+forked from multiprocessing's forkserver, which has
 imported torch, transformers, the kit and the backend's module once (a new interpreter spends
 5-10 s importing them; a fork from the server well under one). They are fresh processes in
 everything the checks touch: no engine, process group or RNG use happened in the server, and
@@ -143,8 +144,14 @@ def _context(strategy: str):
     """The forkserver context, with the backend's module added to what the server preloads when
     it has not started yet (one server per process, shared with anything else that uses it;
     a module the server lacks is imported by each rank instead, which is only slower)."""
+    import torch
+
     from engine_api import registry
 
+    if torch.cuda.is_available():
+        # A GPU machine: new interpreters, as CUDA cannot be used in a process forked after
+        # anything touched it (the server's preloaded imports included); slower, but safe.
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     server = getattr(mp_forkserver, "_forkserver", None)
     if server is not None and getattr(server, "_forkserver_pid", None) is None:
