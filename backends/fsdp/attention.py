@@ -158,7 +158,8 @@ def register_packed_kernels() -> None:
     No mask function is registered for them, so HF builds no mask (the kernels need none)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(VARLEN, _varlen_attention)
+    if varlen_missing() is None:
+        AttentionInterface.register(VARLEN, _varlen_attention(_varlen_params()))
     AttentionInterface.register(DOC_MASK, _doc_mask_attention)
 
 
@@ -215,40 +216,43 @@ def _refuse_extras(kernel: str, module: nn.Module, attention_mask, sliding_windo
         )
 
 
-def _varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs):
-    """HF attention function over torch's ``varlen_attn``: q/k/v ``[B, H, S, D]`` -> ``[B, S, H, D]``."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    _refuse_extras(VARLEN, module, attention_mask, sliding_window, softcap, kwargs)
-    if dropout:
-        raise RuntimeError(f"attention kernel 'varlen' has no dropout (asked: {dropout}); fix: engine.model.attn_implementation = auto")
-    b, h, s, d = query.shape
-    cu, longest = _boundaries(b, s, query.device, kwargs)
-    q = query.transpose(1, 2).reshape(b * s, h, d)
-    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-    params = _varlen_params()
-    extra = {"scale": scaling} if "scale" in params else {}
-    if k.shape[1] != h:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:  # torch 2.10: whole KV heads per query head
-            k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
-    if "window_size" in params:  # torch >= 2.11: (-1, 0) is causal
-        extra["window_size"] = (-1, 0)
-    else:  # torch 2.10
-        extra["is_causal"] = True
-    if "scale" not in params and scaling is not None and abs(scaling - d**-0.5) > 1e-12:
-        raise RuntimeError(f"this torch's varlen_attn has no scale argument, and the model scales by {scaling}; fix: use auto")
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
-    return out.reshape(b, s, h, d), None
-
-
-@functools.cache
 def _varlen_params() -> frozenset[str]:
+    """The keywords this torch's ``varlen_attn`` takes (they changed between 2.10 and 2.11)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_attention(params: frozenset[str]):
+    """The HF attention function over torch's ``varlen_attn`` (its keywords ``params`` read
+    once here, not inside a compiled layer): q/k/v ``[B, H, S, D]`` -> ``[B, S, H, D]``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs):
+        _refuse_extras(VARLEN, module, attention_mask, sliding_window, softcap, kwargs)
+        if dropout:
+            raise RuntimeError(f"attention kernel 'varlen' has no dropout (asked: {dropout}); fix: engine.model.attn_implementation = auto")
+        b, h, s, d = query.shape
+        if "scale" not in params and scaling is not None and abs(scaling - d**-0.5) > 1e-12:
+            raise RuntimeError(f"this torch's varlen_attn has no scale argument, and the model scales by {scaling}; fix: use auto")
+        cu, longest = _boundaries(b, s, query.device, kwargs)
+        q = query.transpose(1, 2).reshape(b * s, h, d)
+        k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
+        v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+        extra = {"scale": scaling} if "scale" in params else {}
+        if k.shape[1] != h:
+            if "enable_gqa" in params:
+                extra["enable_gqa"] = True
+            else:  # torch 2.10: whole KV heads per query head
+                k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+        if "window_size" in params:  # torch >= 2.11: (-1, 0) is causal
+            extra["window_size"] = (-1, 0)
+        else:  # torch 2.10
+            extra["is_causal"] = True
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+        return out.reshape(b, s, h, d), None
+
+    return attention
 
 
 def doc_mask(cu_seqlens: torch.Tensor, batch: int, width: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Packed attention without flash-attn (``backends.fsdp.attention``, issue 52).
 
-CPU: the doc-masked kernel (``sdpa_doc_mask``) on one packed row equals each sequence run
-alone through HF's own sdpa (log-probs and every parameter's gradient, fp32, 1e-5: summation
+CPU: the doc-masked kernel (``sdpa_doc_mask``), and ``varlen``'s adapter over a CPU stand-in for
+torch's CUDA-only kernel, on one packed row equal each sequence run alone through HF's own sdpa (log-probs and every parameter's gradient, fp32, 1e-5: summation
 order only) on Llama (GQA, untied) and Qwen2 (GQA, qkv bias, tied); its boundaries come from
 the batch's ``cu_seqlens``, so a perturbed earlier sequence leaves a later one bit-identical
 even when the positions do not restart; the automatic choice (CUDA mocked) and its refusals.
@@ -38,14 +38,43 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_doc_mask_equals_per_sequence_attention(family_dir):
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False, **_):
+    """A CPU stand-in for torch's varlen_attn (whose kernel is CUDA-only): each sequence of
+    ``cu_q`` through causal SDPA, after checking the call is what the CUDA kernel needs."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    bounds = cu_q.tolist()
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=enable_gqa
+            ).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+    )
+
+
+@pytest.fixture(params=[attn.DOC_MASK, attn.VARLEN])
+def kernel(request, monkeypatch):
+    """The kernel under test; ``varlen``'s HF adapter (layout, GQA, causal window, the batch's
+    boundaries) runs over :func:`_reference_varlen` on CPU."""
+    if request.param == attn.VARLEN:
+        import torch.nn.attention.varlen as varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", _reference_varlen)
     attn.register_packed_kernels()
+    yield request.param
+    monkeypatch.undo()
+    attn.register_packed_kernels()  # the real kernel again
+
+
+def test_packed_kernel_equals_per_sequence_attention(family_dir, kernel):
     seqs = list(make_test_batch()["input_ids"].unbind())
     weights = [torch.linspace(-1, 1, len(s) - 1) for s in seqs]  # a loss that weighs every log-prob
     alone = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation="sdpa")
     want = [_log_probs(alone(s[None]).logits[0], s) for s in seqs]
     sum((lp * w).sum() for lp, w in zip(want, weights, strict=True)).backward()
-    model = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation=attn.DOC_MASK)
+    model = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation=kernel)
     packed = pack(make_test_batch()["input_ids"])
     pos = packed.position_ids[None]
     logits = model(input_ids=packed.input_ids[None], position_ids=pos, use_cache=False, **attn.packing_kwargs(pos)).logits[0]
@@ -170,7 +199,7 @@ def test_varlen_kernel_equals_per_sequence_sdpa_in_bf16():
     k, v = (torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(2))
     pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
     module = torch.nn.Module()
-    out = attn._varlen_attention(module, q, k, v, None, scaling=64**-0.5, **attn.packing_kwargs(pos))[0][0]
+    out = attn._varlen_attention(attn._varlen_params())(module, q, k, v, None, scaling=64**-0.5, **attn.packing_kwargs(pos))[0][0]
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     want = torch.cat(
         [
