@@ -282,7 +282,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 m = pipeline.step(step, functools.partial(train, source=source, samples=samples))
                 if critic is None and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
                     no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
-                    warn([no_signal_warning(step + 1, cfg.algo.n_samples)], rank0)
+                    warn([no_signal_warning(step + 1, cfg.algo.n_samples, cfg.actor.entropy_coef, cfg.actor.kl_coef)], rank0)
                 if samples:
                     run_log.log_samples(step + 1, m.pop("samples"))
                 rewards.append(m["reward"])
@@ -405,13 +405,23 @@ def mean_reward(scores: list[torch.Tensor]) -> float:
     return sum(float(s.sum()) for s in scores) / sum(len(s) for s in scores)
 
 
-def no_signal_warning(step: int, n_samples: int) -> str:
-    """The one-time warning of a GRPO step where every prompt group had identical rewards."""
+def no_signal_warning(step: int, n_samples: int, entropy_coef: float = 0.0, kl_coef: float = 0.0) -> str:
+    """The one-time warning of a GRPO step where every prompt group had identical rewards. What
+    it says about the update is what is true: without an entropy bonus or a KL term the loss and
+    the gradient are exactly 0; with either, they are all that moved the policy."""
+    terms = [f"the entropy bonus (actor.entropy_coef = {entropy_coef:g})"] * (entropy_coef > 0) + [
+        f"the KL penalty (actor.kl_coef = {kl_coef:g})"
+    ] * (kl_coef > 0)
+    update = (
+        f"the policy-gradient term is exactly 0, and only {' and '.join(terms)} moved the policy"
+        if terms
+        else "the loss and the gradient are exactly 0 and the policy did not change"
+    )
     return (
         f"GRPO step {step}: every prompt group's {n_samples} responses got the same reward (frac_reward_zero_std = 1), so "
-        "every advantage, the loss and the gradient are exactly 0 and the policy did not change; if this persists (see "
-        "frac_reward_zero_std in the metrics) the run cannot learn: use a denser reward (partial credit), more samples per "
-        "prompt (algo.n_samples), or prompts the model can sometimes solve"
+        f"every advantage is exactly 0: {update}; if this persists (see frac_reward_zero_std in the metrics) the run cannot "
+        "learn from the reward: use a denser reward (partial credit), more samples per prompt (algo.n_samples), or prompts "
+        "the model can sometimes solve"
     )
 
 

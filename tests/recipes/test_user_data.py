@@ -574,3 +574,15 @@ def test_grpo_without_reward_spread_says_it_cannot_learn(files, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("frac_reward_zero_std = 1") == 1, err  # once per run, not every step
     assert "GRPO step 1: every prompt group's" in err and "algo.n_samples" in err
+
+
+def test_the_no_signal_warning_says_what_moved_the_policy():
+    """With an entropy bonus or a KL term a flat-reward GRPO step still has a gradient (measured
+    from the outside: grad norm 0.0045): the warning must not say the policy did not change
+    (issue 53, item 3)."""
+    from recipes.ppo import no_signal_warning
+
+    assert "the policy did not change" in no_signal_warning(1, 4)
+    for coefs, named in (((0.01, 0.0), "actor.entropy_coef = 0.01"), ((0.0, 0.05), "actor.kl_coef = 0.05")):
+        text = no_signal_warning(1, 4, *coefs)
+        assert "did not change" not in text and named in text and "policy-gradient term is exactly 0" in text
