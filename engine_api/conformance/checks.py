@@ -816,6 +816,35 @@ def offload(env: Env) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
+@check("save_before_first_step")
+def save_before_first_step(env: Env) -> str:
+    """A save before the first optimizer step changes nothing: 2 steps after it equal 2 steps without it, bit-exactly (and so do 2 steps after loading it in a fresh engine); a backend may refuse such a save with a ValueError instead."""
+    plain = new_engine(env)
+    want = {"steps": [window(plain, _local(plain, seed=s)) for s in (0, 1)], "w": weights(plain)}
+    engine = new_engine(env)
+    root = os.path.join(env.workdir, "ckpt_step0")
+    try:
+        engine.save_checkpoint(root, global_step=0)
+    except ValueError as exc:
+        saved = f"refused ({str(exc).splitlines()[0][:80]}...)"
+    else:
+        saved = "saved"
+    same(
+        f"2 steps after a save before the first step ({saved}) vs without it",
+        {"steps": [window(engine, _local(engine, seed=s)) for s in (0, 1)], "w": weights(engine)},
+        want,
+    )
+    if saved == "saved":
+        loaded = new_engine(env)
+        loaded.load_checkpoint(root, del_local_after_load=False)
+        same(
+            "2 steps after loading that checkpoint vs a fresh run",
+            {"steps": [window(loaded, _local(loaded, seed=s)) for s in (0, 1)], "w": weights(loaded)},
+            want,
+        )
+    return f"{saved}; training unchanged" + (", and after loading it" if saved == "saved" else "")
+
+
 RESUME = ["optim.lr_schedule=cosine", "optim.warmup_steps=2", "optim.total_steps=10"]
 
 
@@ -857,35 +886,6 @@ def resume(env: Env) -> str:
     got = {"steps": [window(engine, _local(engine, seed=s)) for s in (2, 3)], "w": weights(engine)}
     same("resumed run vs uninterrupted run", got, want)
     return "steps 3-4 bit-exact"
-
-
-@check("save_before_first_step")
-def save_before_first_step(env: Env) -> str:
-    """A save before the first optimizer step changes nothing: 2 steps after it equal 2 steps without it, bit-exactly (and so do 2 steps after loading it in a fresh engine); a backend may refuse such a save with a ValueError instead."""
-    plain = new_engine(env)
-    want = {"steps": [window(plain, _local(plain, seed=s)) for s in (0, 1)], "w": weights(plain)}
-    engine = new_engine(env)
-    root = os.path.join(env.workdir, "ckpt_step0")
-    try:
-        engine.save_checkpoint(root, global_step=0)
-    except ValueError as exc:
-        saved = f"refused ({str(exc).splitlines()[0][:80]}...)"
-    else:
-        saved = "saved"
-    same(
-        f"2 steps after a save before the first step ({saved}) vs without it",
-        {"steps": [window(engine, _local(engine, seed=s)) for s in (0, 1)], "w": weights(engine)},
-        want,
-    )
-    if saved == "saved":
-        loaded = new_engine(env)
-        loaded.load_checkpoint(root, del_local_after_load=False)
-        same(
-            "2 steps after loading that checkpoint vs a fresh run",
-            {"steps": [window(loaded, _local(loaded, seed=s)) for s in (0, 1)], "w": weights(loaded)},
-            want,
-        )
-    return f"{saved}; training unchanged" + (", and after loading it" if saved == "saved" else "")
 
 
 SENTINEL = "code_ran.txt"
