@@ -27,7 +27,7 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward, packed_rows_exact
 from backends.fsdp.lm_head import chunked_head_exact, chunked_head_problem
-from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems
+from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems, unmatched_target_problems
 from backends.fsdp.model import (
     apply_activation_checkpointing,
     apply_compile,
@@ -72,7 +72,9 @@ class FSDPEngine(BaseEngine):
     @classmethod
     def check_config(cls, config) -> list[str]:
         """FSDP-specific problems found at ``build_engine`` (see ``BaseEngine.check_config``)."""
-        out = fsdp_problems(config) + compile_problems(config) + tied_target_problems(config.model.lora, config.model.path)
+        lora = config.model.lora
+        out = fsdp_problems(config) + compile_problems(config) + tied_target_problems(lora, config.model.path)
+        out += unmatched_target_problems(lora, config.model.path, config.model.head)
         sp = options_of(config, FSDPOptions).ulysses_sequence_parallel_size
         if sp > 1 and not out and os.path.isdir(config.model.path or ""):  # (a missing directory is reported elsewhere)
             out += ulysses_problems(AutoConfig.from_pretrained(config.model.path), sp)

@@ -127,6 +127,36 @@ def tied_target_problems(cfg: LoraConfig, model_path: str | None) -> list[str]:
     ]
 
 
+def unmatched_target_problems(cfg: LoraConfig, model_path: str | None, head: str = "lm") -> list[str]:
+    """Targets in ``model.lora.target_modules`` that name no layer peft can adapt in this
+    model: peft adapts the ones that match and says nothing about the rest (a list written for
+    Llama's ``q_proj`` ... ``down_proj`` adapts only ``o_proj`` and ``down_proj`` of Phi-3,
+    whose attention and MLP are the fused ``qkv_proj`` and ``gate_up_proj``). Found from the
+    model's config alone (its modules built on the meta device: no weights are read)."""
+    targets = [t for t in cfg.target_modules if t != "all-linear"]
+    if not cfg.enabled or not targets or model_path is None:
+        return []
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            cls = AutoModelForTokenClassification if head == "value" else AutoModelForCausalLM
+            model = cls.from_config(hf_config)
+    except (OSError, ValueError, KeyError):
+        return []  # the model path problem is reported elsewhere
+    adaptable = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding | nn.Conv1d) or type(m).__name__ == "Conv1D"]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in adaptable)]
+    if not unmatched:
+        return []
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in adaptable})
+    return [
+        f"model.lora.target_modules = {list(cfg.target_modules)}: {unmatched} name no layer of {type(model).__name__} "
+        f"(its adaptable layers: {', '.join(leaves)}), so those adapters would silently not exist; fix: name the model's own "
+        "layers (fused projections such as qkv_proj / gate_up_proj included) or use [all-linear]"
+    ]
+
+
 @contextlib.contextmanager
 def _unsharded(unit: nn.Module):
     """The unit's own parameters gathered in full for the block (FSDP2 ``unshard``)."""
