@@ -267,7 +267,8 @@ def rollout_correction(
           response tokens.
         - ``new_mask``: ``mask`` with the MIS-removed tokens set to 0 (``mask`` itself otherwise).
         - ``metrics`` (floats over the response tokens of ``mask``; empty when off):
-          ``rollout_correction/weight_mean`` and ``weight_max`` of the applied weights,
+          ``rollout_correction/weight_mean`` and ``weight_max`` of the applied weights (under
+          TIS, ``weight_mean`` is verl 0.9.1's ``rollout_is_mean``: the mean of the truncated weights),
           ``raw_weight_mean`` and ``raw_weight_max`` of ``w`` before truncation or masking (its
           log clamped at +-20), ``truncated_frac`` (TIS: share with ``w > threshold``; else 0),
           ``masked_frac`` (MIS: share removed; else 0).
@@ -305,14 +306,21 @@ def rollout_correction(
         seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=log_w.device), lengths)
         log_w = torch.zeros(lengths.numel(), dtype=dtype, device=log_w.device).index_add(0, seq, log_w)[seq]
     raw = torch.where(response, torch.exp(log_w.clamp(-_LOG_WEIGHT_BOUND, _LOG_WEIGHT_BOUND)), 0.0)
-    above = response & (log_w > torch.tensor(config.threshold, dtype=dtype).log())
     zero = torch.zeros((), dtype=dtype, device=log_w.device)
     if config.mode == "tis":
         weights = raw.clamp(max=config.threshold)
+        above = response & (log_w > math.log(config.threshold))
         new_mask, truncated, removed = mask, above, zero
     else:
-        below = response & (log_w < torch.tensor(config.lower_bound(), dtype=dtype).log())
-        outside = above | below
+        # The band in verl 0.9.1's terms (``verl_keys``: ``token_k1`` / ``seq_sum_k1``) and in its
+        # precision: ``k1 = -log_w`` in the log weights' dtype against the bounds' logs taken in
+        # Python floats (double), ``lower_k1 <= k1 <= upper_k1``, inclusive. A log of the bound in
+        # fp32 (``torch.tensor(2 / 3).log()``) is one ulp off fp32(log(2/3)) and removed a token
+        # sitting exactly on the bound that verl keeps.
+        lower = config.lower_bound()
+        k1 = -log_w
+        keep = (k1 >= math.log(1.0 / config.threshold)) & (k1 <= (math.inf if lower == 0 else math.log(1.0 / lower)))
+        outside = response & ~keep
         new_mask = mask * (~outside).to(mask.dtype)
         weights = (response & ~outside).to(dtype)
         truncated, removed = zero, outside

@@ -444,3 +444,55 @@ def test_the_verl_mapping_of_tis_and_off():
     tis = RolloutCorrectionConfig(mode="tis", level="sequence", threshold=3.0).verl_keys()
     assert tis == {"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_is_batch_normalize": False, "rollout_rs": None}
     assert RolloutCorrectionConfig().verl_keys() == {"rollout_is": None, "rollout_rs": None}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize(("threshold", "lower"), [(1.5, None), (2.0, None), (3.0, 0.5), (5.0, 0.9), (1.5, 0.0)])
+def test_mis_keeps_a_token_exactly_on_either_bound_as_verl_does(level, threshold, lower):
+    """The bounds are inclusive in the precision verl 0.9.1 compares in (an fp32 k1 against the
+    bounds' logs as Python floats): a log weight of exactly ``fp32(log(bound))``, e.g.
+    ``fp32(log(2/3))`` for ``threshold = 1.5``, is kept, and the next float outward is removed.
+    Each token is its own one-token sequence, so the sequence sums are the token values."""
+    config = RolloutCorrectionConfig(mode="mis", level=level, threshold=threshold, threshold_lower=lower)
+    low = config.lower_bound()
+    edges = [math.log(threshold)] + ([math.log(low)] if low > 0 else [])
+    d, want = [], []
+    for edge in edges:
+        on = torch.tensor(edge, dtype=torch.float32)
+        out = torch.nextafter(on, torch.tensor(math.inf if edge > 0 else -math.inf))
+        inside = torch.nextafter(on, torch.tensor(0.0))
+        d += [on, out, inside]
+        want += [True, False, True]
+    d = torch.stack(d)
+    n = d.numel()
+    offsets = torch.arange(n + 1)
+    mask = torch.ones(n)
+    old, rollout = d.clamp(max=0.0), (-d).clamp(max=0.0)  # old - rollout == d exactly (one side is 0)
+    assert torch.equal(old - rollout, d)
+    _, ours, metrics = rollout_correction(old, rollout, mask, offsets, config)
+    assert (ours > 0).tolist() == want, (d.tolist(), ours.tolist())
+    keys = config.verl_keys()
+    theirs = _verl_rejection_keep(d, offsets, mask, keys["rollout_rs"], keys["rollout_rs_threshold"])
+    assert torch.equal(ours > 0, theirs)
+    assert metrics["rollout_correction/masked_frac"] == pytest.approx(want.count(False) / n)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_verl_rollout_is_mean_is_weight_mean_and_the_docs_say_so(level):
+    """verl 0.9.1's ``rollout_is_mean`` (``compute_rollout_correction_weights``: the masked mean of
+    ``exp(clamp(log ratio, +-20))`` truncated at ``rollout_is_threshold``, sequence weights
+    broadcast to their tokens) is ``weight_mean`` here, not ``raw_weight_mean``, and the metrics
+    table of docs/rollout-correction.md maps it so."""
+    config = RolloutCorrectionConfig(mode="tis", level=level)
+    _, _, metrics = rollout_correction(OLD, ROLLOUT, torch.tensor(MASK), OFFSETS, config)
+    mask = torch.tensor(MASK)
+    d = D * mask
+    if level == "sequence":
+        lengths = OFFSETS.diff()
+        d = torch.repeat_interleave(torch.stack([s.sum() for s in d.split(lengths.tolist())]), lengths)
+    verl_mean = float((d.clamp(-20, 20).exp() * mask).clamp(max=config.threshold).sum() / mask.sum())
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(verl_mean, rel=1e-6)
+    assert abs(metrics["rollout_correction/raw_weight_mean"] - verl_mean) > 0.1  # the two differ on this batch
+    rows = [line for line in (ROOT / "docs/rollout-correction.md").read_text().splitlines() if "rollout_is_mean" in line]
+    mapped = [row.split("|")[1].strip() for row in rows if "verl's `rollout_is_mean`" in row or "verl 0.9.1's `rollout_is_mean`" in row]
+    assert mapped == ["`rollout_correction/weight_mean`"], rows
