@@ -91,6 +91,22 @@ class SkipGuard:
             )
 
 
+def run_cli(main: Callable[[], object]) -> None:
+    """Run a recipe's ``main()`` as a command. A ``ValueError`` (a refused config key, a bad data
+    file, a checkpoint of another run: every user error here is one, with the field, the value
+    and the fix in its message) ends the command with that message alone on stderr and exit
+    code 2, not a traceback whose last line is the one that matters; ``ENGINEKIT_TRACEBACK=1``
+    shows the traceback as well. Called from ``__main__`` only: in-process callers get the
+    exception."""
+    try:
+        main()
+    except ValueError as exc:
+        if os.environ.get("ENGINEKIT_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(f"error: {exc}\n(ENGINEKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def quiet_console() -> None:
     """Silence what libraries print on every run although nothing is wrong: HF's per-file
     load/save progress bars (they interleave with the training bar) and torch's one-time

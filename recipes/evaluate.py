@@ -36,7 +36,7 @@ from engine_api.typed_config import load_typed
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.tasks import build_task
-from posttrain.trainer_utils import quiet_console
+from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import with_model_path
 from recipes.ppo import PPOConfig, _fit_rollout_to_cpu, _fit_tiny_model, evaluate_prompts, mean_reward
 from recipes.rl_roles import build_rollout_role, rollout_model_problems
@@ -186,4 +186,4 @@ def launch(argv: Sequence[str] | None, prog: str, doc: str, config_cls: type, ru
 
 if __name__ == "__main__":
     quiet_console()
-    main()
+    run_cli(main)

@@ -28,7 +28,7 @@ import torch
 
 from posttrain.dist import rank
 from posttrain.text_data import PromptDataset, load_tokenizer, stop_token_ids
-from posttrain.trainer_utils import quiet_console
+from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.evaluate import EvalConfig, launch, load_policy
 
 
@@ -158,4 +158,4 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     quiet_console()
-    main()
+    run_cli(main)

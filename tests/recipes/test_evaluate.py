@@ -123,3 +123,15 @@ def test_bad_keys_are_refused_by_name_before_anything_loads(trained, tmp_path, m
     with pytest.raises(ValueError, match=needle):
         importlib.import_module(f"recipes.{module}").main(_args(trained, tmp_path / "x", *extra))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("recipe", ["recipes.evaluate", "recipes.generate"])
+def test_a_config_refusal_is_one_message_not_a_traceback(recipe):
+    """Run as commands, the evaluation-side recipes refuse a bad key with the message alone and
+    exit code 2 (issue 53, item 24: a traceback came first, the useful line last)."""
+    from tests.support.launch import run_script
+
+    proc = run_script(["-m", recipe, "engine.model.path=/nonexistent/model"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and "engine.model.path = '/nonexistent/model'" in proc.stderr, proc.stderr
