@@ -15,7 +15,7 @@ import torch.distributed as dist
 from engine_api.dist import is_initialized, launcher_world
 from posttrain import sort_task as task
 from posttrain.dist import rank
-from posttrain.loggers import RunLog, build_loggers, logger_problems
+from posttrain.loggers import RunLog, build_loggers, logger_problems, missing_packages
 from posttrain.placement import LAUNCHERS, PlacementConfig
 from posttrain.placement.cluster import ray_missing
 from posttrain.tiny_model import FAMILIES, build_tiny_model
@@ -127,7 +127,10 @@ class TrainerConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def _problems(self) -> list[str]:
-        out = logger_problems(self.loggers)
+        # A chosen logger whose package is missing is refused here, at config load, not after
+        # the model and data have loaded (the example configs log to tensorboard, which the
+        # demos' minimal install does not have).
+        out = logger_problems(self.loggers) or missing_packages(self.loggers)
         if self.launcher not in LAUNCHERS:
             out.append(f"launcher = {self.launcher!r}: unknown; fix: use one of {', '.join(LAUNCHERS)}")
         elif self.launcher == "ray" and ray_missing():

@@ -12,6 +12,7 @@ import math
 import os
 import struct
 import time
+from pathlib import Path
 
 import pytest
 
@@ -353,3 +354,16 @@ def test_other_ranks_write_nothing(tmp_path, monkeypatch):
     run_log.log_samples(1, [{"prompt": "a", "response": "b", "reward": 1.0}])
     run_log.close()
     assert calls == [] and os.listdir(tmp_path) == []
+
+
+def test_a_missing_logger_package_is_refused_at_config_load(monkeypatch):
+    """The example SFT configs log to tensorboard, which `make run`'s minimal venv lacks: the
+    run must stop at config load naming the package, not after the model and data have loaded
+    (issue 53, item 24)."""
+    from engine_api.typed_config import load_typed
+    from recipes.sft import SFTConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match=r"trainer.loggers has 'tensorboard' but the tensorboard package is not installed; fix:"):
+        load_typed(SFTConfig, str(Path(__file__).resolve().parents[2] / "configs/examples/qwen2.5-0.5b-sft.yaml"), [])
