@@ -135,3 +135,17 @@ def test_a_config_refusal_is_one_message_not_a_traceback(recipe):
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: ") and "engine.model.path = '/nonexistent/model'" in proc.stderr, proc.stderr
+
+
+def test_the_demos_leave_weights_to_evaluate():
+    """After ``make run`` / ``make sft`` the run directory holds the trained model as an HF
+    export (``trainer.save_hf``), which ``recipes.evaluate`` reads with
+    ``engine.model.path=<output_dir>/hf`` (an export scores as its checkpoint: tested above);
+    before, the demos kept nothing to evaluate (issue 53, item 24)."""
+    from engine_api.typed_config import load_typed
+    from recipes.ppo import PPOConfig
+    from recipes.sft import SFTConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name, cls in (("ppo_tiny", PPOConfig), ("grpo_tiny", PPOConfig), ("sft_tiny", SFTConfig)):
+        assert load_typed(cls, str(root / f"{name}.yaml"), []).trainer.save_hf, name
