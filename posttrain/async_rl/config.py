@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The largest K accepted: each of the K steps ahead holds a whole batch of prompts and responses
+# in memory, and the field runs 1-8 (verl and prime-rl default to 8); past this it is a typo.
+MAX_STALENESS = 64
+
 
 @dataclass(frozen=True)
 class AsyncConfig:
@@ -47,6 +51,11 @@ class AsyncConfig:
         k = self.max_staleness
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             out.append(f"max_staleness = {k!r}: must be an integer >= 0 (0: synchronous); fix: e.g. 2")
+        elif k > MAX_STALENESS:
+            out.append(
+                f"max_staleness = {k}: above the limit {MAX_STALENESS} (each of the K steps ahead holds a whole batch of prompts "
+                "and responses in memory; asynchronous trainers run 1-8); fix: e.g. async.max_staleness=2"
+            )
         if self.deterministic is not True:
             out.append(
                 f"deterministic = {self.deterministic!r}: the timing-driven schedule is not built; the deterministic one (the "

@@ -6,7 +6,8 @@ One step ``s`` (the actor has made ``s`` updates: its weights are version ``s + 
 1. the rollout's weights become version ``s + 1`` (``Rollout.sync_weights``); nothing is being
    generated at that moment, so every response in flight pauses at a token boundary and no
    forward ever sees two versions;
-2. admission: the prompts of steps up to ``s + K`` join the pipeline (the data cursor);
+2. admission: the prompts of steps up to ``s + K`` join the pipeline (the data cursor), never
+   past the run's last step (``trainer.total_steps - 1``): nothing is generated to be dropped;
 3. the responses of step ``s``'s batch that are still unfinished are finished now (the trainer
    waits for this part: ``async/trainer_wait_frac``);
 4. one round of generation for the admitted batches ``s + 1 .. s + K``, under version ``s + 1``:
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from engine_api.rollout import Sample
-from posttrain.async_rl.state import Pending, has_state, load_state, prune_states, save_state
+from posttrain.async_rl.state import Pending, has_state, load_state, prune_states, save_state, saved_batches
 from posttrain.trainer_utils import truncate_metrics, warn
 from roles.rollout import samples_to_batch, step_seeds
 
@@ -71,6 +72,7 @@ class Pipeline:
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
+        self.last = cfg.trainer.total_steps - 1  # the last step: nothing past it is admitted
         self.ledger = os.path.join(cfg.trainer.output_dir, LEDGER_FILE)
         if self.k and not self.overlap:
             warn(
@@ -103,7 +105,11 @@ class Pipeline:
 
         A run saved without in-flight batches (synchronous, or another K / response budget)
         resumes with an empty pipeline: the batches from ``start`` on are generated again with
-        the resumed weights, each still trained once (said in a warning).
+        the resumed weights, each still trained once (said in a warning); so does a synchronous
+        resume (K = 0) of a checkpoint that has batches in flight, and a resume that raised
+        ``trainer.total_steps`` generates the batches the saving run never admitted (warned).
+        The data order itself (``data.batch_size``, the seed, the files) is checked before,
+        by ``posttrain.data_order``.
 
         Raises:
             ValueError: the state does not verify, or its prompts are not the data's.
@@ -111,7 +117,20 @@ class Pipeline:
         if self.rank0:
             truncate_metrics(self.ledger, start)
         self.cursor = start
-        if start == 0 or not self.k:
+        if start == 0:
+            return
+        if not self.k:
+            held = saved_batches(ckpt_dir, start)
+            if held:
+                warn(
+                    [
+                        f"trainer.resume: checkpoint step {start} holds {held} batch(es) in flight, saved by an asynchronous run; "
+                        f"async.max_staleness = 0 drops them: the batches of steps {start}.. are generated again with the resumed "
+                        "weights (every prompt is still trained exactly once; the run differs from an uninterrupted one); fix: "
+                        "resume with the saving run's async.max_staleness to continue them"
+                    ],
+                    self.rank0,
+                )
             return
         loaded = load_state(ckpt_dir, start)
         why = None
@@ -138,6 +157,16 @@ class Pipeline:
                 )
             self.pending[p.step] = p
         self.cursor = max([start, *(b + 1 for b in self.pending)])
+        ahead = min(start - 1 + self.k, self.last) + 1  # what an uninterrupted run of this length has admitted by now
+        if self.cursor < ahead:
+            warn(
+                [
+                    f"trainer.resume: checkpoint step {start} was saved by a run that ended at step {self.cursor} (trainer.total_steps "
+                    f"was raised): the batches of steps {self.cursor + 1}..{ahead} were never admitted and are generated from now on "
+                    "(every prompt is still trained exactly once; the run differs from an uninterrupted one of this length)"
+                ],
+                self.rank0,
+            )
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, train: Callable[[Any, list, dict], dict[str, Any]]) -> dict[str, Any]:
@@ -145,7 +174,7 @@ class Pipeline:
         training half (``recipes.ppo.train_on_batch``). Returns its metrics plus ``async/*``."""
         began = time.perf_counter()
         self.rollout.sync_weights(version=step + 1)
-        while self.cursor <= step + self.k:
+        while self.cursor <= min(step + self.k, self.last):
             self.pending[self.cursor] = self._admitted(self.cursor)
             self.cursor += 1
         current = self.pending[step]

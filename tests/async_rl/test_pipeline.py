@@ -7,7 +7,8 @@
   version that sampled it (the probe sees > 1e-2 at every other version: it can tell them apart);
 * K = 2 without partial rollouts: the same staleness, every response from one version.
 
-The same on megatron over two data-parallel ranks (a world), without the last run.
+The same on megatron over two data-parallel ranks (a world), without the last run. Admission
+never passes the run's last step, whatever K (issue 53 item 10).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from tests.async_rl.async_workers import assert_checks, checks
 from tests.support.launch import run_distributed
@@ -40,6 +42,7 @@ def test_the_async_section_is_read_under_its_key_and_bad_values_are_refused_by_n
     assert load_typed(PPOConfig, path, ["async.max_staleness=2"]).async_.max_staleness == 2
     for bad, message in (
         ("async.max_staleness=-1", "async.max_staleness = -1: must be an integer >= 0"),
+        ("async.max_staleness=1000000000", "async.max_staleness = 1000000000: above the limit 64 (each of the K steps ahead holds"),
         ("async.deterministic=false", "deterministic = False: the timing-driven schedule is not built"),
         ("async=2", "async = 2: async is a section"),
         ("async.max_staleness=two", "async.max_staleness = 'two'"),
@@ -47,3 +50,45 @@ def test_the_async_section_is_read_under_its_key_and_bad_values_are_refused_by_n
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_typed(PPOConfig, path, [bad])
+
+
+class _CountingRollout:
+    """A stand-in rollout (no model): every response ``max_new_tokens`` tokens of id 5; it
+    records which steps' prompts it was asked for (by seed)."""
+
+    overlaps = False
+
+    def __init__(self) -> None:
+        self.version, self.seeds = 0, []
+
+    def sync_weights(self, version: int) -> None:
+        self.version = version
+
+    def release(self) -> None:
+        pass
+
+    def sample(self, prompts, seeds, kept=None, max_new_tokens=1):
+        from engine_api.rollout import Sample
+
+        self.seeds += list(seeds)
+        return [Sample(torch.full((max_new_tokens,), 5), torch.zeros(max_new_tokens), "length", self.version) for _ in prompts]
+
+
+def test_admission_never_passes_the_last_step(tmp_path):
+    """K far past the run's length (issue 53 item 10: K = 1e9 admitted every step up to
+    ``step + K`` and hung): only the run's own steps are admitted and generated, each once."""
+    from engine_api.typed_config import load_typed
+    from posttrain.async_rl import Pipeline
+    from posttrain.tasks import build_task
+    from recipes.ppo import PPOConfig
+    from roles.rollout import step_seeds
+    from tests.async_rl.async_workers import ROOT, SMALL
+
+    over = [*SMALL, "async.max_staleness=64", "async.partial_rollouts=false", "trainer.total_steps=3", f"trainer.output_dir={tmp_path}"]
+    cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", over)
+    rollout = _CountingRollout()
+    pipe = Pipeline(cfg, rollout, build_task(cfg), rank0=True)
+    for step in range(3):
+        pipe.step(step, lambda batch, metas, timings: {})
+        assert max(pipe.pending, default=-1) <= 2 and pipe.cursor == 3, sorted(pipe.pending)
+    assert rollout.seeds == [s for step in range(3) for s in step_seeds(cfg.rollout.seed, step, 16)]  # each step's batch once
