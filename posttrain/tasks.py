@@ -5,7 +5,9 @@ step, so a resumed run replays the uninterrupted one."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,6 +30,17 @@ class SortTask:
     def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:
         """``(prompt ids, per-prompt metadata)`` of training step ``step``."""
         return task.prompts_at(self.cfg, step)
+
+    def data_order(self) -> dict[str, Any]:
+        """What the prompts of every step depend on (``posttrain.data_order``: checked on resume)."""
+        c = self.cfg
+        return {
+            "task": "sort",
+            "data.batch_size": c.batch_size,
+            "data.seed": c.seed,
+            "data.min_digits": c.min_digits,
+            "data.max_digits": c.max_digits,
+        }
 
     def val_prompts(self) -> tuple[list[torch.Tensor], list]:
         """Held-out prompts (from a step no run reaches)."""
@@ -63,6 +76,24 @@ class FileTask:
     def prompts_at(self, step: int) -> tuple[list[torch.Tensor], list]:
         samples = [self.train.samples[i] for i in self.order.indices(step)]
         return [s.ids for s in samples], samples
+
+    def data_order(self) -> dict[str, Any]:
+        """What the prompts of every step depend on (``posttrain.data_order``: checked on resume):
+        the order's keys and the training rows as loaded (their number and a SHA-256 of their
+        rendered prompts; the sources are recorded for the message, a moved file still matches)."""
+        c, h = self.cfg, hashlib.sha256()
+        for s in self.train.samples:
+            h.update(s.text.encode())
+            h.update(b"\0")
+        return {
+            "task": "files",
+            "data.batch_size": c.batch_size,
+            "data.seed": c.seed,
+            "data.shuffle": c.shuffle,
+            "data.train_files": list(c.train_files),
+            "train_rows": len(self.train.samples),
+            "train_rows_sha256": h.hexdigest(),
+        }
 
     def val_prompts(self) -> tuple[list[torch.Tensor], list] | None:
         if self.val is None:

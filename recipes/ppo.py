@@ -39,6 +39,7 @@ from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
 from posttrain.async_rl import AsyncConfig, Pipeline
 from posttrain.cli import parse_recipe_args
+from posttrain.data_order import check_order, save_order
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.plots import plot_run
@@ -254,10 +255,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if refused:
         raise ValueError("; ".join(refused))
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
+    ckpt_dir = os.path.join(t.output_dir, "checkpoints")
+    if t.resume and ckpt_layout.latest_checkpoint(os.path.join(ckpt_dir, "actor")) is not None:
+        check_order(ckpt_dir, source.data_order(), rank0)  # a step is a position in the data order: refused before any engine
     with stop_while_starting("building the engines"):
         placed = place_roles(cfg, source)
     actor, critic, reference, rollout = placed.actor, placed.critic, placed.reference, placed.rollout
-    ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
@@ -298,11 +301,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
                 saved = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
                 if saved:
-                    _save(actor, critic, ckpt_dir, step + 1, pipeline)
+                    _save(actor, critic, ckpt_dir, step + 1, pipeline, source)
                 signum = preemption.stop_requested()
                 if signum is not None:
                     if not saved:
-                        _save(actor, critic, ckpt_dir, step + 1, pipeline)
+                        _save(actor, critic, ckpt_dir, step + 1, pipeline, source)
                     raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
         hf_dir = None
         if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
@@ -311,7 +314,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 signum = late.stop_requested()
             if signum is not None:
                 if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
-                    _save(actor, critic, ckpt_dir, t.total_steps, pipeline)
+                    _save(actor, critic, ckpt_dir, t.total_steps, pipeline, source)
                 raise Preempted(signum, t.total_steps, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{t.total_steps}"))
     finally:
         if bar is not None:
@@ -364,8 +367,11 @@ def place_roles(cfg: PPOConfig, source):
     return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)
 
 
-def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline) -> None:
-    """The asynchronous state first, then the roles: a complete role checkpoint has its state."""
+def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline, source) -> None:
+    """The data order and the asynchronous state first, then the roles: a complete role
+    checkpoint has both (``posttrain.data_order``, ``posttrain.async_rl.state``)."""
+    if (dist.get_rank() if is_initialized() else 0) == 0:
+        save_order(ckpt_dir, source.data_order())
     pipeline.save(ckpt_dir, step)
     actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step)
     if critic is not None:

@@ -99,19 +99,28 @@ def has_state(ckpt_dir: str) -> bool:
 
 
 def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
-    """The state saved with checkpoint step ``step`` and its settings; None when there is none.
+    """The state saved with checkpoint step ``step`` and its settings; None when neither of its
+    files exists.
 
     Raises:
-        ValueError: the files do not verify (hash, format, layout): naming the file and the fix.
+        ValueError: the files do not verify (one of the two missing, hash, format, layout):
+            naming the file and the fix.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     base = path_of(ckpt_dir, step)
-    if not os.path.exists(base + ".json"):
-        return None
     where = base + ".json"
     fix = "restore the file from a copy, or resume from another checkpoint step (trainer.resume picks the newest)"
+    if not os.path.exists(where):
+        if not os.path.exists(base + ".safetensors"):
+            return None
+        # The JSON is written after the tensors and before the roles' checkpoints: a complete
+        # role checkpoint without it lost it afterwards, like a lost tensors file.
+        raise ValueError(
+            f"async state {where} does not verify (FileNotFoundError: it is missing next to its tensors file "
+            f"{base}.safetensors, so their SHA-256 cannot be checked); nothing was loaded; fix: {fix}"
+        )
     try:
         with open(where) as f:
             meta = json.load(f)
@@ -128,6 +137,24 @@ def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
     except (OSError, KeyError, TypeError, RuntimeError, ValueError) as exc:
         raise ValueError(f"async state {where} does not verify ({type(exc).__name__}: {exc}); nothing was loaded; fix: {fix}") from None
     return pending, layout["settings"]
+
+
+def saved_batches(ckpt_dir: str, step: int) -> int | None:
+    """How many admitted batches the state of checkpoint step ``step`` holds, read without
+    verifying it (for a message about a state that is not used); None: no state, or unreadable."""
+    from safetensors import safe_open
+
+    base = path_of(ckpt_dir, step)
+    try:
+        if os.path.exists(base + ".safetensors"):
+            with safe_open(base + ".safetensors", "pt") as f:
+                return len(json.loads((f.metadata() or {})["layout"])["batches"])
+        if os.path.exists(base + ".json"):
+            with open(base + ".json") as f:
+                return len(json.load(f)["batches"])
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError):
+        return None
+    return None
 
 
 def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:

@@ -3,13 +3,15 @@ versions, the data cursor) is checkpointed with the roles; a run stopped by a we
 fails half-way, resumed, stopped by SIGTERM while batches are in flight, resumed, SIGKILLed at a
 random moment and resumed again trains every prompt of the data order exactly once (the ledger's
 prompt ids) and equals the uninterrupted run bit for bit (every metric but the timings). A
-tampered state file is refused, naming it, before anything is loaded. (A rollout worker killed
+tampered or half-deleted state file is refused, naming it, before anything is loaded; so is a
+resume in another data order (issue 53 item 11), synchronous or not. (A rollout worker killed
 mid-generation on Ray: ``tests/placement/test_ray_runs.py``.)"""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +95,20 @@ def test_faults_then_resumes_train_each_prompt_once_and_equal_the_uninterrupted_
     ids = [i for row in ledger for i in row["prompt_ids"]]
     assert sorted(ids) == ids == list(range(TOTAL * 4))  # every prompt once, in the data order
 
+    # The data order is part of what a resume checks, synchronous (K = 0) or not, K changed or
+    # not (issue 53 item 11: a changed data.batch_size skipped and repeated prompts): refused
+    # before any engine is built, naming each key, both values and the fix; nothing written.
+    from recipes import ppo
+
+    for k in (0, 1):
+        changed = [f"async.max_staleness={k}", "data.batch_size=8", "data.seed=7", "trainer.total_steps=12"]
+        with pytest.raises(ValueError, match="were trained in another data order: data.batch_size = 8 now, 4 when they were saved; ") as e:
+            ppo.main([*GRPO[2:], f"trainer.output_dir={out}", "trainer.resume=true", *changed])
+        assert "data.seed = 7 now, 1234 when" in str(e.value) and "fix: resume with the run's own data settings (data.batch_size=4 " in str(
+            e.value
+        )
+    assert _rows(out, LEDGER_FILE) == _rows(ref, LEDGER_FILE) and len(_rows(out)) == TOTAL
+
 
 def _pending() -> list[Pending]:
     g = torch.Generator().manual_seed(0)
@@ -121,20 +137,81 @@ def test_the_state_round_trips_and_a_tampered_file_is_refused_by_name(tmp_path):
         load_state(str(tmp_path), 4)
 
 
+def test_a_state_without_its_json_is_refused_like_one_without_its_tensors(tmp_path):
+    """The JSON (the hash) is written after the tensors and before the roles' checkpoints:
+    missing next to its tensors it was lost, and the state cannot be verified (issue 53 item 11;
+    it was regenerated with a warning)."""
+    for lost, why in ((".json", "FileNotFoundError: it is missing next to its tensors file"), (".safetensors", "No such file")):
+        save_state(str(tmp_path), 4, _pending(), {"max_staleness": 2})
+        Path(path_of(str(tmp_path), 4) + lost).unlink()
+        with pytest.raises(ValueError, match=rf"global_step_4\.json does not verify \(.*{why}"):
+            load_state(str(tmp_path), 4)
+        Path(path_of(str(tmp_path), 4) + ".json").unlink(missing_ok=True)
+        Path(path_of(str(tmp_path), 4) + ".safetensors").unlink(missing_ok=True)
+
+
+def test_a_synchronous_resume_of_batches_in_flight_says_it_drops_them(tmp_path, capsys):
+    """A K = 2 checkpoint resumed with K = 0: the saved batches are dropped and generated again,
+    with the warning docs/async.md promises (issue 53 item 11: it was silent)."""
+    from engine_api.typed_config import load_typed
+    from posttrain.async_rl import Pipeline
+    from posttrain.tasks import build_task
+    from recipes.ppo import PPOConfig
+    from tests.async_rl.async_workers import ROOT, SMALL
+
+    ckpt = str(tmp_path / "checkpoints")
+    save_state(ckpt, 4, _pending(), {"max_staleness": 2})
+    cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", [*SMALL, f"trainer.output_dir={tmp_path}"])
+    Pipeline(cfg, None, build_task(cfg), rank0=True).resume(ckpt, 4)
+    err = capsys.readouterr().err
+    assert "checkpoint step 4 holds 1 batch(es) in flight, saved by an asynchronous run; async.max_staleness = 0 drops them" in err
+    assert "fix: resume with the saving run's async.max_staleness" in err
+
+
 @pytest.mark.slow
 def test_megatron_resumes_with_batches_in_flight_like_the_uninterrupted_run(tmp_path):
-    """The other backend: a run checkpointed at step 3 with two batches in flight (one half
-    generated), resumed to step 5, equals the uninterrupted 5 steps bit for bit (metrics but the
-    timings, the ledger): the pipeline's state is backend-agnostic, the engine's resume exact."""
+    """The other backend: a 5-step run checkpointed at step 3 with two batches in flight (one
+    half generated) and stopped there (the weight update to version 4 fails), resumed, equals the
+    uninterrupted 5 steps bit for bit (metrics but the timings, the ledger): the pipeline's state
+    is backend-agnostic, the engine's resume exact. (A run of 3 steps would not do: admission
+    never passes a run's last step, so its checkpoint holds no batch in flight.)"""
     args = [*GRPO[: GRPO.index(f"trainer.total_steps={TOTAL}")], "engine.strategy=megatron", "trainer.checkpoint_every=3"]
+    args += ["trainer.total_steps=5", *GRPO[GRPO.index("rollout.sync_bucket_mb=0.05") :]]  # the faulty hf backend, small chunks
     out, ref = tmp_path / "run", tmp_path / "ref"
-    for extra in (["trainer.total_steps=3"], ["trainer.total_steps=5", "trainer.resume=true"]):
-        proc = run_script([*args, f"trainer.output_dir={out}", *extra], timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "generated again" not in proc.stderr
-    proc = run_script([*args, f"trainer.output_dir={ref}", "trainer.total_steps=5"], timeout=300)
+    cut = run_script([*args, f"trainer.output_dir={out}"], timeout=300, env={"EK_TEST_FAIL_UPDATE_VERSION": "4"})
+    assert cut.returncode != 0 and "rollout weight sync to version 4 failed" in cut.stderr, cut.stderr[-3000:]
+    assert len(_rows(out)) == 3
+    proc = run_script([*args, f"trainer.output_dir={out}", "trainer.resume=true"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # the cut run validated at its last step (3), the uninterrupted one did not: that key aside
-    assert [{k: v for k, v in r.items() if k != "val/reward"} for r in _untimed(_rows(out))][:4] == _untimed(_rows(ref))[:4]
-    assert _untimed(_rows(out))[4] == _untimed(_rows(ref))[4] and len(_rows(out)) == len(_rows(ref)) == 5
+    assert "generated again" not in proc.stderr and "never admitted" not in proc.stderr
+    proc = run_script([*args, f"trainer.output_dir={ref}"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _untimed(_rows(out)) == _untimed(_rows(ref)) and len(_rows(out)) == 5
     assert _rows(out, LEDGER_FILE) == _rows(ref, LEDGER_FILE)
+
+
+def test_the_data_order_of_files_covers_their_rows_not_their_paths(tmp_path):
+    """``data_order.json`` for user files (no engine): another batch size, another shuffle or
+    other rows are refused naming the key and both values; the same rows moved elsewhere resume."""
+    from posttrain.data_order import check_order, save_order
+    from posttrain.tasks import FileTask
+    from posttrain.text_data import DataConfig
+    from tests.support import user_data as ud
+
+    model, reward = ud.build_model_dir(tmp_path / "m"), ud.write_reward_file(tmp_path / "rw.py")
+    rows = ud.prompt_rows(40, 0)
+    a, moved, fewer = (ud.write_rows(r, tmp_path / n) for r, n in ((rows, "a.jsonl"), (rows, "b.jsonl"), (rows[:39], "c.jsonl")))
+
+    def order(files, **kw):
+        return FileTask(DataConfig(train_files=files, batch_size=4, **kw), model, f"{reward}:score", False).data_order()
+
+    ckpt = str(tmp_path / "checkpoints")
+    save_order(ckpt, order([a]))
+    check_order(ckpt, order([moved]), rank0=True)
+    for changed, message in (
+        (order([a], shuffle=False), "data.shuffle = False now, True when they were saved; "),
+        (order([fewer]), "train_rows = 39 now, 40 when they were saved; "),
+        ({**order([a]), "data.batch_size": 8}, "fix: resume with the run's own data settings (data.batch_size=4)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_order(ckpt, changed, rank0=True)
