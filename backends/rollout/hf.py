@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from backends.hf import refusing_pickled_objects, resolve_attn_implementation, router_modules, router_parts
-from backends.rollout.layout import HFLayout
+from backends.rollout.layout import HFLayout, refuse_larger_tokenizer
 from engine_api.kit import NOT_ROUTED, BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +62,7 @@ class HFRollout(HFLayout, BaseRollout):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+            refuse_larger_tokenizer(config.model_path, config.tokenizer_path, self.tokenizer)
 
     @property
     def max_model_len(self) -> int | None:

@@ -63,3 +63,22 @@ class HFLayout:
     def optional_weights(self) -> set[str]:
         """Aliases (a tied ``lm_head.weight``): an update may carry them or not."""
         return state_shapes(self.config.model_path)[1]
+
+
+def refuse_larger_tokenizer(model_path: str, tokenizer_path: str | None, tokenizer=None) -> None:
+    """ValueError at load when the tokenizer at ``tokenizer_path`` has more tokens than the
+    model at ``model_path`` embeds: its ids past the embedding would reach generation as a raw
+    ``IndexError`` (HF) or a device assert (vLLM). ``tokenizer``: the one already loaded."""
+    if tokenizer_path is None:
+        return
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    rows = meta_model(model_path).get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"rollout: the tokenizer at {tokenizer_path} has {len(tokenizer)} tokens (ids up to {len(tokenizer) - 1}) but the model "
+            f"at {model_path} embeds {rows} (vocab_size): a prompt or stop string with a larger id cannot be served; fix: save the "
+            "model's own tokenizer next to it (engine.model.path), or resize the model's embeddings to the tokenizer"
+        )

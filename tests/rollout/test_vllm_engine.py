@@ -106,3 +106,22 @@ def test_the_engine_leaves_the_trainers_process_state_alone(tmp_path):
     assert result["released"] is False  # CPU: nothing to free, recorded as a no-op
     assert result["world_after_shutdown"] == 1
     assert result["reload_warnings"] == []  # a clean update: no "Failed to load weights" for the rotary cache
+
+
+@pytest.mark.parametrize(
+    ("options", "extra", "key", "reason"),
+    [
+        ({"gpu_memory_utilization": 2.0}, {}, "rollout.options.gpu_memory_utilization = 2.0", "less than or equal to 1"),
+        ({"max_num_seqs": -3}, {}, "rollout.options.max_num_seqs = -3", "greater than or equal to 1"),
+        ({}, {"max_model_len": -5}, "rollout.max_model_len = -5", "greater than or equal to -1"),
+    ],
+)
+def test_vllms_own_validation_errors_name_the_enginekit_key(tmp_path_factory, options, extra, key, reason):
+    """vLLM validates its engine arguments with pydantic (``CacheConfig``, ``SchedulerConfig``,
+    ``ModelConfig``): the error reaches the user as a ValueError naming the Enginekit key that set
+    the field, its value and vLLM's reason (before: pydantic's ``ValidationError`` naming only
+    vLLM's field). Refused while vLLM builds its config, before any weight is loaded."""
+    model = _model(tmp_path_factory.mktemp("vllm_refusal"))
+    with pytest.raises(ValueError) as info:
+        build_rollout("vllm", RolloutEngineConfig(model_path=model, options=options, **extra))
+    assert key in str(info.value) and reason in str(info.value), str(info.value)
