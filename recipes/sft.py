@@ -176,10 +176,9 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             # A signal during the final evaluation or the export must not lose the trained
             # state: recorded, the stage in progress finishes, then the run stops saved.
             with PreemptionGuard() as late:
-                evaluation = trainer.evaluate()
+                evaluation, signum = _final_evaluation(trainer, late)
                 if evaluation["eval_loss"] is not None:
                     run_log.message(_val_line("final evaluation", evaluation))
-                signum = late.stop_requested()
                 hf_dir = None
                 if signum is None and tc.save_hf:
                     hf_dir = trainer.save_hf(os.path.join(tc.output_dir, "hf"), tc.save_hf_format)
@@ -278,6 +277,15 @@ class SFTWorker:
         """Scores of the validation batches (``_evaluate``)."""
         self._leave_train_mode()
         return _evaluate(self.engine, self.val_batches)
+
+    def eval_batch_count(self) -> int:
+        return len(self.val_batches)
+
+    def eval_counts(self, first: int, count: int) -> list[float]:
+        """:func:`_eval_counts` of the validation batches ``first`` .. ``first + count - 1``
+        (summed over the world). Collective."""
+        self._leave_train_mode()
+        return _eval_counts(self.engine, self.val_batches[first : first + count]).tolist()
 
     def sample_rows(self, step: int) -> list[dict[str, str]]:
         """The logged generations at ``step`` (``Generations.rows``)."""
@@ -485,8 +493,45 @@ def _evaluate(engine: BaseEngine, batches: list[TensorDict]) -> dict[str, float 
     decoding would generate, so this is a lower bound on greedy exact-match accuracy.
     """
     if not batches:
-        return {"eval_loss": None, "eval_confident_token_acc": None, "eval_confident_seq_acc": None}
-    # [summed NLL, correct tokens, response tokens, correct sequences, sequences]
+        return _scores(torch.zeros(5, dtype=torch.float64))
+    return _scores(_eval_counts(engine, batches))
+
+
+def _scores(counts: torch.Tensor) -> dict[str, float | None]:
+    """The three scores from the summed ``[NLL, correct tokens, response tokens, correct
+    sequences, sequences]``."""
+    return {
+        "eval_loss": float(counts[0] / counts[2]) if counts[2] else None,
+        "eval_confident_token_acc": float(counts[1] / counts[2]) if counts[2] else None,
+        "eval_confident_seq_acc": float(counts[3] / counts[4]) if counts[4] else None,
+    }
+
+
+# The final evaluation checks for a stop signal between parts of about this many batches each
+# (at most _EVAL_PARTS parts): a SIGTERM lands in a scheduler's grace period (often 30 s), and
+# an evaluation of hundreds of batches took minutes before the trained state was saved.
+_EVAL_PARTS = 16
+
+
+def _final_evaluation(trainer, late) -> tuple[dict[str, float | None], int | None]:
+    """The end-of-run evaluation in up to :data:`_EVAL_PARTS` parts, with the signal check
+    (``late.stop_requested``, agreed by every rank) before each: ``(scores, signal)``; a signal
+    stops it where it is (scores None: the resumed run evaluates again)."""
+    n = trainer.eval_batch_count()
+    part = max(1, -(-n // _EVAL_PARTS))
+    counts = torch.zeros(5, dtype=torch.float64)
+    for first in range(0, n, part):
+        signum = late.stop_requested()
+        if signum is not None:
+            return _scores(torch.zeros(5, dtype=torch.float64)), signum
+        counts += torch.tensor(trainer.eval_counts(first, part), dtype=torch.float64)
+    return _scores(counts), late.stop_requested()
+
+
+@torch.no_grad()
+def _eval_counts(engine: BaseEngine, batches: list[TensorDict]) -> torch.Tensor:
+    """``[summed NLL, correct tokens, response tokens, correct sequences, sequences]`` of
+    ``batches``, summed over the world. Collective."""
     counts = torch.zeros(5, dtype=torch.float64)
     with engine.eval_mode():
         for batch in batches:
@@ -498,12 +543,7 @@ def _evaluate(engine: BaseEngine, batches: list[TensorDict]) -> dict[str, float 
     # Summed over the whole world, not the DP group: model-parallel peers that also return
     # outputs count their shard the same number of times as every other shard, so the
     # ratios are unchanged, and ranks without outputs still learn the global result.
-    counts = all_reduce(counts.to(comm_device(None)), "sum", None).cpu()
-    return {
-        "eval_loss": float(counts[0] / counts[2]) if counts[2] else None,
-        "eval_confident_token_acc": float(counts[1] / counts[2]) if counts[2] else None,
-        "eval_confident_seq_acc": float(counts[3] / counts[4]) if counts[4] else None,
-    }
+    return all_reduce(counts.to(comm_device(None)), "sum", None).cpu()
 
 
 def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

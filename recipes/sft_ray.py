@@ -16,6 +16,8 @@ _METHODS = (
     "train_step",
     "has_validation",
     "evaluate",
+    "eval_batch_count",
+    "eval_counts",
     "sample_rows",
     "save_checkpoint",
     "load_checkpoint",
