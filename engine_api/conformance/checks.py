@@ -490,15 +490,23 @@ def nonfinite_skip(env: Env) -> str:
 
 
 def _big_weight_model(env: Env) -> str:
-    """The kit's model with one MLP weight set to 4.0 (one directory per rank: no barrier)."""
-    from transformers import AutoModelForCausalLM
+    """The kit's model with one MLP weight set to 4.0: a copy of its directory with that tensor
+    changed in the safetensors file (one directory per rank, written beside and renamed: no
+    barrier, and not HF's save_pretrained, which under torch.distributed writes on rank 0 only)."""
+    from safetensors.torch import load_file, save_file
 
     path = os.path.join(env.workdir, f"model_big_weight_rank{env.rank}")
     if not os.path.isdir(path):
-        model = AutoModelForCausalLM.from_pretrained(env.model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            model.model.layers[0].mlp.down_proj.weight[0, 0] = 4.0
-        model.save_pretrained(path)
+        tmp = path + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(env.model_dir, tmp)
+        name = "model.layers.0.mlp.down_proj.weight"
+        for file in sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors")):
+            tensors = load_file(os.path.join(tmp, file))
+            if name in tensors:
+                tensors[name][0, 0] = 4.0
+                save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
+        os.rename(tmp, path)
     return path
 
 
