@@ -47,7 +47,7 @@ from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.rewards import RewardConfig
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
-from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles, rollout_model_problems  # noqa: F401 (re-exported)
 from roles.actor import ActorConfig, routing_for_update
@@ -306,7 +306,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 if signum is not None:
                     if not saved:
                         _save(actor, critic, ckpt_dir, step + 1, pipeline, source)
-                    raise Preempted(signum, step + 1, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{step + 1}"))
+                    raise Preempted(signum, step + 1, _saved_at(ckpt_dir, critic, step + 1))
         hf_dir = None
         if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
             with PreemptionGuard() as late:
@@ -315,7 +315,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             if signum is not None:
                 if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
                     _save(actor, critic, ckpt_dir, t.total_steps, pipeline, source)
-                raise Preempted(signum, t.total_steps, os.path.join(ckpt_dir, "{actor,critic}", f"{ckpt_layout.PREFIX}{t.total_steps}"))
+                raise Preempted(signum, t.total_steps, _saved_at(ckpt_dir, critic, t.total_steps))
     finally:
         if bar is not None:
             bar.close()
@@ -635,6 +635,13 @@ def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
     return load_newest_valid(steps, load_step, rank0, describe=paths)
 
 
+def _saved_at(ckpt_dir: str, critic, step: int) -> str:
+    """Where a stopped run's checkpoints of ``step`` are, for the message: the actor's, and the
+    critic's only when there is one (GRPO has none)."""
+    roles = "{actor,critic}" if critic is not None else "actor"
+    return os.path.join(ckpt_dir, roles, f"{ckpt_layout.PREFIX}{step}")
+
+
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return float(sum(xs) / len(xs)) if xs else float("nan")
@@ -642,4 +649,4 @@ def _mean(xs) -> float:
 
 if __name__ == "__main__":
     quiet_console()
-    main()
+    run_cli(main)

@@ -43,7 +43,7 @@ from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
-from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, warn
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from roles.rollout import Rollout, RolloutConfig
 
@@ -601,4 +601,4 @@ def _summary_line(s: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     quiet_console()
-    main(sys.argv[1:])
+    run_cli(lambda: main(sys.argv[1:]))

@@ -92,6 +92,8 @@ def test_sigint_stops_rl_at_a_step_boundary_with_its_own_exit_code_and_resumes(t
     assert proc.returncode == 128 + signal.SIGINT, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "KeyboardInterrupt" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-3000:]
     assert ckpt_layout.complete_steps(str(out / "checkpoints" / "actor")) == [stopped]
+    # GRPO has no critic: the message names the actor's checkpoint only (issue 53, item 24)
+    assert f"checkpoints/actor/global_step_{stopped}" in proc.stdout and "critic" not in proc.stdout, proc.stdout[-2000:]
     # With the progress bar off, a console line per step all the same (trainer.log_every = 1).
     assert all(f"step {s}/400 | actor_loss " in proc.stdout for s in range(1, stopped + 1)), proc.stdout[-2000:]
 
