@@ -14,13 +14,14 @@ Client setup and sessions
     ``POST client/config``               feature flags: API-key auth (no JWT), plain httpx, client-side custom
                                          losses, per-request futures; ``settings.extra["client_config"]`` overrides
     ``POST client/dynamic_config``       refresh interval; sample cancellation off
-    ``POST create_session``              a session (``session_id``); finished after ``session_timeout_s`` without
-                                         a heartbeat or request (``settings.extra``, default 900 s)
+    ``POST create_session``              a session (``session_id``); finished after ``settings.session_timeout_s``
+                                         without a heartbeat or request (default 60 s: the SDK beats every 10 s)
     ``POST session_heartbeat``           keeps a session alive; 410 once it is finished (stops the SDK's loop)
     ``POST sessions/{id}/finish``        finishes a session: closes its runs and samplers (``run.close()``)
     ``GET  sessions``, ``GET sessions/{id}``   live sessions, a session's training runs and samplers
     ``GET  healthz``, ``GET get_server_capabilities``   health; ``factory.served_models()``
-    ``POST telemetry``                   accepted and dropped; ``POST cancel_future``: accepted, no effect
+    ``POST telemetry``                   accepted and dropped; ``POST cancel_future``: a call not started never
+                                         runs (its future fails as cancelled); a started one finishes
 Training (each a future, executed in the model's ``seq_id`` order)
     ``POST create_model``                a LoRA run (``factory.create_run``); id ``{session_id}:train:{n}``
     ``POST get_info``                    base model, LoRA rank (answered at once, no future)
@@ -54,7 +55,9 @@ the SDK so, and ``forward_backward_custom`` works over ``forward`` + weighted ``
 non-text model-input chunks (images, audio); optimizers other than AdamW; top-k / target prompt
 logprobs, prompt alt tokens and stability records in sampling; ``save_weights_external`` and
 ``copy_weights``; ``create_model`` past ``settings.max_runs`` live runs; bodies over
-``settings.max_body_bytes`` (413). Unknown keys get 401.
+``settings.max_body_bytes`` (413, naming ``server.max_body_mb``), also sparse tensors that would inflate
+past it; samples past ``max_sample_tokens`` / ``max_num_samples`` or the model's positions. Unknown
+keys get 401.
 
 Errors have the SDK's shape ``{"error", "category"}``: client mistakes ``category: user`` (HTTP 400,
 or 404 for an unknown id; a failed future for errors the training side raises as ``UserError``),
@@ -94,6 +97,7 @@ from recipes.tinker_server.checkpoints import (
 )
 from recipes.tinker_server.contract import LoraIn, RunFactory, Sampler, ServerSettings, TrainingRun, UserError
 from recipes.tinker_server.futures import FuturesTable, OrderedWorker, Outcome, QueueClosed, SeqConflict, outcome_of_exception
+from recipes.tinker_server.loss_checks import check_loss_request
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +168,10 @@ class TinkerServer:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _SamplerSession] = {}
         self.base_samplers: dict[str, Sampler] = {}  # worker thread only
-        self.path_samplers: collections.OrderedDict[str, Sampler] = collections.OrderedDict()  # worker only; LRU
+        self.path_samplers: collections.OrderedDict[tuple, Sampler] = collections.OrderedDict()  # worker only; LRU
         self._served: list[str] | None = None
         self.poll_s = min(float(settings.poll_timeout_s), _MAX_POLL_S)
-        self.session_timeout_s = float(settings.extra.get("session_timeout_s", 900.0))
+        self.session_timeout_s = float(settings.session_timeout_s)
         self.snapshots_per_model = int(settings.extra.get("snapshots_per_model", 4))
         self.loaded_samplers = int(settings.extra.get("loaded_samplers", 4))
 
@@ -212,7 +216,9 @@ class TinkerServer:
             raise UserError(
                 f"create_model: this server already holds max_runs={self.settings.max_runs} training runs; "
                 "finish a session (ServiceClient.close()) or unload a model (unload_model) to free one, "
-                "or start the server with a larger server.max_runs"
+                "or start the server with a larger server.max_runs; the session of a client that stopped without close() "
+                f"(no heartbeat) is finished and its runs freed {self.session_timeout_s:g} s after its last heartbeat "
+                "(server.session_timeout_s)"
             )
 
     def submit(self, key: str, seq: int | None, work: Callable[[], Outcome], what: str, **extra) -> dict:
@@ -220,6 +226,8 @@ class TinkerServer:
         request_id = self.futures.create()
 
         def job() -> None:
+            if self.futures.is_done(request_id):
+                return  # cancelled (cancel_future) before it started
             try:
                 outcome = work()
             except Exception as e:  # noqa: BLE001 - every failure becomes a failed future
@@ -301,7 +309,7 @@ class TinkerServer:
     async def reap(self) -> None:
         """Finish sessions that went silent (their client died): frees their runs."""
         while True:
-            await asyncio.sleep(min(30.0, self.session_timeout_s / 4))
+            await asyncio.sleep(min(5.0, self.session_timeout_s / 4))
             cutoff = time.monotonic() - self.session_timeout_s
             for session in list(self.sessions.values()):
                 if not session.finished and session.last_seen < cutoff:
@@ -327,10 +335,14 @@ class TinkerServer:
         if entry.model_path is not None:
             # Loaded from disk, so cheap to drop: the last `loaded_samplers` paths used stay loaded
             # (an RL loop that saves and samples a new named checkpoint every step loads one each).
-            sampler = self.path_samplers.pop(entry.model_path, None)
+            # The cache is keyed by what is on disk now (the metadata file's identity and time), so a
+            # deleted checkpoint is refused and one saved again under the same name is reloaded.
+            ref = parse_tinker_path(entry.model_path, "model_path")
+            key = (entry.model_path, self.store.stamp(ref, "model_path"))
+            sampler = self.path_samplers.pop(key, None)
             if sampler is None:
-                sampler = self.factory.load_sampler(self.store.directory(parse_tinker_path(entry.model_path, "model_path")))
-            self.path_samplers[entry.model_path] = sampler
+                sampler = self.factory.load_sampler(self.store.directory(ref))
+            self.path_samplers[key] = sampler
             while len(self.path_samplers) > self.loaded_samplers:
                 self.path_samplers.popitem(last=False)
             return sampler
@@ -393,9 +405,7 @@ class _Guard:
 
 
 def _too_large(limit: int) -> dict:
-    return wire.error_body(
-        f"request body: larger than this server's max_body_bytes={limit}; send fewer datums per call (or raise server.max_body_bytes)"
-    )
+    return wire.error_body(wire.too_large_message("request body", limit))
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -414,11 +424,32 @@ async def _json(request: Request, what: str) -> dict:
     raw = await request.body()
     try:
         data = json.loads(raw or b"{}")
+    except RecursionError:
+        data = None  # nested past Python's recursion limit: refused below
     except ValueError as e:
         raise UserError(f"{what}: the body is not JSON ({e})") from None
+    if data is None or _depth_over(data, _MAX_JSON_DEPTH):
+        raise UserError(f"{what}: the body nests JSON arrays or objects more than {_MAX_JSON_DEPTH} deep; no request of the API does")
     if not isinstance(data, dict):
         raise UserError(f"{what}: the body must be a JSON object")
     return data
+
+
+_MAX_JSON_DEPTH = 64
+
+
+def _depth_over(data: object, limit: int) -> bool:
+    """Whether ``data`` nests lists / dicts more than ``limit`` deep (iterative: no recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _decompress(raw: bytes, limit: int) -> bytes:
@@ -549,8 +580,12 @@ def _add_service_routes(app: FastAPI, server: TinkerServer) -> None:
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request):
-        wire.parse(wire.RequestIdIn, await _json(request, "cancel_future"), "cancel_future")
-        return {}  # a started call can not be interrupted; the result is simply not collected
+        req = wire.parse(wire.RequestIdIn, await _json(request, "cancel_future"), "cancel_future")
+        if not server.futures.known(req.request_id):
+            raise HttpError(404, f"request_id: {req.request_id!r} is unknown or expired on this server")
+        # A call not started yet never runs (its future fails as cancelled); a started one finishes.
+        server.futures.complete(req.request_id, Outcome.failed(f"request {req.request_id} was cancelled by the client", "user"))
+        return {}
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
@@ -672,6 +707,10 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
             fb = await asyncio.to_thread(wire.forward_backward_from_proto, msg, settings.max_body_bytes)
 
             def work() -> Outcome:
+                # The loss's values (config and per-token thresholds) fail the future, before the run
+                # is touched: a 400 here could stop the SDK sending the call's other chunks, whose
+                # seq_ids would then hold every later request of the model.
+                check_loss_request(fb.loss_fn, fb.loss_fn_config, fb.datums)
                 out = model.run.forward_backward(fb.datums, fb.loss_fn, fb.loss_fn_config, fb.forward_only)
                 return Outcome(wire.forward_backward_to_proto(out, len(fb.datums)), wire.PROTO)
 
@@ -695,6 +734,7 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
 
         def prepare(model: _Model):
             req = wire.parse(wire.SaveWeightsIn, data, "save_weights")
+            wire.check_ttl(req.ttl_seconds)
             ref = CheckpointRef(model.id, "weights", check_name(req.path or f"state-{req.seq_id:06d}", "path"))
             _check_free(store, ref, req.overwrite)
 
@@ -712,6 +752,7 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
 
         def prepare(model: _Model):
             req = wire.parse(wire.SaveWeightsForSamplerIn, data, "save_weights_for_sampler")
+            wire.check_ttl(req.ttl_seconds)
             if req.kind not in ("snapshot", "inflight"):
                 raise UserError(f"kind: {req.kind!r} is not 'snapshot' or 'inflight'")
             if req.path is not None:
@@ -811,15 +852,23 @@ def _check_free(store: CheckpointStore, ref: CheckpointRef, overwrite: bool) -> 
 
 
 def _save(store: CheckpointStore, ref: CheckpointRef, model: _Model, overwrite: bool, write, user_metadata, ttl_seconds) -> None:
-    """Worker: a checkpoint directory, filled by ``write``, then its metadata (removed on failure)."""
-    directory = store.begin(ref, overwrite)
+    """Worker: a staging directory beside the checkpoint, filled by ``write``, then its metadata and
+    the swap into place (on failure the staging directory is removed; an older checkpoint of the
+    name stays as it was)."""
+    staging = store.begin(ref, overwrite)
     try:
-        write(directory)
+        write(staging)
         store.commit(
-            ref, model.base_model, model.lora, with_optimizer=ref.kind == "weights", user_metadata=user_metadata, ttl_seconds=ttl_seconds
+            ref,
+            staging,
+            model.base_model,
+            model.lora,
+            with_optimizer=ref.kind == "weights",
+            user_metadata=user_metadata,
+            ttl_seconds=ttl_seconds,
         )
     except BaseException:
-        store.abort(ref)
+        store.abort(staging)
         raise
 
 
@@ -869,7 +918,14 @@ async def _create_from_state(server: TinkerServer, data: dict) -> dict:
         raise UserError(f"model_seq_id: model {model_id} already exists")
     ref, meta = _training_checkpoint(server.store, req.path)
     wire.check_optimizer_config(req.optimizer_config, "optimizer_config")
-    base_model = req.base_model or meta["base_model"]
+    base_model = meta["base_model"]
+    if req.base_model is not None and req.base_model != base_model:
+        # The adapters were trained on the checkpoint's base: on another base (same shapes, other
+        # weights) they would load without a word and compute something else.
+        raise UserError(
+            f"base_model: {req.base_model!r} differs from the base model of {req.path} ({base_model!r}); its adapters were "
+            f"trained on {base_model!r}; fix: omit base_model (or pass {base_model!r})"
+        )
     await server.check_base_model(base_model, "base_model")
     model = _register_model(server, session, model_id, base_model, meta["lora"], req.user_metadata)
     directory = server.store.directory(ref)
@@ -942,6 +998,7 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
     async def asample(request: Request):
         req = wire.parse(wire.SampleIn, await _json(request, "asample"), "asample")
         wire.check_sample_features(req)
+        wire.check_sample_limits(req, server.settings.max_sample_tokens, server.settings.max_num_samples)
         prompt = wire.tokens_from_chunks(req.prompt.chunks, "prompt.chunks")
         params = wire.sample_params_from_wire(req.sampling_params)
         want_lp = bool(req.prompt_logprobs)

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ RUN_FILE = "run.json"
 FORMAT = "enginekit-tinker/1"
 KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> SDK checkpoint_type
 
+# Matched with fullmatch: "$" would also match before a trailing newline ("name\n").
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}:train:[0-9]{1,9}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
@@ -38,21 +40,21 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 def check_session_id(session_id: object, field: str) -> str:
     """``session_id`` if well formed, else a :class:`UserError` naming ``field``."""
-    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
         raise UserError(f"{field}: {session_id!r} is not a session id (letters, digits, '_' and '-')")
     return session_id
 
 
 def check_model_id(model_id: object, field: str) -> str:
     """``model_id`` if well formed (``<session_id>:train:<n>``), else a :class:`UserError`."""
-    if not isinstance(model_id, str) or not _MODEL_ID.match(model_id):
+    if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
         raise UserError(f"{field}: {model_id!r} is not a model id of this server (expected '<session_id>:train:<n>')")
     return model_id
 
 
 def check_name(name: object, field: str) -> str:
     """A checkpoint name: letters, digits, ``.``, ``_``, ``-`` (no ``/``, no ``..``), at most 128 chars."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise UserError(
             f"{field}: {name!r} is not a valid checkpoint name; use 1-128 letters, digits, '.', '_' or '-' "
             "(no '/', no '..', not starting with '.')"
@@ -153,23 +155,26 @@ class CheckpointStore:
         """Model ids with a run record, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if _MODEL_ID.match(p.name) and (p / RUN_FILE).is_file()]
+        found = [p for p in self.root.iterdir() if _MODEL_ID.fullmatch(p.name) and (p / RUN_FILE).is_file()]
         return [p.name for p in sorted(found, key=lambda p: (p / RUN_FILE).stat().st_mtime)]
 
     # ------------------------------------------------------------------ checkpoints
     def begin(self, ref: CheckpointRef, overwrite: bool) -> Path:
-        """An empty directory to save ``ref`` into (an existing complete one only with ``overwrite``)."""
-        directory = self.directory(ref)
-        if (directory / META_FILE).is_file() and not overwrite:
+        """An empty directory to save ``ref`` into: a hidden sibling of its final place (an
+        existing complete checkpoint is replaced only with ``overwrite``, and only by
+        :meth:`commit`: a save that fails leaves the old one as it was)."""
+        final = self.directory(ref)
+        if (final / META_FILE).is_file() and not overwrite:
             raise UserError(f"path: checkpoint {ref.tinker_path} already exists; choose another name (or save_state(..., overwrite=True))")
-        if directory.exists():
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
-        return directory
+        # Names never start with '.', so the sibling is neither listed nor reachable by a path.
+        staging = self._inside(final.parent / f".{ref.name}.saving-{uuid.uuid4().hex[:8]}")
+        staging.mkdir(parents=True)
+        return staging
 
     def commit(
         self,
         ref: CheckpointRef,
+        staging: Path,
         base_model: str,
         lora: LoraIn,
         *,
@@ -177,17 +182,32 @@ class CheckpointStore:
         user_metadata: dict | None,
         ttl_seconds: int | None,
     ) -> dict:
-        """Write the metadata file, which marks the save complete; returns the metadata."""
+        """Write the metadata file (which marks the save complete) into ``staging``, then swap it
+        into place: the old checkpoint of that name (if any) is moved aside first and deleted only
+        once the new one is in place. Returns the metadata."""
         created = time.time()
         meta = {"format": FORMAT, "tinker_path": ref.tinker_path, "model_id": ref.model_id, "kind": ref.kind, "name": ref.name}
         meta.update(base_model=base_model, lora=lora_to_json(lora), with_optimizer=with_optimizer, created=created)
         meta.update(user_metadata=_str_dict(user_metadata), expires_at=created + ttl_seconds if ttl_seconds else None)
-        _write_json(self.directory(ref) / META_FILE, meta)
+        _write_json(staging / META_FILE, meta)
+        final = self.directory(ref)
+        old = None
+        if final.exists():
+            old = final.parent / f".{ref.name}.replaced-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        try:
+            os.replace(staging, final)
+        except BaseException:
+            if old is not None:
+                os.replace(old, final)  # put the old one back
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         return meta
 
-    def abort(self, ref: CheckpointRef) -> None:
-        """Remove a save that failed half way."""
-        shutil.rmtree(self.directory(ref), ignore_errors=True)
+    def abort(self, staging: Path) -> None:
+        """Remove a save that failed half way (the checkpoint it would have replaced is untouched)."""
+        shutil.rmtree(staging, ignore_errors=True)
 
     def read(self, ref: CheckpointRef, field: str) -> dict:
         """The metadata of a complete checkpoint (a :class:`UserError` naming ``field`` if there is none)."""
@@ -200,6 +220,16 @@ class CheckpointStore:
         meta["lora"] = lora_from_json(meta.get("lora"), str(path))
         return meta
 
+    def stamp(self, ref: CheckpointRef, field: str) -> tuple[int, int, int]:
+        """What identifies the complete checkpoint on disk now (its metadata file's inode, size and
+        modification time: a new save of the name is a new file); a :class:`UserError` naming
+        ``field`` if there is none (deleted)."""
+        try:
+            st = (self.directory(ref) / META_FILE).stat()
+        except FileNotFoundError:
+            raise UserError(f"{field}: checkpoint {ref.tinker_path} does not exist on this server (was it deleted?)") from None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
     def list(self, model_id: str) -> list[tuple[CheckpointRef, dict]]:
         """Complete checkpoints of ``model_id``, oldest first."""
         found = []
@@ -208,7 +238,7 @@ class CheckpointStore:
             if not base.is_dir():
                 continue
             for entry in base.iterdir():
-                if _NAME.match(entry.name) and (entry / META_FILE).is_file():
+                if _NAME.fullmatch(entry.name) and (entry / META_FILE).is_file():
                     ref = CheckpointRef(model_id, kind, entry.name)
                     found.append((ref, self.read(ref, "path")))
         return sorted(found, key=lambda item: item[1].get("created", 0.0))

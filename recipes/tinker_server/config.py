@@ -27,6 +27,11 @@ class ServerSection:
         max_runs: training runs held at once (one engine each); past it create_model is refused.
         max_body_mb: the largest request body accepted.
         poll_timeout_s: how long a ``retrieve_future`` poll is held open before ``try_again``.
+        session_timeout_s: a session with neither a heartbeat nor a request for this long is
+            finished and its runs freed (the SDK heartbeats every 10 s while its client lives).
+        max_sample_tokens: the most tokens one sample may generate (``max_tokens``; also bounded by
+            the model's positions less the prompt).
+        max_num_samples: the most sequences one sample request may ask for (``num_samples``).
     """
 
     host: str = "127.0.0.1"
@@ -38,6 +43,9 @@ class ServerSection:
     max_runs: int = 2
     max_body_mb: float = 64.0
     poll_timeout_s: float = 30.0
+    session_timeout_s: float = 60.0
+    max_sample_tokens: int = 8192
+    max_num_samples: int = 256
 
     def _problems(self) -> list[str]:
         out = []
@@ -62,6 +70,12 @@ class ServerSection:
             out.append(f"max_runs = {self.max_runs}: must be >= 1; fix: e.g. 2")
         if not self.max_body_mb > 0:
             out.append(f"max_body_mb = {self.max_body_mb}: must be > 0; fix: e.g. 64")
+        if not 20 <= self.session_timeout_s < float("inf"):
+            out.append(f"session_timeout_s = {self.session_timeout_s}: must be >= 20 (the SDK heartbeats every 10 s); fix: e.g. 60")
+        if self.max_sample_tokens < 1:
+            out.append(f"max_sample_tokens = {self.max_sample_tokens}: must be >= 1; fix: e.g. 8192")
+        if self.max_num_samples < 1:
+            out.append(f"max_num_samples = {self.max_num_samples}: must be >= 1; fix: e.g. 256")
         if not self.poll_timeout_s > 0:
             out.append(f"poll_timeout_s = {self.poll_timeout_s}: must be > 0; fix: e.g. 30")
         return out
@@ -149,6 +163,9 @@ class TinkerServerConfig:
             max_runs=s.max_runs,
             max_body_bytes=int(s.max_body_mb * 2**20),
             poll_timeout_s=s.poll_timeout_s,
+            session_timeout_s=s.session_timeout_s,
+            max_sample_tokens=s.max_sample_tokens,
+            max_num_samples=s.max_num_samples,
         )
 
     def run_settings(self) -> RunSettings:

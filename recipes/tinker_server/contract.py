@@ -157,4 +157,7 @@ class ServerSettings:
     max_runs: int = 2
     max_body_bytes: int = 64 << 20
     poll_timeout_s: float = 30.0
+    session_timeout_s: float = 60.0
+    max_sample_tokens: int = 8192
+    max_num_samples: int = 256
     extra: dict = field(default_factory=dict)

@@ -107,6 +107,12 @@ class FuturesTable:
         except RuntimeError:  # the loop is closed: the server is shutting down, nobody waits
             pass
 
+    def is_done(self, request_id: str) -> bool:
+        """Whether the request has its outcome (done, failed or cancelled)."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            return entry is not None and entry.outcome is not None
+
     def known(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._entries

@@ -44,7 +44,8 @@ from recipes.tinker_server.contract import (
     SequenceOut,
     UserError,
 )
-from roles.datum_losses import INPUT_FIELDS, DatumLossError, accepted_inputs, batch_loss, check_loss, engine_loss_fn, required_inputs
+from recipes.tinker_server.loss_checks import check_loss_request
+from roles.datum_losses import INPUT_FIELDS, accepted_inputs, batch_loss, engine_loss_fn, required_inputs
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -168,6 +169,12 @@ class Snapshot:
         return self.pool.sample(self, prompt, num_samples, params, prompt_logprobs)
 
 
+def _model_config(model_dir: str) -> dict:
+    """The HF ``config.json`` of ``model_dir`` (its text model's part for multimodal configs)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+
+
 def _base_weights(model_dir: str) -> dict[str, torch.Tensor]:
     """The base model's weights by HF name, from its safetensors files (what a base-model sampler
     syncs back after a trained snapshot was served)."""
@@ -190,6 +197,9 @@ class _RolloutPool:
         tokenizer = model_dir if any(Path(model_dir, f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
         self.engine = build_rollout(settings.rollout_backend, RolloutEngineConfig(model_path=model_dir, tokenizer_path=tokenizer))
         self.settings = settings
+        config = _model_config(model_dir)
+        self.vocab_size = int(config["vocab_size"])
+        self.max_positions = int(config.get("max_position_embeddings") or 0) or None
         self.base = _base_weights(model_dir)
         self.loaded: Snapshot | None = None
         self.version = 0
@@ -207,12 +217,25 @@ class _RolloutPool:
 
         if not prompt:
             raise UserError("prompt: empty; fix: at least one token")
+        outside = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if outside:
+            raise UserError(
+                f"prompt: token id {outside[0]} is outside the model's vocabulary (ids 0..{self.vocab_size - 1}); fix: tokenize "
+                "with the base model's tokenizer"
+            )
+        max_tokens = params.max_tokens or self.settings.max_tokens
+        if self.max_positions is not None and len(prompt) + max_tokens > self.max_positions:
+            raise UserError(
+                f"sampling_params.max_tokens = {max_tokens}: the prompt's {len(prompt)} tokens + max_tokens exceed the model's "
+                f"{self.max_positions} positions (max_position_embeddings); fix: max_tokens <= {self.max_positions - len(prompt)}"
+                + ("" if len(prompt) < self.max_positions else " (shorten the prompt first)")
+            )
         sp = SamplingParams(
             n=num_samples,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
-            max_tokens=params.max_tokens or self.settings.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=tuple(params.stop_token_ids),
             stop=tuple(params.stop_strings),
         )
@@ -250,6 +273,12 @@ class EngineRun:
 
         if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
             raise UserError(f"lora_config.rank = {lora.rank!r}; fix: a positive integer (e.g. 32)")
+        hidden = _model_config(model_dir).get("hidden_size")
+        if isinstance(hidden, int) and lora.rank > hidden:
+            raise UserError(
+                f"lora_config.rank = {lora.rank}: larger than {base_model}'s hidden size {hidden} (a rank past the smaller "
+                f"side of a projection adds no capacity, only memory); fix: a rank <= {hidden} (e.g. 32)"
+            )
         modules = lora_modules(lora)
         overrides = [
             f"strategy={settings.strategy}",
@@ -271,13 +300,12 @@ class EngineRun:
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
         self.steps = 0
+        self.broken: str | None = None  # why the run refuses to train (a step wrote non-finite weights), until a load
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
-        try:
-            config = check_loss(loss_fn, loss_fn_config)
-        except DatumLossError as exc:
-            raise UserError(str(exc)) from None
+        self._refuse_if_broken("forward_backward")
+        config = check_loss_request(loss_fn, loss_fn_config, datums)
         dp = self.engine.dp_size
         batch = datums_to_batch(datums, loss_fn, multiple_of=dp)
         local = self.engine.shard_data(batch) if dp > 1 else batch
@@ -295,6 +323,17 @@ class EngineRun:
             preds = self.engine.unshard_data(preds)  # collective: every rank gets the whole batch in order
         if forward_only:  # the loss of the whole batch, from the gathered log-probs (padding rows count 0)
             loss = float(batch_loss(loss_fn, preds["target_log_probs"].values(), batch, config))
+        elif not math.isfinite(float(loss)):
+            # Finite inputs can still overflow float32 (weights or advantages near 1e38): the engine
+            # would skip the next optimizer step without a word. The gradients of this window are
+            # dropped instead, and the client is told.
+            with self.engine.train_mode():
+                self.engine.optimizer_zero_grad()
+            raise UserError(
+                f"forward_backward: the {loss_fn} loss of these datums is {float(loss)} (float32 overflowed: are weights or "
+                "advantages near 1e38?); the gradients accumulated since the last optim_step were discarded, so the next "
+                "optim_step starts from none; fix: scale the weights / advantages down and send the datums again"
+            )
         rows = preds["target_log_probs"].unbind()[: len(datums)]
         return ForwardBackwardOut([{"logprobs": row.detach().float().cpu()} for row in rows], {"loss:sum": float(loss)})
 
@@ -306,6 +345,7 @@ class EngineRun:
                 raise UserError(
                     f"adam_params.{name} = {value!r}; fix: a finite value (lr, weight_decay, grad_clip_norm >= 0; betas in [0, 1); eps > 0)"
                 )
+        self._refuse_if_broken("optim_step")
         self.engine.set_optim_hparams(
             lr=adam.learning_rate,
             betas=(adam.beta1, adam.beta2),
@@ -313,14 +353,31 @@ class EngineRun:
             weight_decay=adam.weight_decay,
             clip_grad=adam.grad_clip_norm if adam.grad_clip_norm > 0 else None,
         )
-        with self.engine.train_mode():
-            norm = self.engine.optimizer_step()
-            self.engine.optimizer_zero_grad()
+        from engine_api.optim import NonFiniteUpdateError
+
+        try:
+            with self.engine.train_mode():
+                norm = self.engine.optimizer_step()
+                self.engine.optimizer_zero_grad()
+        except NonFiniteUpdateError as exc:
+            self.broken = (
+                f"optim_step with learning_rate={adam.learning_rate!r} (weight_decay={adam.weight_decay!r}, eps={adam.eps!r}) "
+                f"wrote non-finite weights ({exc})"
+            )
+            raise UserError(
+                f"{self.broken}; the run refuses to train, save or sample until a load; fix: load_state a checkpoint of this "
+                "run (or create a new run) and step with a smaller learning_rate"
+            ) from None
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
 
     # ------------------------------------------------------------------ state
+    def _refuse_if_broken(self, what: str) -> None:
+        if self.broken:
+            raise UserError(f"{what}: refused: {self.broken}; fix: load_state a checkpoint of this run (or create a new run)")
+
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
+        self._refuse_if_broken("save_state")
         directory.mkdir(parents=True, exist_ok=True)
         self.engine.save_checkpoint(str(directory / "engine"), global_step=self.steps)
 
@@ -329,6 +386,7 @@ class EngineRun:
         if not root.is_dir():
             raise UserError(f"path: {directory.name!r} holds no training state; fix: a path from save_state")
         self.steps = self.engine.load_checkpoint(str(root), del_local_after_load=False)
+        self.broken = None  # the engine's weights are the checkpoint's again
         with self.engine.train_mode():
             if not with_optimizer:  # weights only: AdamW starts afresh (its moments and step count), as on a new run
                 self.engine.reset_optimizer_state()
@@ -343,6 +401,7 @@ class EngineRun:
         return {k: v.detach().clone().cpu() for k, v in self.engine.export_adapter_weights()}
 
     def sampler(self, directory: Path | None) -> Snapshot:
+        self._refuse_if_broken("save_weights_for_sampler")
         return snapshot(self.pool, self.base_model, self.merged_weights(), directory)
 
     def close(self) -> None:
@@ -431,6 +490,12 @@ class EngineFactory:
                 f"engine.strategy = {settings.strategy!r}: that backend trains no LoRA adapters, and every Tinker training run "
                 "is a LoRA run; fix: engine.strategy=fsdp or megatron (or a plug-in backend with supports_lora)"
             )
+        from engine_api import load_config
+
+        try:  # every engine setting checked now, not at the first create_model
+            load_config(None, [f"strategy={settings.strategy}", *settings.engine_overrides])
+        except ValueError as exc:
+            raise ValueError(f"engine.settings = {list(settings.engine_overrides)}: {exc}") from None
         self.models: dict[str, str] = {}
         if model_root and Path(model_root).is_dir():
             for child in sorted(Path(model_root).iterdir()):
@@ -475,8 +540,21 @@ class EngineFactory:
         path, meta = directory / "model.safetensors", directory / "sampler.json"
         if not path.exists() or not meta.exists():
             raise UserError(f"model_path: {directory.name!r} holds no sampler weights; fix: a path from save_weights_for_sampler")
-        base_model = json.loads(meta.read_text()).get("base_model")
-        return Snapshot(self._pool(str(base_model)), load_file(str(path)))
+        damaged = f"model_path: the sampler checkpoint {directory.name!r} is damaged"
+        try:
+            base_model = json.loads(meta.read_text()).get("base_model")
+            weights = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - a file changed on disk: JSON, safetensors or I/O errors alike
+            raise UserError(f"{damaged} ({type(exc).__name__}: {exc}); fix: save it again with save_weights_for_sampler") from None
+        if base_model not in self.models:
+            raise UserError(f"{damaged}: its sampler.json names base model {base_model!r}, not one served here; fix: save it again")
+        pool = self._pool(base_model)
+        common = sorted(set(weights) & set(pool.base))
+        wrong = [k for k in common if weights[k].shape != pool.base[k].shape]
+        if not common or wrong:
+            shown = wrong[0] if wrong else "no tensor of the base model's names"
+            raise UserError(f"{damaged}: its tensors do not match {base_model}'s ({shown}); fix: save it again")
+        return Snapshot(pool, weights)
 
     def close(self) -> None:
         for pool in self.pools.values():

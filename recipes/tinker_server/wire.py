@@ -24,13 +24,18 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from recipes.tinker_server.contract import AdamIn, DatumIn, ForwardBackwardOut, LoraIn, SampleOut, SampleParamsIn, UserError
+from roles.datum_losses import INPUT_FIELDS
 
 PROTO = "application/x-protobuf"
 
 # Passed to run.forward_backward by name; the others the SDK knows are refused with the reason.
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 REFUSED_LOSSES = {
-    "stable_reinforce": "stable_reinforce needs the server-side sampling records (record_stability_info) that this server does not keep",
+    "stable_reinforce": (
+        "stable_reinforce needs the sampler's stability records (record_stability_info) that only Tinker's own service keeps; "
+        "fix: loss_fn='importance_sampling' (or ppo, cispo, gspo); with tinker-cookbook's rl_loop, whose default loss it is: "
+        "rl_loop loss_fn=importance_sampling"
+    ),
     "custom": (
         "server-side custom losses (create_custom_loss uploads) are not supported; this server tells the SDK to run "
         "custom losses client-side (forward_backward_custom with a Python loss or a LossHandle)"
@@ -39,6 +44,14 @@ REFUSED_LOSSES = {
 # loss_fn_inputs that are per token: their first dimension must be the model input's length.
 _PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs")
 _METRIC_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
+
+
+def too_large_message(what: str, limit: int) -> str:
+    """The refusal of a request that is (or would become) larger than the body limit."""
+    return (
+        f"{what}: larger than this server's limit of {limit} bytes (server.max_body_mb={limit / 2**20:g}); "
+        "send fewer datums per call, or start the server with a larger server.max_body_mb"
+    )
 
 
 def error_body(message: str, category: str = "user") -> dict[str, str]:
@@ -303,6 +316,25 @@ def sample_params_from_wire(params: SamplingParamsIn) -> SampleParamsIn:
     )
 
 
+_MAX_TTL_S = 10 * 365 * 86400  # the SDK's documented bound: 10 years
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """``ttl_seconds``: None (never expires) or 1 s .. 10 years."""
+    if ttl_seconds is not None and not 1 <= ttl_seconds <= _MAX_TTL_S:
+        raise UserError(f"ttl_seconds: {ttl_seconds} is out of range; fix: 1 <= ttl_seconds <= {_MAX_TTL_S} (10 years), or None")
+
+
+def check_sample_limits(req: SampleIn, max_tokens: int, max_samples: int) -> None:
+    """``num_samples`` and ``max_tokens`` within the server's limits (``server.max_num_samples``,
+    ``server.max_sample_tokens``): one request may not hold the engine thread for long."""
+    if not 1 <= req.num_samples <= max_samples:
+        raise UserError(f"num_samples: {req.num_samples} must be in 1..{max_samples} (server.max_num_samples); fix: send several requests")
+    asked = req.sampling_params.max_tokens
+    if asked is not None and asked > max_tokens:
+        raise UserError(f"sampling_params.max_tokens: {asked} is above this server's limit of {max_tokens} (server.max_sample_tokens)")
+
+
 def check_sample_features(req: SampleIn) -> None:
     """Refuse the sampling features the contract's Sampler does not provide, saying which."""
     unsupported = {
@@ -312,6 +344,8 @@ def check_sample_features(req: SampleIn) -> None:
         "prompt_alt_tokens_k": req.prompt_alt_tokens_k > 0,
         "record_stability_info": bool(req.record_stability_info),
     }
+    if req.record_stability_info:
+        raise UserError(f"record_stability_info: True: {REFUSED_LOSSES['stable_reinforce']}")
     for name, asked in unsupported.items():
         if asked:
             raise UserError(
@@ -342,13 +376,45 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_from_proto(msg: pb.ForwardBackwardRequest, max_elements: int) -> ForwardBackwardIn:
-    """The datums, loss and config of a ``ForwardBackwardRequest`` (all checked)."""
+def forward_backward_from_proto(msg: pb.ForwardBackwardRequest, max_bytes: int) -> ForwardBackwardIn:
+    """The datums, loss and config of a ``ForwardBackwardRequest`` (all checked). Names, shapes and
+    the bytes every tensor will take are checked before any tensor is built: sparse tensors may
+    inflate the request to at most ``max_bytes`` (the body limit), as zstd bodies may."""
     loss_fn = check_loss_fn(msg.loss_fn)
     if not msg.data:
         raise UserError("data: no datums")
-    datums = [_datum_from_proto(d, f"data[{i}]", max_elements) for i, d in enumerate(msg.data)]
+    _check_inputs_before_building(msg, max_bytes)
+    datums = [_datum_from_proto(d, f"data[{i}]", max_bytes) for i, d in enumerate(msg.data)]
     return ForwardBackwardIn(msg.model_id, msg.seq_id, loss_fn, _loss_config(msg), msg.forward_only, datums)
+
+
+_INPUT_NAMES = ("target_tokens", *INPUT_FIELDS)
+
+
+def _check_inputs_before_building(msg: pb.ForwardBackwardRequest, max_bytes: int) -> None:
+    """Every ``loss_fn_inputs`` name known, every sparse tensor's first dimension the datum's token
+    count, and the dense size of all tensors together within ``max_bytes``."""
+    total = 0
+    for i, datum in enumerate(msg.data):
+        tokens = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input if c.WhichOneof("chunk") == "encoded_text")
+        total += 8 * tokens  # the token ids, as int64
+        for name, t in datum.loss_fn_inputs.items():
+            field = f"data[{i}].loss_fn_inputs[{name!r}]"
+            if name not in _INPUT_NAMES:
+                raise UserError(f"{field}: not an input of any loss (they are {', '.join(_INPUT_NAMES)}); fix: drop it")
+            if t.WhichOneof("encoding") != "sparse_csr":
+                total += len(t.dense)
+                continue
+            shape = [int(s) for s in t.shape]
+            if len(shape) != 2 or any(s < 0 for s in shape):
+                raise UserError(f"{field}: a sparse CSR tensor must be 2-D with dimensions >= 0, got shape {shape}")
+            if shape[0] != tokens:
+                raise UserError(f"{field}: shape {shape} does not match the model input's {tokens} tokens ([T] or [T, K])")
+            total += math.prod(shape) * (8 if t.dtype == pb.DTYPE_INT64 else 4)
+            if total > max_bytes:
+                raise UserError(too_large_message(f"{field}: sparse shape {shape}: the request's tensors, built dense,", max_bytes))
+    if total > max_bytes:
+        raise UserError(too_large_message("data: the request's tensors, built dense,", max_bytes))
 
 
 def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float] | None:
@@ -364,7 +430,7 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float] | None:
     return config or None
 
 
-def _datum_from_proto(datum: pb.Datum, field: str, max_elements: int) -> DatumIn:
+def _datum_from_proto(datum: pb.Datum, field: str, max_bytes: int) -> DatumIn:
     parts = []
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -378,7 +444,7 @@ def _datum_from_proto(datum: pb.Datum, field: str, max_elements: int) -> DatumIn
         raise UserError(f"{field}.model_input: empty (no tokens)")
     if (tokens < 0).any():
         raise UserError(f"{field}.model_input: negative token id {int(tokens.min())}")
-    inputs = {name: tensor_from_proto(t, f"{field}.loss_fn_inputs[{name!r}]", max_elements) for name, t in datum.loss_fn_inputs.items()}
+    inputs = {name: tensor_from_proto(t, f"{field}.loss_fn_inputs[{name!r}]", max_bytes) for name, t in datum.loss_fn_inputs.items()}
     if "target_tokens" not in inputs:
         raise UserError(f"{field}.loss_fn_inputs: 'target_tokens' is missing")
     for name in _PER_TOKEN_INPUTS:
@@ -402,7 +468,7 @@ def _datum_from_proto(datum: pb.Datum, field: str, max_elements: int) -> DatumIn
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}
 
 
-def tensor_from_proto(msg: pb.Tensor, field: str, max_elements: int) -> torch.Tensor:
+def tensor_from_proto(msg: pb.Tensor, field: str, max_bytes: int) -> torch.Tensor:
     """A public ``Tensor`` (dense, or sparse CSR with implicit zeros) -> a dense torch tensor."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
@@ -414,7 +480,7 @@ def tensor_from_proto(msg: pb.Tensor, field: str, max_elements: int) -> torch.Te
         raise UserError(f"{field}: negative dimension in shape {shape}")
     encoding = msg.WhichOneof("encoding")
     if encoding == "sparse_csr":
-        return torch.from_numpy(_dense_from_csr(msg.sparse_csr, dtype, shape, field, max_elements))
+        return torch.from_numpy(_dense_from_csr(msg.sparse_csr, dtype, shape, field, max_bytes))
     values = _frombuffer(msg.dense, dtype, field)
     if not shape:
         shape = [values.size]  # a TensorData without shape is 1-D
@@ -423,11 +489,11 @@ def tensor_from_proto(msg: pb.Tensor, field: str, max_elements: int) -> torch.Te
     return torch.from_numpy(values.reshape(shape))
 
 
-def _dense_from_csr(csr: pb.SparseCsr, dtype, shape: list[int], field: str, max_elements: int) -> np.ndarray:
+def _dense_from_csr(csr: pb.SparseCsr, dtype, shape: list[int], field: str, max_bytes: int) -> np.ndarray:
     if len(shape) != 2:
         raise UserError(f"{field}: a sparse CSR tensor must be 2-D, got shape {shape}")
-    if math.prod(shape) > max_elements:
-        raise UserError(f"{field}: dense shape {shape} is larger than this server accepts ({max_elements} elements)")
+    if math.prod(shape) * np.dtype(dtype).itemsize > max_bytes:
+        raise UserError(too_large_message(f"{field}: sparse shape {shape}, built dense,", max_bytes))
     values = _frombuffer(csr.values, dtype, f"{field}.values")
     crow = _frombuffer(csr.crow_indices, np.int64, f"{field}.crow_indices")
     col = _frombuffer(csr.col_indices, np.int64, f"{field}.col_indices")

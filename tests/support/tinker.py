@@ -1,5 +1,6 @@
 """What the Tinker server tests share: a server in this test process (uvicorn in a thread on a free
-port, telemetry off), seeded datums, and the comparison of tensor sets."""
+port, telemetry off) that fails the test which leaves an SDK session open, seeded datums, and the
+comparison of tensor sets."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
+import tinker
 import torch
 import uvicorn
 from tinker import types
@@ -23,10 +26,49 @@ ADAM = dict(learning_rate=0.02, beta1=0.9, beta2=0.95, eps=1e-3, weight_decay=0.
 VOCAB = 21  # the character tokenizer of tests/support/user_data.py
 
 
+def open_sessions(url: str, key: str = KEY) -> list[str]:
+    """The sessions the server at ``url`` still holds (a client that was never closed keeps
+    heartbeating its session, and warns "Session heartbeat failed ... Tinker is down" every 10 s
+    for as long as its process lives once the server is gone)."""
+    answer = httpx.get(f"{url}/api/v1/sessions", params={"limit": 1000}, headers={"X-API-Key": key}, timeout=10)
+    answer.raise_for_status()
+    return answer.json()["sessions"]
+
+
+def check_no_open_sessions(url: str, key: str = KEY) -> None:
+    """Fail naming the sessions a test left open (and the fix)."""
+    left = open_sessions(url, key)
+    assert not left, (
+        f"the tests left Tinker sessions open: {left}; fix: close every ServiceClient "
+        "(service.close('success').result(), or use it as a context manager)"
+    )
+
+
+@contextlib.contextmanager
+def closing_service_clients() -> Iterator[list[tinker.ServiceClient]]:
+    """Every ``tinker.ServiceClient`` built inside is closed on the way out (code that never
+    closes its clients, such as the cookbook's loops, would leave their sessions open)."""
+    made: list[tinker.ServiceClient] = []
+    init = tinker.ServiceClient.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    tinker.ServiceClient.__init__ = recording
+    try:
+        yield made
+    finally:
+        tinker.ServiceClient.__init__ = init
+        for client in made:
+            client.close("success").result()
+
+
 @contextlib.contextmanager
 def running_server(settings, factory) -> Iterator[str]:
     """Serve ``factory`` with ``settings`` (host and port ignored: 127.0.0.1, a free port); yields
-    the base URL, then stops the server (which closes every run and the factory)."""
+    the base URL, then stops the server (which closes every run and the factory). Fails if the
+    tests left a session open (:func:`check_no_open_sessions`)."""
     old = os.environ.get("TINKER_TELEMETRY")
     os.environ["TINKER_TELEMETRY"] = "0"
     sock = socket.socket()
@@ -38,8 +80,10 @@ def running_server(settings, factory) -> Iterator[str]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started, "the server did not start"
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield url
+        check_no_open_sessions(url, settings.api_keys[0] if settings.api_keys else KEY)
     finally:
         server.should_exit = True
         thread.join(60)

@@ -28,6 +28,7 @@ from recipes.tinker_server.contract import (
 )
 
 MODEL = "fake/tiny-lm"
+OTHER = "fake/other-lm"  # served too: same shapes, other weights
 VOCAB = 1000
 DEFAULT_MAX_TOKENS = 4
 
@@ -42,6 +43,8 @@ class FakeSampler:
         self.factory, self.step, self.source = factory, step, source
 
     def sample(self, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
+        if self.factory.hold is not None:
+            self.factory.hold.wait(10)
         self.factory.record(
             "sample", self.source, prompt=list(prompt), num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
         )
@@ -95,6 +98,9 @@ class FakeRun:
 
     def save_state(self, directory: Path, with_optimizer: bool) -> None:
         self._record("save_state", directory=directory, with_optimizer=with_optimizer)
+        if self.factory.fail_saves:
+            (directory / "partial").write_text("half a checkpoint")
+            raise OSError(28, "No space left on device")
         state = {"step": self.step, "lora_rank": self.lora.rank, "adam": [a.learning_rate for a in self.adam] if with_optimizer else None}
         (directory / "fake_state.json").write_text(json.dumps(state))
 
@@ -125,6 +131,8 @@ class FakeFactory:
         self.runs: list[FakeRun] = []
         self.log: list[tuple[str, object, dict, int]] = []
         self.closed = False
+        self.fail_saves = False  # save_state writes part of a checkpoint, then fails (a full disk)
+        self.hold: threading.Event | None = None  # set: sample() waits for it (keeps the worker busy)
 
     def record(self, name: str, source: object, **detail) -> None:
         self.log.append((name, source, detail, threading.get_ident()))
@@ -135,7 +143,7 @@ class FakeFactory:
 
     def served_models(self) -> list[str]:
         self.record("served_models", None)
-        return [MODEL]
+        return [MODEL, OTHER]
 
     def create_run(self, base_model: str, lora: LoraIn) -> FakeRun:
         self.record("create_run", base_model)

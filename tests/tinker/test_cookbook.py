@@ -22,7 +22,7 @@ import pytest
 from posttrain.tiny_model import build_tiny_model
 from recipes.tinker_server.config import load_server_config
 from recipes.tinker_server.runs import EngineFactory
-from tests.support.tinker import KEY, running_server
+from tests.support.tinker import KEY, closing_service_clients, running_server
 
 NAME = "meta-llama/Llama-3.2-1B"
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -73,9 +73,10 @@ def test_sl_loop_trains_and_the_nll_goes_down(server, tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.DatasetDict({"train": rows}))
     log = tmp_path / "sl"
-    sl_loop.main(
-        sl_loop.Config(base_url=server, log_path=str(log), model_name=NAME, batch_size=2, learning_rate=0.01, lora_rank=4, save_every=4)
-    )
+    with closing_service_clients():  # the loop never closes its ServiceClient
+        sl_loop.main(
+            sl_loop.Config(base_url=server, log_path=str(log), model_name=NAME, batch_size=2, learning_rate=0.01, lora_rank=4, save_every=4)
+        )
     nll = [m["train_mean_nll"] for m in _metrics(log) if "train_mean_nll" in m]
     assert len(nll) == 8 and all(math.isfinite(x) for x in nll)
     assert nll[-1] < 0.8 * nll[0], nll  # the same conversation every step: the summed cross_entropy must fit it
@@ -113,7 +114,8 @@ def test_rl_loop_samples_scores_and_trains(server, tmp_path, monkeypatch, loss_f
         max_steps=2,
     )
     object.__setattr__(config, "loss_fn", loss_fn)  # ppo is a loss of the API; the recipe's type hint lists four of them
-    rl_loop.main(config)
+    with closing_service_clients():  # the loop never closes its ServiceClient
+        rl_loop.main(config)
     metrics = _metrics(log)
     steps = [m for m in metrics if "reward/total" in m]
     assert len(steps) == 2

@@ -52,7 +52,9 @@ def server(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    client = tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    yield client
+    client.close("success").result()
 
 
 def _new_client(service, factory, create):
@@ -228,3 +230,73 @@ def test_a_backend_without_lora_is_refused_when_the_server_starts(models):
     strategy = "tests.reference_engine:ReferenceEngine"
     with pytest.raises(ValueError, match=r"engine.strategy = .*trains no LoRA adapters.*fix: engine.strategy=fsdp"):
         EngineFactory(str(models), {}, RunSettings(strategy=strategy))
+
+
+def test_a_step_that_writes_non_finite_weights_is_refused_until_a_load(server, service):
+    """optim_step(learning_rate=1e30, weight_decay=1e10) is answered with a user error naming the rate and the fix; the
+    run then refuses to train or sample until a load, after which it trains as before."""
+    _, factory, _ = server
+    client, run = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=4))
+    client.forward_backward(datums(61), "cross_entropy").result()
+    client.optim_step(types.AdamParams(**ADAM)).result()
+    saved = client.save_state("finite").result().path
+    client.forward_backward(datums(61), "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError) as e:
+        # AdamW's decay factor 1 - lr * wd = -1e40 overflows float32: every trained weight becomes inf
+        client.optim_step(types.AdamParams(**{**ADAM, "learning_rate": 1e30, "weight_decay": 1e10})).result()
+    assert e.value.category == types.RequestErrorCategory.User
+    assert "learning_rate=1e+30" in str(e.value) and "load_state" in str(e.value)
+    with pytest.raises(tinker.RequestFailedError, match="refused.*load_state"):
+        client.forward_backward(datums(62), "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="refused"):
+        client.save_weights_and_get_sampling_client().result()
+    client.load_state_with_optimizer(saved).result()
+    client.forward_backward(datums(62), "cross_entropy").result()
+    assert math.isfinite(client.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"])
+    assert all(bool(torch.isfinite(v).all()) for v in _adapter(run).values())
+
+
+def test_a_loss_that_overflows_is_refused_not_skipped(server, service):
+    """Finite weights whose loss overflows float32 (-inf) fail the call naming it; the gradients of
+    the window are dropped (said so), so the next step is not silently skipped."""
+    _, factory, _ = server
+    client, _ = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=5))
+    huge = [
+        types.Datum(model_input=d.model_input, loss_fn_inputs=d.loss_fn_inputs | {"weights": [-3e38] * d.model_input.length})
+        for d in datums(63, n=2)
+    ]
+    with pytest.raises(tinker.RequestFailedError, match="-inf.*discarded"):
+        client.forward_backward(huge, "cross_entropy").result()
+    client.forward_backward(datums(64), "cross_entropy").result()
+    norm = client.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"]
+    assert math.isfinite(norm) and norm > 0
+
+
+def test_sampling_and_creation_refusals_name_the_limit(server, service, models):
+    """Out-of-vocabulary prompt tokens, prompt + max_tokens past the model's positions, a LoRA rank
+    past the hidden size, an unknown engine setting (at start) and a tampered sampler checkpoint:
+    each a user error naming the field and the fix, never a raw IndexError / SafetensorError."""
+    _, factory, cfg = server
+    sampler = service.create_sampling_client(base_model="tiny")
+    for prompt, params, words in (
+        ([3, 999], types.SamplingParams(max_tokens=2), "token id 999 is outside the model's vocabulary"),
+        ([3, 4], types.SamplingParams(max_tokens=200), "max_position_embeddings"),
+    ):
+        with pytest.raises(tinker.RequestFailedError, match=words):
+            sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+    created = len(factory.created)
+    with pytest.raises(tinker.RequestFailedError, match=r"lora_config.rank = 1099511627776.*hidden size"):
+        service.create_lora_training_client(base_model="tiny", rank=2**40).result()
+    assert len(factory.created) == created
+    with pytest.raises(ValueError, match="engine.settings.*nosuch"):
+        EngineFactory(str(models), {}, RunSettings(engine_overrides=("nosuch.key=1",)))
+
+    client, _ = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=6))
+    for name, file, garbage in (("t1", "model.safetensors", b"\x00" * 64), ("t2", "sampler.json", b"[1]")):
+        path = client.save_weights_for_sampler(name).result().path
+        (Path(cfg.server.state_dir) / client.model_id / "sampler_weights" / name / file).write_bytes(garbage)
+        with pytest.raises(tinker.RequestFailedError, match=f"sampler checkpoint '{name}' is damaged.*save it again") as e:
+            service.create_sampling_client(model_path=path).sample(
+                types.ModelInput.from_ints([3]), 1, types.SamplingParams(max_tokens=1)
+            ).result()
+        assert e.value.category == types.RequestErrorCategory.User

@@ -27,7 +27,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
 from tests.support.tinker import KEY, running_server
-from tests.tinker.fake_run import MODEL, VOCAB, FakeFactory, FakeRun, fake_logprob
+from tests.tinker.fake_run import MODEL, OTHER, VOCAB, FakeFactory, FakeRun, fake_logprob
 
 MAX_RUNS = 8
 MAX_BODY = 1 << 20
@@ -110,6 +110,14 @@ def user_error(excinfo, *words: str) -> str:
     for word in words:
         assert word in err.body["error"], (word, err.body)
     return err.body["error"]
+
+
+def failed_user_error(excinfo, *words: str) -> None:
+    """A failed future (the request was queued, then refused before the run was touched)."""
+    err = excinfo.value
+    assert err.category == types.RequestErrorCategory.User, err
+    for word in words:
+        assert word in str(err), (word, str(err))
 
 
 def raw_error(response: httpx.Response, status: int, *words: str) -> str:
@@ -274,7 +282,7 @@ def test_checkpoint_listing_and_weights_info(server, trainer):
     assert client.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
     info = rest.get_weights_info_by_tinker_path(listed["weights/listed"].tinker_path).result()
     assert (info.base_model, info.lora_rank, info.is_lora) == (MODEL, 8, True)
-    assert [m.model_name for m in rest.get_server_capabilities().result().supported_models] == [MODEL]
+    assert [m.model_name for m in rest.get_server_capabilities().result().supported_models] == [MODEL, OTHER]
     rest.delete_checkpoint(client.model_id, "weights/listed").result()
     assert "weights/listed" not in {c.checkpoint_id for c in rest.list_checkpoints(client.model_id).result().checkpoints}
 
@@ -302,7 +310,7 @@ def test_unknown_base_model_names_the_served_ones(service, server):
 def test_refused_losses_and_bad_values_leave_the_run_untouched(trainer):
     client, run = trainer
     calls, adam = list(run.calls), list(run.adam)
-    for loss, why in (("stable_reinforce", "sampling records"), ("custom", "client-side")):
+    for loss, why in (("stable_reinforce", "loss_fn='importance_sampling'"), ("custom", "client-side")):
         with pytest.raises(tinker.BadRequestError) as e:
             client.forward_backward(batch(1, 3), loss).result()
         user_error(e, "loss_fn", loss, why)
@@ -374,8 +382,10 @@ def test_raw_requests_the_sdk_would_not_send(service, server, http):
         "[3]",
         "2 tokens",
     )
-    raw_error(http.post("/forward_backward", content=b"\xff" * (MAX_BODY + 1), headers=proto), 413, "max_body_bytes")
-    raw_error(http.post("/forward_backward", content=iter([b"\xff" * MAX_BODY, b"\xff"]), headers=proto), 413, "max_body_bytes")  # chunked
+    raw_error(http.post("/forward_backward", content=b"\xff" * (MAX_BODY + 1), headers=proto), 413, "server.max_body_mb")
+    raw_error(
+        http.post("/forward_backward", content=iter([b"\xff" * MAX_BODY, b"\xff"]), headers=proto), 413, "server.max_body_mb"
+    )  # chunked
     raw_error(http.post("/forward_backward", json={"model_id": client.model_id}), 400, "protobuf")
     assert run.calls == []
 
@@ -409,7 +419,7 @@ def test_raw_requests_the_sdk_would_not_send(service, server, http):
     assert http.post("/retrieve_future", json={"request_id": answer["request_id"]}).status_code == 200
     assert int(run.datums[-1].tokens[0]) == 70
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (MAX_BODY + 1))  # small on the wire, too large inflated
-    raw_error(http.post("/forward_backward", content=bomb, headers=zstd), 413, "max_body_bytes")
+    raw_error(http.post("/forward_backward", content=bomb, headers=zstd), 413, "server.max_body_mb")
 
     raw_error(http.post("/retrieve_future", json={"request_id": "nope-1"}), 410, "request_id", "'nope-1'")
     raw_error(http.post("/get_info", json={"model_id": "abc:train:7"}), 404, "model_id", "abc:train:7")
@@ -467,6 +477,187 @@ def test_finished_session_closes_runs_and_samplers(server, http):
         "sampling_params": {},
     }
     raw_error(http.post("/asample", json=sample), 400, "finished")
+
+
+# ---------------------------------------------------------------------------------- issue 53
+def _ppo(n: int, **extra) -> list[types.Datum]:
+    inputs = {"target_tokens": [1] * n, "logprobs": [-1.0] * n, "advantages": [1.0] * n, **extra}
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(range(1, n + 1))), loss_fn_inputs=inputs)]
+
+
+def test_loss_values_per_token_are_checked_like_the_config(trainer):
+    """Inverted per-token clip thresholds (alone, or against the config's other bound) and DRO with
+    beta < 0 are refused as their loss_fn_config forms are, naming datum, position and fix."""
+    client, run = trainer
+    calls = list(run.calls)
+    cases = [
+        (_ppo(3, clip_low_threshold=[0.8, 2.0, 0.8], clip_high_threshold=[1.2, 0.5, 1.2]), "ppo", None, "position 1"),
+        (_ppo(2, clip_low_threshold=[1.5, 0.8]), "cispo", None, "position 0"),  # above the default high 1.2
+        (_ppo(2, clip_high_threshold=[-0.5, 1.2]), "gspo", {"clip_low_threshold": 0.0}, "position 0"),
+    ]
+    for data, loss, config, where in cases:
+        with pytest.raises(tinker.RequestFailedError) as e:
+            client.forward(data, loss, config).result()
+        failed_user_error(e, "data[0].loss_fn_inputs", "clip_", where, "fix: 0 <= clip_low_threshold <= clip_high_threshold")
+    with pytest.raises(tinker.RequestFailedError) as e:
+        client.forward(_ppo(2), "dro", {"beta": -1.0}).result()
+    failed_user_error(e, "loss_fn_config['beta'] = -1.0", "fix")
+    assert run.calls == calls
+
+
+def test_a_run_from_a_checkpoint_keeps_its_base_model(service, trainer, server, http):
+    """create_training_client_from_state with another base_model (same shapes, other weights) is
+    refused naming both; the checkpoint's own name is accepted."""
+    client, _ = trainer
+    path = client.save_state("base-check").result().path
+    runs = len(server.factory.runs)
+    session_id = client.model_id.split(":")[0]
+    body = {"session_id": session_id, "model_seq_id": 90, "path": path, "optimizer": False, "base_model": OTHER}
+    raw_error(http.post("/load_weights", json=body), 400, "base_model", repr(OTHER), repr(MODEL), "fix: omit base_model")
+    assert len(server.factory.runs) == runs
+    answer = http.post("/load_weights", json=body | {"base_model": MODEL}).json()
+    assert http.post("/retrieve_future", json={"request_id": answer["request_id"]}).json()["model_id"].endswith(":train:90")
+    assert server.factory.runs[-1].base_model == MODEL
+    http.post("/unload_model", json={"model_id": answer["model_id"]})
+
+
+def test_a_sampler_checkpoint_serves_what_is_on_disk_now(service, trainer, server):
+    """A deleted sampler checkpoint no longer samples; one saved again under the same name samples
+    the new weights (the loaded-sampler cache is keyed by the file on disk)."""
+    client, run = trainer
+    prompt, params = types.ModelInput.from_ints([5]), types.SamplingParams(max_tokens=1)
+    path = client.save_weights_for_sampler("again").result().path
+    sampler = service.create_sampling_client(model_path=path).result()
+    assert sampler.sample(prompt, 1, params).result().sequences[0].tokens == [(5 + run.step) % VOCAB]
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
+    rest.delete_checkpoint(client.model_id, "sampler_weights/again").result()
+    with pytest.raises(tinker.RequestFailedError, match="does not exist"):
+        sampler.sample(prompt, 1, params).result()
+    client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    assert client.save_weights_for_sampler("again").result().path == path
+    assert sampler.sample(prompt, 1, params).result().sequences[0].tokens == [(5 + run.step) % VOCAB]
+
+
+def test_a_failed_overwrite_keeps_the_checkpoint_it_would_replace(trainer, server):
+    """save_state(overwrite=True) that fails half way (a full disk) leaves the old checkpoint whole
+    and loadable, and no partial directory behind."""
+    client, run = trainer
+    path = client.save_state("keep").result().path
+    where = Path(server.settings.state_dir) / client.model_id / "weights"
+    before = sorted(p.name for p in (where / "keep").iterdir())
+    server.factory.fail_saves = True
+    try:
+        with pytest.raises(tinker.RequestFailedError, match="No space left"):
+            client.save_state("keep", overwrite=True).result()
+    finally:
+        server.factory.fail_saves = False
+    assert sorted(p.name for p in (where / "keep").iterdir()) == before
+    assert not [p for p in where.iterdir() if p.name.startswith(".")]  # the staging directory is gone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        client.load_state(path).result()
+    assert run.calls[-1][0] == "load_state"
+    client.save_state("keep", overwrite=True).result()  # a save that succeeds replaces it
+    assert sorted(p.name for p in (where / "keep").iterdir()) == before
+
+
+def test_small_refusals_name_the_field(trainer, server, http):
+    """A checkpoint name with a newline, ttl_seconds out of range (negative, 1e400), a JSON body nested
+    100,000 deep: each a user error naming the field, nothing reaching the run."""
+    client, run = trainer
+    calls = list(run.calls)
+    with pytest.raises(tinker.BadRequestError) as e:
+        client.save_state("name\n").result()
+    user_error(e, "path", "not a valid checkpoint name")
+    for ttl in (-5, 10**400):
+        with pytest.raises(tinker.BadRequestError) as e:
+            client.save_state("ttl", ttl_seconds=ttl).result()
+        user_error(e, "ttl_seconds", "fix")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/create_session", "/optim_step"):
+        raw_error(http.post(path, content=deep, headers={"Content-Type": "application/json"}), 400, "nests", "deep")
+    assert run.calls == calls
+    assert not (Path(server.settings.state_dir) / client.model_id / "weights" / "name\n").exists()
+
+
+def test_sparse_tensors_are_bounded_by_the_body_limit(service, server, http):
+    """A small request whose sparse CSR tensor would inflate past the body limit is refused before
+    any tensor is built, naming the limit's key; so is an unknown input name."""
+    client = service.create_lora_training_client(MODEL, rank=1).result()  # driven by raw requests
+    run = server.factory.runs[-1]
+    proto = {"Content-Type": "application/x-protobuf"}
+    unknown = pb.ForwardBackwardRequest.FromString(_fb_request(client.model_id, 1, batch(1, 3)))
+    unknown.data[0].loss_fn_inputs["nosuch"].CopyFrom(unknown.data[0].loss_fn_inputs["weights"])
+    raw_error(http.post("/forward_backward", content=unknown.SerializeToString(), headers=proto), 400, "'nosuch'", "not an input")
+    msg = pb.ForwardBackwardRequest.FromString(_fb_request(client.model_id, 2, batch(1, 3)))
+    target = msg.data[0].loss_fn_inputs["target_tokens"]
+    target.ClearField("dense")
+    del target.shape[:]
+    target.shape.extend([3, MAX_BODY // 8])  # 3 rows x (1 MiB / 8) int64 columns: 3 MiB dense from a few bytes
+    target.sparse_csr.crow_indices = np.array([0, 1, 1, 1], np.int64).tobytes()
+    target.sparse_csr.col_indices = np.array([0], np.int64).tobytes()
+    target.sparse_csr.values = np.array([5], np.int64).tobytes()
+    assert len(msg.SerializeToString()) < 200
+    raw_error(http.post("/forward_backward", content=msg.SerializeToString(), headers=proto), 400, "sparse shape", "server.max_body_mb")
+    assert run.calls == []
+    http.post("/unload_model", json={"model_id": client.model_id})
+
+
+def test_sampling_is_bounded_and_cancel_future_cancels(service, server, http):
+    """num_samples and max_tokens past the server's limits are refused naming the keys; a queued
+    sample cancelled with cancel_future never runs, and the next one is served."""
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    base = {"base_model": MODEL, "prompt": prompt}
+    raw_error(http.post("/asample", json=base | {"sampling_params": {"max_tokens": 10**9}}), 400, "max_tokens", "server.max_sample_tokens")
+    raw_error(
+        http.post("/asample", json=base | {"num_samples": 20000, "sampling_params": {}}), 400, "num_samples", "server.max_num_samples"
+    )
+    raw_error(
+        http.post("/asample", json=base | {"sampling_params": {}, "record_stability_info": True}),
+        400,
+        "stable_reinforce",
+        "importance_sampling",
+    )
+    samples = len([c for c in server.factory.log if c[0] == "sample"])
+    server.factory.hold = threading.Event()
+    try:
+        first = http.post("/asample", json=base | {"sampling_params": {"max_tokens": 1}}).json()
+        queued = http.post("/asample", json=base | {"sampling_params": {"max_tokens": 2}}).json()
+        assert http.post("/cancel_future", json={"request_id": queued["request_id"]}).status_code == 200
+    finally:
+        server.factory.hold.set()
+        server.factory.hold = None
+    assert http.post("/retrieve_future", json={"request_id": first["request_id"]}).status_code == 200
+    assert http.post("/retrieve_future", json={"request_id": queued["request_id"]}).json() == {
+        "error": f"request {queued['request_id']} was cancelled by the client",
+        "category": "user",
+    }
+    after = http.post("/asample", json=base | {"sampling_params": {"max_tokens": 3}}).json()
+    assert http.post("/retrieve_future", json={"request_id": after["request_id"]}).status_code == 200
+    ran = [c[2]["params"].max_tokens for c in server.factory.log if c[0] == "sample"][samples:]
+    assert ran == [1, 3]  # the cancelled one (2) never ran
+
+
+def test_a_silent_client_frees_its_run_after_session_timeout(tmp_path):
+    """A client that stopped heartbeating (its process exited without close()) holds its run only
+    for server.session_timeout_s (default 60 s, documented), and the max_runs refusal says so."""
+    settings = ServerSettings(api_keys=(KEY,), state_dir=tmp_path, max_runs=1, session_timeout_s=0.5)
+    assert ServerSettings().session_timeout_s <= 60
+    with running_server(settings, FakeFactory()) as url, httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}) as http:
+
+        def create(seq: int) -> httpx.Response:
+            session = http.post("/create_session", json={}).json()["session_id"]
+            body = {"session_id": session, "model_seq_id": seq, "base_model": MODEL, "lora_config": {"rank": 1}}
+            return http.post("/create_model", json=body)
+
+        assert create(0).status_code == 200  # a session that never heartbeats again
+        refused = create(0)
+        raw_error(refused, 400, "max_runs=1", "server.session_timeout_s", "0.5 s")
+        time.sleep(1.0)
+        answer = create(0)
+        assert answer.status_code == 200, answer.text
+        for session in http.get("/sessions").json()["sessions"]:
+            http.post(f"/sessions/{session}/finish", json={})
 
 
 def test_every_training_side_call_ran_on_one_worker_thread(server):
