@@ -18,6 +18,7 @@ summary so tests call it in-process.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
@@ -36,6 +38,7 @@ from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain import sort_task as task
 from posttrain.cli import parse_recipe_args
+from posttrain.data_order import check_order, save_order
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.loggers import RunLog
@@ -169,7 +172,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     bar = None
     try:
         ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
-        start = _maybe_resume(trainer, cfg, ckpt_dir)
+        start = _maybe_resume(trainer, cfg, ckpt_dir, data)
         bar = progress_bar(tc, start, rank0, "sft")
         with open_loggers(cfg, tc, start, rank0, bar) as run_log:
             losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
@@ -185,7 +188,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
                     signum = late.stop_requested()
             if signum is not None:
                 if not (tc.checkpoint_every or start >= tc.total_steps):  # the last step is not saved yet
-                    trainer.save_checkpoint(ckpt_dir, tc.total_steps)
+                    _save(trainer, data, ckpt_dir, tc.total_steps)
                 raise Preempted(signum, tc.total_steps, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{tc.total_steps}"))
         world_size = trainer.world_size()
     finally:
@@ -322,6 +325,34 @@ class SFTData:
             self.val = SFTDataset(cfg.val_files, tokenizer, cfg, "data.val_files")
         self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, report and rank() == 0)
 
+    def data_order(self) -> dict[str, Any]:
+        """What the batch of every step depends on (``posttrain.data_order``: recorded with the
+        checkpoints, checked on resume): the order's keys and, with files, the training samples as
+        tokenized (their number and a SHA-256 of their ids and loss masks)."""
+        c = self.cfg
+        if self.train is None:
+            return {
+                "task": "sort",
+                "data.batch_size": c.batch_size,
+                "data.seed": c.seed,
+                "data.min_digits": c.min_digits,
+                "data.max_digits": c.max_digits,
+            }
+        h = hashlib.sha256()
+        for ids, mask in self.train.samples:
+            h.update(np.asarray(ids, dtype=np.int64).tobytes())
+            h.update(np.asarray(mask, dtype=np.int8).tobytes())
+            h.update(b"\0")
+        return {
+            "task": "files",
+            "data.batch_size": c.batch_size,
+            "data.seed": c.seed,
+            "data.shuffle": c.shuffle,
+            "data.train_files": list(c.train_files),
+            "train_rows": len(self.train.samples),
+            "train_rows_sha256": h.hexdigest(),
+        }
+
     def batch_at(self, step: int) -> TensorDict:
         """The global batch of training step ``step`` (0-based)."""
         if self.train is None:
@@ -392,11 +423,11 @@ def _train(trainer, cfg: SFTConfig, data: SFTData, start: int, ckpt_dir: str, ru
             guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
             saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
             if saved:
-                trainer.save_checkpoint(ckpt_dir, step + 1)
+                _save(trainer, data, ckpt_dir, step + 1)
             signum = preemption.stop_requested()
             if signum is not None:
                 if not saved:
-                    trainer.save_checkpoint(ckpt_dir, step + 1)
+                    _save(trainer, data, ckpt_dir, step + 1)
                 raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
     return losses
 
@@ -570,12 +601,23 @@ def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- setup
-def _maybe_resume(trainer, cfg: SFTConfig, ckpt_dir: str) -> int:
+def _save(trainer, data: SFTData, ckpt_dir: str, step: int) -> None:
+    """The checkpoint of ``step``, with the data order it is a position in written beside it
+    first (rank 0; ``posttrain.data_order``)."""
+    if rank() == 0:
+        save_order(ckpt_dir, data.data_order())
+    trainer.save_checkpoint(ckpt_dir, step)
+
+
+def _maybe_resume(trainer, cfg: SFTConfig, ckpt_dir: str, data: SFTData) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
-    resuming (``posttrain.trainer_utils.load_newest_valid``)."""
+    resuming (``posttrain.trainer_utils.load_newest_valid``). A resume under another data order
+    than the checkpoints were trained in is refused (``posttrain.data_order``)."""
     if not cfg.trainer.resume:
         return 0
     candidates = ckpt_layout.candidates(ckpt_dir)
+    if candidates:  # a step is a position in the data order: another order is refused before loading
+        check_order(ckpt_dir, data.data_order(), rank() == 0)
     if not candidates:
         if rank() == 0:
             print(f"trainer.resume: no complete checkpoint under {ckpt_dir}; starting from step 0", flush=True)

@@ -71,6 +71,10 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_exact(tmp_path):
     assert f"SIGTERM received: stopped after step {stopped}" in proc.stdout
 
     total = stopped + 4
+    # A step is a position in the data order: resumed in another order, prompts would be skipped
+    # and others repeated; refused before anything is loaded, naming the key (issue 53, item 11, SFT).
+    other = run_script([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true", "data.batch_size=16"])
+    assert other.returncode == 2 and "data.batch_size" in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
     resumed = run_script([*SFT, f"trainer.output_dir={out}", f"trainer.total_steps={total}", "trainer.resume=true"], timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     checkpoint = out / "checkpoints" / f"{ckpt_layout.PREFIX}{stopped}"
