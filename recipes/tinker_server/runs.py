@@ -21,11 +21,13 @@ and no deferred normalization. Tinker's call pattern maps onto the engine contra
 Every request is checked before the engine is touched: a bad one raises ``contract.UserError``
 and changes nothing. Assumptions (docs/tinker.md): LoRA alpha is ``tinker.lora_alpha`` (default
 32) whatever the rank; ``train_attn`` / ``train_mlp`` / ``train_unembed`` select the attention
-projections, the MLP projections and ``lm_head`` by their HF module names.
+projections, the MLP projections and ``lm_head`` by their HF module names, separate or fused
+(:func:`lora_modules`: those the model has).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -47,8 +49,10 @@ from recipes.tinker_server.contract import (
 from recipes.tinker_server.loss_checks import check_loss_request
 from roles.datum_losses import INPUT_FIELDS, accepted_inputs, batch_loss, engine_loss_fn, required_inputs
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# The projections each Tinker toggle selects, by HF module name: separate (Llama, Qwen, Mistral)
+# or fused (Phi-3's qkv_proj and gate_up_proj). A run adapts those its base model has.
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 _ALL_INPUTS = {"target_tokens", *INPUT_FIELDS}
 
@@ -80,13 +84,44 @@ class RunSettings:
     ray_address: str | None = None
 
 
-def lora_modules(lora: LoraIn) -> list[str]:
-    """The HF module names the Tinker toggles put adapters on."""
-    names = [*(ATTN_MODULES if lora.train_attn else ()), *(MLP_MODULES if lora.train_mlp else ())]
-    names += list(UNEMBED_MODULES if lora.train_unembed else ())
-    if not names:
+def lora_modules(lora: LoraIn, model_dir: str | None = None) -> list[str]:
+    """The HF module names the Tinker toggles put adapters on: the attention and MLP projections
+    (fused or not) and the LM head that the model in ``model_dir`` has.
+
+    Raises:
+        UserError: every toggle is off, or one that is on selects no layer of this model (its
+            projections have other names): named, with the model's linear layers.
+    """
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise UserError("lora_config: train_attn, train_mlp and train_unembed are all false, so nothing would train; fix: enable one")
+    present = _linear_leaves(model_dir) if model_dir is not None else None
+    names = []
+    for toggle, on, candidates in (
+        ("train_attn", lora.train_attn, ATTN_MODULES),
+        ("train_mlp", lora.train_mlp, MLP_MODULES),
+        ("train_unembed", lora.train_unembed, UNEMBED_MODULES),
+    ):
+        if not on:
+            continue
+        picked = [n for n in candidates if present is None or n in present]
+        if not picked:
+            raise UserError(
+                f"lora_config.{toggle} = true: this base model has none of {', '.join(candidates)} (its linear layers: "
+                f"{', '.join(sorted(present or ()))}); fix: set {toggle}=false, or serve a model of a supported family"
+            )
+        names += picked
     return names
+
+
+@functools.lru_cache(maxsize=16)
+def _linear_leaves(model_dir: str) -> frozenset[str]:
+    """The last name component of every linear layer of the HF model in ``model_dir`` (built
+    from its config on the meta device: no weights are read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return frozenset(name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
 
 
 def datums_to_batch(datums: list[DatumIn], loss_fn: str, multiple_of: int = 1):
@@ -279,7 +314,7 @@ class EngineRun:
                 f"lora_config.rank = {lora.rank}: larger than {base_model}'s hidden size {hidden} (a rank past the smaller "
                 f"side of a projection adds no capacity, only memory); fix: a rank <= {hidden} (e.g. 32)"
             )
-        modules = lora_modules(lora)
+        modules = lora_modules(lora, model_dir)
         overrides = [
             f"strategy={settings.strategy}",
             f"model.path={model_dir}",
@@ -441,7 +476,7 @@ class RayEngineRun:
         from posttrain.placement.cluster import RayCluster
         from posttrain.placement.config import PlacementConfig
 
-        lora_modules(lora)  # refused here, before any worker starts
+        lora_modules(lora, model_dir)  # refused here, before any worker starts
         self.base_model, self.lora, self.pool = base_model, lora, pool
         placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
