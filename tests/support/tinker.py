@@ -12,13 +12,13 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import tinker
 import torch
 import uvicorn
 from tinker import types
 
 from recipes.tinker_server.app import build_app
 from recipes.tinker_server.contract import DatumIn
+from recipes.tinker_server.demo import closing_service_clients  # noqa: F401  (re-exported for the tests)
 
 KEY = "tml-test"
 RANK, ALPHA = 4, 32.0
@@ -42,26 +42,6 @@ def check_no_open_sessions(url: str, key: str = KEY) -> None:
         f"the tests left Tinker sessions open: {left}; fix: close every ServiceClient "
         "(service.close('success').result(), or use it as a context manager)"
     )
-
-
-@contextlib.contextmanager
-def closing_service_clients() -> Iterator[list[tinker.ServiceClient]]:
-    """Every ``tinker.ServiceClient`` built inside is closed on the way out (code that never
-    closes its clients, such as the cookbook's loops, would leave their sessions open)."""
-    made: list[tinker.ServiceClient] = []
-    init = tinker.ServiceClient.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    tinker.ServiceClient.__init__ = recording
-    try:
-        yield made
-    finally:
-        tinker.ServiceClient.__init__ = init
-        for client in made:
-            client.close("success").result()
 
 
 @contextlib.contextmanager
