@@ -46,6 +46,11 @@ _PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs")
 _METRIC_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
 
 
+# The largest learning rate optim_step takes. A finite but huge rate passes the engine's
+# non-finite check (the weights become ~lr, not inf) and poisons every later call of the run.
+MAX_LEARNING_RATE = 10.0
+
+
 def too_large_message(what: str, limit: int) -> str:
     """The refusal of a request that is (or would become) larger than the body limit."""
     return (
@@ -244,6 +249,12 @@ def adam_from_wire(req: OptimStepIn) -> AdamIn:
             raise UserError(f"optimizer_params.type: {kind!r} is not supported; this server steps with Adam only (pass types.AdamParams)")
         raise UserError("adam_params: missing; pass types.AdamParams to optim_step")
     p = req.adam_params
+    if math.isfinite(p.learning_rate) and p.learning_rate > MAX_LEARNING_RATE:
+        raise UserError(
+            f"adam_params.learning_rate: {p.learning_rate!r} is above {MAX_LEARNING_RATE:g}: Adam moves every weight by about the "
+            "learning rate per step, so the weights would be of that size and every later forward overflow; fix: a learning rate "
+            "below it (LoRA runs use 1e-5 .. 1e-2)"
+        )
     checks = {
         "learning_rate": p.learning_rate >= 0,
         "beta1": 0 <= p.beta1 < 1,

@@ -562,8 +562,9 @@ def test_a_failed_overwrite_keeps_the_checkpoint_it_would_replace(trainer, serve
 
 
 def test_small_refusals_name_the_field(trainer, server, http):
-    """A checkpoint name with a newline, ttl_seconds out of range (negative, 1e400), a JSON body nested
-    100,000 deep: each a user error naming the field, nothing reaching the run."""
+    """A checkpoint name with a newline, ttl_seconds out of range (negative, 1e400), a learning rate
+    of 1e30, a JSON body nested 100,000 deep: each a user error naming the field, nothing reaching
+    the run."""
     client, run = trainer
     calls = list(run.calls)
     with pytest.raises(tinker.BadRequestError) as e:
@@ -573,6 +574,9 @@ def test_small_refusals_name_the_field(trainer, server, http):
         with pytest.raises(tinker.BadRequestError) as e:
             client.save_state("ttl", ttl_seconds=ttl).result()
         user_error(e, "ttl_seconds", "fix")
+    with pytest.raises(tinker.BadRequestError) as e:  # finite, so the engine's non-finite check would not see it
+        client.optim_step(types.AdamParams(learning_rate=1e30)).result()
+    user_error(e, "learning_rate", "fix")
     deep = b"[" * 100_000 + b"]" * 100_000
     for path in ("/create_session", "/optim_step"):
         raw_error(http.post(path, content=deep, headers={"Content-Type": "application/json"}), 400, "nests", "deep")
