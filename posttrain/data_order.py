@@ -28,6 +28,32 @@ FORMAT = "enginekit-data-order/1"
 _SHOWN_ONLY = ("data.train_files",)
 
 
+def sort_task_order(cfg) -> dict[str, Any]:
+    """The sorting task's data order: its keys (every batch is drawn from them)."""
+    return {
+        "task": "sort",
+        "data.batch_size": cfg.batch_size,
+        "data.seed": cfg.seed,
+        "data.min_digits": cfg.min_digits,
+        "data.max_digits": cfg.max_digits,
+    }
+
+
+def files_order(cfg, rows: int, digest: str) -> dict[str, Any]:
+    """A data-file run's data order: the order's keys and the training rows as loaded (their
+    number and ``digest``, a SHA-256 of them as the recipe renders them); the files are shown in
+    messages, not compared."""
+    return {
+        "task": "files",
+        "data.batch_size": cfg.batch_size,
+        "data.seed": cfg.seed,
+        "data.shuffle": cfg.shuffle,
+        "data.train_files": list(cfg.train_files),
+        "train_rows": rows,
+        "train_rows_sha256": digest,
+    }
+
+
 def save_order(ckpt_dir: str, order: dict[str, Any]) -> None:
     """Write the run's data order next to its checkpoints (atomically; rank 0)."""
     os.makedirs(ckpt_dir, exist_ok=True)

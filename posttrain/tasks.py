@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from posttrain import sort_task as task
+from posttrain.data_order import files_order, sort_task_order
 from posttrain.dist import rank
 from posttrain.rewards import DEFAULT_TIMEOUT_S, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
 from posttrain.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
@@ -33,14 +34,7 @@ class SortTask:
 
     def data_order(self) -> dict[str, Any]:
         """What the prompts of every step depend on (``posttrain.data_order``: checked on resume)."""
-        c = self.cfg
-        return {
-            "task": "sort",
-            "data.batch_size": c.batch_size,
-            "data.seed": c.seed,
-            "data.min_digits": c.min_digits,
-            "data.max_digits": c.max_digits,
-        }
+        return sort_task_order(self.cfg)
 
     def val_prompts(self) -> tuple[list[torch.Tensor], list]:
         """Held-out prompts (from a step no run reaches)."""
@@ -81,19 +75,11 @@ class FileTask:
         """What the prompts of every step depend on (``posttrain.data_order``: checked on resume):
         the order's keys and the training rows as loaded (their number and a SHA-256 of their
         rendered prompts; the sources are recorded for the message, a moved file still matches)."""
-        c, h = self.cfg, hashlib.sha256()
+        h = hashlib.sha256()
         for s in self.train.samples:
             h.update(s.text.encode())
             h.update(b"\0")
-        return {
-            "task": "files",
-            "data.batch_size": c.batch_size,
-            "data.seed": c.seed,
-            "data.shuffle": c.shuffle,
-            "data.train_files": list(c.train_files),
-            "train_rows": len(self.train.samples),
-            "train_rows_sha256": h.hexdigest(),
-        }
+        return files_order(self.cfg, len(self.train.samples), h.hexdigest())
 
     def val_prompts(self) -> tuple[list[torch.Tensor], list] | None:
         if self.val is None:

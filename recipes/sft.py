@@ -38,7 +38,7 @@ from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain import sort_task as task
 from posttrain.cli import parse_recipe_args
-from posttrain.data_order import check_order, save_order
+from posttrain.data_order import check_order, files_order, save_order, sort_task_order
 from posttrain.dist import init_distributed, rank
 from posttrain.export import save_hf
 from posttrain.loggers import RunLog
@@ -329,29 +329,14 @@ class SFTData:
         """What the batch of every step depends on (``posttrain.data_order``: recorded with the
         checkpoints, checked on resume): the order's keys and, with files, the training samples as
         tokenized (their number and a SHA-256 of their ids and loss masks)."""
-        c = self.cfg
         if self.train is None:
-            return {
-                "task": "sort",
-                "data.batch_size": c.batch_size,
-                "data.seed": c.seed,
-                "data.min_digits": c.min_digits,
-                "data.max_digits": c.max_digits,
-            }
+            return sort_task_order(self.cfg)
         h = hashlib.sha256()
         for ids, mask in self.train.samples:
             h.update(np.asarray(ids, dtype=np.int64).tobytes())
             h.update(np.asarray(mask, dtype=np.int8).tobytes())
             h.update(b"\0")
-        return {
-            "task": "files",
-            "data.batch_size": c.batch_size,
-            "data.seed": c.seed,
-            "data.shuffle": c.shuffle,
-            "data.train_files": list(c.train_files),
-            "train_rows": len(self.train.samples),
-            "train_rows_sha256": h.hexdigest(),
-        }
+        return files_order(self.cfg, len(self.train.samples), h.hexdigest())
 
     def batch_at(self, step: int) -> TensorDict:
         """The global batch of training step ``step`` (0-based)."""
