@@ -5,6 +5,9 @@ inside the shared directory protocol of ``engine_api.ckpt_layout`` (temp dir, at
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -22,12 +25,38 @@ def _options(lora: dict) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=bool(lora), strict=not lora)
 
 
+@contextlib.contextmanager
+def _grads_set_aside(optimizer) -> Iterator[None]:
+    """While an optimizer that never stepped is in the block, its parameters hold no gradients;
+    they are put back after. torch's ``get_state_dict`` / ``set_state_dict`` initialise such an
+    optimizer's state (``_init_optim_state``: one step at lr 0 on zero gradients) only when no
+    parameter has a gradient, and skip it silently otherwise. With gradients pending (a
+    ``forward_backward`` before the first step) a save then wrote no optimizer state at all,
+    while the fresh engine that loads it expects every key (DCP: "Missing key in checkpoint
+    state_dict: optimizer.state...step"); and a load into such an engine read no moments. Set
+    aside, both sides always see the same keys. A stepped optimizer: nothing to do."""
+    if optimizer is None or optimizer.state:
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
 def _state(model, optimizer, lora: dict) -> dict:
     """``{"model", "optimizer"}`` state dicts as DCP saves and loads them. With LoRA only the
     trainable parameters: torch's ``ignore_frozen_params`` drops a frozen parameter under its
     first name only, so a tied LM head (Qwen2, Llama-3.2: ``lm_head.weight`` is the frozen
-    ``embed_tokens.weight``) would otherwise be saved in full under its second name."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
+    ``embed_tokens.weight``) would otherwise be saved in full under its second name. The
+    optimizer's state is always there, gradients pending or not (:func:`_grads_set_aside`)."""
+    with _grads_set_aside(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(lora))
     if lora:
         frozen = _frozen(model)
         model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
@@ -105,11 +134,19 @@ def load(
     except ValueError:
         ckpt_layout.finish_load(downloaded)
         raise
+    stepped = info.get("optimizer_stepped", True)
     with ckpt_layout.reading(path):
         state = _state(model, optimizer, lora)
+        if optimizer is not None and not stepped:
+            # Saved before the first step (see save()): its optimizer state is the lr-0 dummy,
+            # dropped here anyway, and a checkpoint written with gradients pending by an earlier
+            # version holds none; only the parameter groups (the hyperparameters) are read.
+            state["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
-        if optimizer is not None and not info.get("optimizer_stepped", True):  # saved before the first step: see save()
+        optim_sd = state["optimizer"] if stepped or optimizer is None else {"state": {}, **state["optimizer"]}
+        with _grads_set_aside(optimizer):
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd, options=options)
+        if optimizer is not None and not stepped:
             optimizer.state.clear()
     extra = ckpt_layout.load_extra(path, info)
     ckpt_layout.finish_load(downloaded)
