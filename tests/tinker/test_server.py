@@ -233,7 +233,7 @@ def test_a_backend_without_lora_is_refused_when_the_server_starts(models):
 
 
 def test_a_step_that_writes_non_finite_weights_is_refused_until_a_load(server, service):
-    """optim_step(learning_rate=1e30, weight_decay=1e10) is answered with a user error naming the rate and the fix; the
+    """optim_step(learning_rate=10, weight_decay=1e39) is answered with a user error naming the rate and the fix; the
     run then refuses to train or sample until a load, after which it trains as before."""
     _, factory, _ = server
     client, run = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=4))
@@ -243,9 +243,10 @@ def test_a_step_that_writes_non_finite_weights_is_refused_until_a_load(server, s
     client.forward_backward(datums(61), "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError) as e:
         # AdamW's decay factor 1 - lr * wd = -1e40 overflows float32: every trained weight becomes inf
-        client.optim_step(types.AdamParams(**{**ADAM, "learning_rate": 1e30, "weight_decay": 1e10})).result()
+        # (the learning rate itself is within the server's cap of 10: wire.MAX_LEARNING_RATE)
+        client.optim_step(types.AdamParams(**{**ADAM, "learning_rate": 10.0, "weight_decay": 1e39})).result()
     assert e.value.category == types.RequestErrorCategory.User
-    assert "learning_rate=1e+30" in str(e.value) and "load_state" in str(e.value)
+    assert "learning_rate=10.0" in str(e.value) and "load_state" in str(e.value)
     with pytest.raises(tinker.RequestFailedError, match="refused.*load_state"):
         client.forward_backward(datums(62), "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="refused"):
