@@ -27,6 +27,7 @@ Rollout backends (``engine_api.rollout.BaseRollout``) have their own kit
     python -m engine_api.conformance --rollout vllm
 """
 
+from engine_api.conformance import precision_checks as _precision_checks  # noqa: F401  (registers mixed_precision in CHECKS)
 from engine_api.conformance.checks import CHECKS
 from engine_api.conformance.rollout_kit import ROLLOUT_CHECKS
 from engine_api.conformance.rollout_runner import RolloutReport, run_rollout_conformance

@@ -558,6 +558,11 @@ def unshard_order(env: Env) -> str:
         return "not an output rank"
     if gathered.batch_size[0] != batch.batch_size[0]:
         raise CheckFailed(f"unshard_data gave {gathered.batch_size[0]} rows for a batch of {batch.batch_size[0]}")
+    lengths = [int(n) for n in gathered["log_probs"].offsets().diff()]
+    if lengths != [int(n) for n in batch["input_ids"].offsets().diff()]:
+        raise CheckFailed(
+            f"unshard_data gave rows of lengths {lengths}, the batch's are {batch['input_ids'].offsets().diff().tolist()}: rows out of order"
+        )
     want, _ = fx.hf_token_outputs(fx.hf_model(env.model_dir), batch)
     worst = max_diff(gathered["log_probs"], want)
     if worst > 1e-5:
@@ -973,7 +978,3 @@ def tampered_checkpoint(env: Env) -> str:
             raise CheckFailed(f"loading the {name} checkpoint ran code from it")
     same("weights after refused loads", {"w": weights(engine)}, {"w": before})
     return f"refused: {', '.join(refused)}; no code ran; state unchanged"
-
-
-# The mixed-precision check lives in its own module; importing it registers it after the above.
-from engine_api.conformance import precision_checks as _precision_checks  # noqa: E402,F401

@@ -209,8 +209,17 @@ class UnshardsInReverseRankOrder(ReferenceEngine):
     """``unshard_data`` puts the ranks' contiguous shards back in reverse rank order."""
 
     def unshard_data(self, data):
-        from engine_api.batch import cat_rows, take_rows
+        from tensordict import TensorDict
 
         whole = super().unshard_data(data)
         n, per = whole.batch_size[0], data.batch_size[0]
-        return cat_rows([take_rows(whole, slice(start, start + per)) for start in range(n - per, -1, -per)])
+        order = [i for start in range(n - per, -1, -per) for i in range(start, start + per)]
+        fields = {}
+        for key in whole.keys():
+            value = whole.get(key)
+            if value.is_nested:
+                rows = value.unbind()
+                fields[key] = torch.nested.nested_tensor([rows[i] for i in order], layout=torch.jagged)
+            else:
+                fields[key] = value[order]
+        return TensorDict(fields, batch_size=[n])

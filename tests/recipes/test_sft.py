@@ -32,10 +32,16 @@ def test_config_loads_and_overrides_reach_the_engine():
 def test_yaml_documents_the_recipe_defaults():
     """Outside ``engine:`` (which lists only the keys it changes), the YAML equals the dataclass
     defaults, except the demo's console cadence: a line every 50 of its 800 short steps (the
-    default is every step) and samples every 200 steps (off by default)."""
+    default is every step) and samples every 200 steps (off by default), and its HF export at the
+    end (off by default; the demo keeps its model for ``recipes.evaluate``)."""
     cfg, default = load_sft_config(CONFIG), SFTConfig()
-    assert (cfg.trainer.log_every, cfg.trainer.log_samples_every) == (50, 200)
-    trainer = dataclasses.replace(cfg.trainer, log_every=default.trainer.log_every, log_samples_every=default.trainer.log_samples_every)
+    assert (cfg.trainer.log_every, cfg.trainer.log_samples_every, cfg.trainer.save_hf) == (50, 200, True)
+    trainer = dataclasses.replace(
+        cfg.trainer,
+        log_every=default.trainer.log_every,
+        log_samples_every=default.trainer.log_samples_every,
+        save_hf=default.trainer.save_hf,
+    )
     assert (cfg.tiny_model, cfg.data, trainer) == (default.tiny_model, default.data, default.trainer)
 
 

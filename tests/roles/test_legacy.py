@@ -38,6 +38,7 @@ PARITY = [
     "trainer.progress_bar=false",
 ]
 TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s", "rollout/sync_s"}
+NOISE_METRICS = ("rollout/logprob_abs_diff", "rollout/kl_k3")
 
 
 def _config(tmp_path, *overrides) -> ppo.PPOConfig:
@@ -101,8 +102,10 @@ def _run(cfg: ppo.PPOConfig, steps: int):
 def test_legacy_roles_match_engine_roles_over_five_ppo_steps(tmp_path, caplog):
     """Same seed and config, fp32, one process: per-step reward, losses, KL, entropy, grad norms
     and LR agree within relative 1e-6, and so do the final actor and critic weights (both
-    implementations run the same kernels in the same order, so they are expected bitwise equal;
-    1e-6 leaves room for nothing else)."""
+    implementations run the same layers; the engine scores tokens from the hidden states in
+    chunks, the legacy workers from full logits, so they agree at float noise; 1e-6 leaves room
+    for nothing else). The trainer/rollout parity metrics, themselves float noise, within 1e-6
+    absolute."""
     base = with_model_path(_config(tmp_path, *PARITY))
     legacy._warned = False
     with caplog.at_level(logging.WARNING, logger="enginekit.legacy"):
@@ -115,11 +118,16 @@ def test_legacy_roles_match_engine_roles_over_five_ppo_steps(tmp_path, caplog):
     for step, (a, b) in enumerate(zip(old, new, strict=True)):
         assert set(a) == set(b)
         for key in set(a) - TIMING:
-            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-12), (step, key, a[key], b[key])
+            # the trainer/rollout parity metrics are differences at float noise (~5e-8): compared
+            # absolutely (the engine scores tokens from hidden states in chunks, the legacy
+            # workers from full logits: the same math, summed in another order)
+            abs_tol = 1e-6 if key.startswith(NOISE_METRICS) else 1e-12
+            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=abs_tol), (step, key, a[key], b[key])
     # The run actually trained: rewards, KL and LR move, so equality is not vacuous.
     assert len({m["reward"] for m in new}) > 1 and new[-1]["kl"] > 0 and new[0]["lr"] < new[-1]["lr"]
     for old_role, new_role in ((old_roles.actor, new_roles.actor), (old_roles.critic, new_roles.critic)):
         old_w, new_w = dict(old_role.export_weights()), dict(new_role.export_weights())
         assert old_w.keys() == new_w.keys()
-        for name in new_w:
-            torch.testing.assert_close(old_w[name], new_w[name], rtol=1e-6, atol=0, msg=name)
+        for name in new_w:  # per tensor, as one vector (an element near 0 would magnify float noise)
+            err = float((old_w[name].double() - new_w[name].double()).norm() / new_w[name].double().norm())
+            assert err <= 1e-6, (name, err)
