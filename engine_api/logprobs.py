@@ -102,7 +102,8 @@ class HeadRequest:
     from the final hidden states and the LM head's weight in chunks of tokens, so no
     ``[tokens, vocab]`` logits (fp32 or not) exist for the whole micro-batch: each chunk's
     logits, fp32 log-softmax and entropy live only inside that chunk, and backward recomputes
-    them chunk by chunk (``torch.utils.checkpoint``). The numbers are
+    them chunk by chunk (``torch.utils.checkpoint``) when the micro-batch spans several chunks
+    (a micro-batch of one chunk keeps its logits: at most ``CHUNK_ELEMENTS``). The numbers are
     :func:`lm_token_outputs`' up to fp32 summation order.
 
     Attributes:
@@ -150,13 +151,16 @@ class HeadRequest:
         next_ids = torch.cat([self.input_ids[1:], self.input_ids.new_zeros(1)]).long()  # the last predicts nothing (zeroed later)
         targets = None if self.targets is None else self.targets.long().reshape(total, -1)
         step = self.chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
-        grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
+        # One chunk holds the whole micro-batch's logits anyway: recomputing it in backward would
+        # only cost a second head matmul (on small micro-batches the head is a large share of
+        # the step), so the recompute is kept for micro-batches of several chunks.
+        grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad) and total > step
         parts = []
         for start in range(0, total, step):
             args = (flat[start : start + step], weight, bias, next_ids[start : start + step])
             args += (None if targets is None else targets[start : start + step],)
             if grad:
-                # recompute this chunk's logits in backward instead of keeping them
+                # recompute this chunk's logits in backward instead of keeping them (several chunks)
                 parts.append(checkpoint(_chunk_columns, *args, self.temperature, self.entropy, use_reentrant=False))
             else:
                 parts.append(_chunk_columns(*args, self.temperature, self.entropy))
