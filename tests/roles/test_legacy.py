@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine_api.typed_config import load_typed
 from posttrain.tasks import build_task
