@@ -37,8 +37,13 @@ from benchmarks.common import Report, Row, cli, command_line, emit
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = os.path.join(ROOT, ".venv-trl")
 TRL_PINS = os.path.join(ROOT, "benchmarks", "peers", "trl_constraints.txt")
-PROMPTS_PER_STEP, GROUP, MAX_NEW_TOKENS, LR = 8, 8, 8, 1e-5
+PROMPTS_PER_STEP, LR = 8, 1e-5
 TARGET = 0.9  # issue 42: at most 0.9x TRL's CPU per step
+# The two shapes: (responses per prompt, max new tokens, model). ``char``: the tiny Llama with the
+# 21-token character vocabulary; ``bpe`` (issue 53, item 25: the shape an outside harness
+# measured): a tiny Qwen2 (tied embeddings) with a 2,048-token BPE vocabulary trained here.
+SHAPES = {"char": (8, 8, "char"), "bpe": (4, 16, "bpe")}
+BPE_VOCAB = 2048
 
 
 def trl_python() -> str:
@@ -54,11 +59,44 @@ def trl_python() -> str:
     return python
 
 
-def build_inputs(root: str) -> dict[str, str]:
+def build_bpe_model_dir(path: str) -> str:
+    """A tiny Qwen2 (tied embeddings) with a byte-level BPE tokenizer of :data:`BPE_VOCAB` tokens
+    trained here on seeded text (the prompts' alphabet and words), with the user-data chat
+    template; nothing is downloaded."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from posttrain.tiny_model import build_tiny_model
+    from tests.support import user_data as ud
+
+    rng = random.Random(0)
+    words = ["what", "is", "the", "sum", "of", "and", "answer", "plus", "equals", "number", "digit", "result"]
+    text = [" ".join(rng.choice(words) if rng.random() < 0.6 else str(rng.randint(0, 999)) for _ in range(24)) for _ in range(4000)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=ud.SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(text, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", chat_template=ud.TEMPLATE)
+    hf.add_special_tokens({"additional_special_tokens": ud.SPECIALS[3:]})
+    vocab = len(hf)
+    build_tiny_model(
+        path, family="qwen2", seed=0, vocab_size=vocab, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
+    hf.save_pretrained(path)
+    return path
+
+
+def build_inputs(root: str, model_kind: str = "char") -> dict[str, str]:
     """The shared model directory (with its tokenizer and chat template), prompt file and reward file."""
     from tests.support import user_data as ud
 
-    model = ud.build_model_dir(os.path.join(root, "model"))
+    path = os.path.join(root, f"model_{model_kind}")
+    model = ud.build_model_dir(path) if model_kind == "char" else build_bpe_model_dir(path)
     prompts = ud.write_rows(ud.prompt_rows(1024, seed=0), os.path.join(root, "prompts.jsonl"))
     reward = ud.write_reward_file(os.path.join(root, "reward.py"))
     return {"model": model, "prompts": prompts, "reward": f"{reward}:score"}
@@ -75,20 +113,20 @@ def _cpu_seconds(cmd: list[str], cwd: str) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def enginekit_cmd(inputs: dict[str, str], out: str, steps: int, *extra: str) -> list[str]:
+def enginekit_cmd(inputs: dict[str, str], out: str, steps: int, group: int, max_new: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml",
             f"engine.model.path={inputs['model']}", f"data.train_files=[{inputs['prompts']}]", f"reward.function={inputs['reward']}",
-            f"data.batch_size={PROMPTS_PER_STEP}", f"algo.n_samples={GROUP}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+            f"data.batch_size={PROMPTS_PER_STEP}", f"algo.n_samples={group}", f"rollout.max_new_tokens={max_new}",
             "rollout.backend=hf", "actor.ppo_epochs=1", "actor.mini_batch_size=null", "actor.entropy_coef=0", "actor.kl_coef=0",
             f"engine.optim.lr={LR}", "engine.optim.clip_grad=1.0", "engine.micro_batch_size=null", f"trainer.total_steps={steps}",
             f"trainer.output_dir={out}", "trainer.progress_bar=false", "trainer.loggers=[jsonl]", "trainer.log_samples_every=0",
             *extra]  # fmt: skip
 
 
-def trl_cmd(python: str, inputs: dict[str, str], out: str, steps: int) -> list[str]:
+def trl_cmd(python: str, inputs: dict[str, str], out: str, steps: int, group: int, max_new: int) -> list[str]:
     return [python, os.path.join(ROOT, "benchmarks", "peers", "trl_grpo.py"), "--model", inputs["model"], "--prompts", inputs["prompts"],
-            "--reward", inputs["reward"], "--steps", str(steps), "--prompts-per-step", str(PROMPTS_PER_STEP), "--group", str(GROUP),
-            "--max-new-tokens", str(MAX_NEW_TOKENS), "--lr", str(LR), "--out", out]  # fmt: skip
+            "--reward", inputs["reward"], "--steps", str(steps), "--prompts-per-step", str(PROMPTS_PER_STEP), "--group", str(group),
+            "--max-new-tokens", str(max_new), "--lr", str(LR), "--out", out]  # fmt: skip
 
 
 def _response_len(case: str, out: str) -> float:
@@ -101,7 +139,9 @@ def _response_len(case: str, out: str) -> float:
 
 
 def main(argv=None) -> Report:
-    args = cli(__doc__.splitlines()[0]).parse_args(argv)
+    parser = cli(__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="which shapes to run (default: both)")
+    args = parser.parse_args(argv)
     short, long_, rounds = (10, 60, 1) if args.quick else (10, 210, 3)
     start = time.perf_counter()
     python = trl_python()
@@ -110,17 +150,33 @@ def main(argv=None) -> Report:
         title="GRPO vs TRL 1.16 GRPOTrainer: CPU seconds per step (same tiny model, prompts, reward and settings)",
         command=command_line("benchmarks.trl_grpo", argv),
         setup=(
-            f"tiny Llama (2 layers, hidden 64, 21-token character vocab), {PROMPTS_PER_STEP} prompts x {GROUP} responses of <= "
-            f"{MAX_NEW_TOKENS} tokens per step, one update per batch, lr {LR:g}, fp32, OMP_NUM_THREADS=1; CPU per step = "
-            f"(CPU of a {long_}-step run - CPU of a {short}-step run) / {long_ - short}, process tree user + system; median of "
-            f"{rounds} round(s), sides alternating; Enginekit rollout hf"
+            f"two shapes: char = tiny Llama (2 layers, hidden 64, 21-token character vocab), {PROMPTS_PER_STEP} prompts x "
+            f"{SHAPES['char'][0]} responses of <= {SHAPES['char'][1]} tokens; bpe = tiny Qwen2 (tied embeddings, {BPE_VOCAB}-token "
+            f"BPE vocab), {PROMPTS_PER_STEP} x {SHAPES['bpe'][0]} responses of <= {SHAPES['bpe'][1]} tokens; one update per batch, "
+            f"lr {LR:g}, fp32, OMP_NUM_THREADS=1; CPU per step = (CPU of a {long_}-step run - CPU of a {short}-step run) / "
+            f"{long_ - short}, process tree user + system; median of {rounds} round(s), sides alternating; Enginekit rollout hf"
         ),
     )
+    for shape in args.shapes:
+        _run_shape(report, python, shape, short, long_, rounds)
+    report.notes.append(
+        "TRL's step: transformers' generate, its reward call, one forward/backward with the log-probs reused as the old policy's. "
+        "Enginekit's: the rollout contract's hf sampler (per-sample seeded draws), the reward function fenced by reward.timeout_s, "
+        "the update through the FSDP engine (1 rank), the metrics line. Response lengths are random on both sides (untrained model)."
+    )
+    report.seconds = time.perf_counter() - start
+    emit(report, args.json)
+    return report
+
+
+def _run_shape(report: Report, python: str, shape: str, short: int, long_: int, rounds: int) -> None:
+    """One shape's rows: TRL and Enginekit (and Enginekit recomputing the old log-probs) alternating."""
+    group, max_new, model_kind = SHAPES[shape]
     cases = ("trl", "enginekit", "enginekit_recompute")
     per_step: dict[str, list[float]] = {c: [] for c in cases}
     lengths: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ek_bench_trl_") as tmp:
-        inputs = build_inputs(tmp)
+        inputs = build_inputs(tmp, model_kind)
         for r in range(rounds):
             order = cases if r % 2 == 0 else cases[::-1]
             for case in order:
@@ -128,10 +184,10 @@ def main(argv=None) -> Report:
                 for steps in (short, long_):
                     out = os.path.join(tmp, f"{case}_{r}_{steps}")
                     if case == "trl":
-                        cmd = trl_cmd(python, inputs, out, steps)
+                        cmd = trl_cmd(python, inputs, out, steps, group, max_new)
                     else:
                         extra = ["actor.recompute_old_log_probs=true"] if case == "enginekit_recompute" else []
-                        cmd = enginekit_cmd(inputs, out, steps, *extra)
+                        cmd = enginekit_cmd(inputs, out, steps, group, max_new, *extra)
                     cpu[steps] = _cpu_seconds(cmd, ROOT)
                     if steps == long_ and case != "trl":
                         lengths[case] = _response_len(case, out)
@@ -145,7 +201,7 @@ def main(argv=None) -> Report:
         ratio = statistics.median(ratios)
         report.rows.append(
             Row(
-                case=label,
+                case=f"{shape}: {label}",
                 values={
                     "cpu_s_per_step": statistics.median(per_step[case]),
                     "trl_cpu_s_per_step": trl,
@@ -159,14 +215,6 @@ def main(argv=None) -> Report:
                 met=ratio <= TARGET if case == "enginekit" else None,
             )
         )
-    report.notes.append(
-        "TRL's step: transformers' generate, its reward call, one forward/backward with the log-probs reused as the old policy's. "
-        "Enginekit's: the rollout contract's hf sampler (per-sample seeded draws), the reward function fenced by reward.timeout_s, "
-        "the update through the FSDP engine (1 rank), the metrics line. Response lengths are random on both sides (untrained model)."
-    )
-    report.seconds = time.perf_counter() - start
-    emit(report, args.json)
-    return report
 
 
 if __name__ == "__main__":
