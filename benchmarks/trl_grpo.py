@@ -66,7 +66,7 @@ def build_bpe_model_dir(path: str) -> str:
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from posttrain.tiny_model import build_tiny_model
     from tests.support import user_data as ud
@@ -78,12 +78,18 @@ def build_bpe_model_dir(path: str) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB, special_tokens=ud.SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=BPE_VOCAB,
+        special_tokens=[*ud.SPECIALS, "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(text, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", chat_template=ud.TEMPLATE)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", unk_token="<|endoftext|>", chat_template=ud.TEMPLATE
+    )
     hf.add_special_tokens({"additional_special_tokens": ud.SPECIALS[3:]})
-    vocab = len(hf)
+    hf.save_pretrained(path)
+    vocab = max(AutoTokenizer.from_pretrained(path).get_vocab().values()) + 1  # as loaded back (added tokens included)
     build_tiny_model(
         path, family="qwen2", seed=0, vocab_size=vocab, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0
     )
