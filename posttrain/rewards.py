@@ -102,6 +102,17 @@ def load_reward_fn(spec: str) -> RewardFn:
     """
     if spec in BUILTINS:
         return BUILTINS[spec]
+    return load_callable(spec, "reward.function")
+
+
+def load_callable(spec: str, key: str) -> Callable[..., object]:
+    """The callable ``spec`` names: ``package.module:attr`` (imported) or ``path/to/file.py:attr``
+    (the file loaded as a module under a stable name; the user's own code, named in their
+    config, never anything read from a checkpoint). ``key``: the config key messages name.
+
+    Raises:
+        ValueError: the module, file or attribute cannot be found, or is not callable.
+    """
     module_name, _, attr = spec.rpartition(":")
     # A stable, unique module name per file, so pickling and tracebacks name it.
     name = "enginekit_reward_" + re.sub(r"\W", "_", os.path.abspath(module_name))
@@ -123,10 +134,10 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise
     except BaseException as exc:  # noqa: BLE001 (user code may raise anything while importing, sys.exit included)
         sys.modules.pop(name, None)
-        raise ValueError(f"reward.function = {spec!r}: cannot load {module_name!r}: {exc!r}; fix: check the module or file") from exc
+        raise ValueError(f"{key} = {spec!r}: cannot load {module_name!r}: {exc!r}; fix: check the module or file") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward.function = {spec!r}: {module_name!r} has no callable {attr!r}; fix: name a function defined there")
+        raise ValueError(f"{key} = {spec!r}: {module_name!r} has no callable {attr!r}; fix: name a function or class defined there")
     return fn
 
 

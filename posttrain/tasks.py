@@ -58,12 +58,13 @@ class FileTask:
         self.reward_spec, self.timeout_s = reward_function, timeout_s
         self.tokenizer = load_tokenizer(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer, model_path, end_of_turn=cfg.apply_chat_template)
-        self.reward_fn, self.batched = load_reward_fn(reward_function), batched
+        # No reward function: an environment gives the rewards (``env.function``; checked by the recipe).
+        self.reward_fn, self.batched = (load_reward_fn(reward_function) if reward_function is not None else None), batched
         self.train = PromptDataset(cfg.train_files, self.tokenizer, cfg, "data.train_files")
         self.order = StepOrder(len(self.train), cfg.batch_size, cfg.seed, cfg.shuffle)
         self.val = PromptDataset(cfg.val_files, self.tokenizer, cfg, "data.val_files") if cfg.val_files else None
         for data in (self.train, self.val):
-            if data is not None:  # before any model is built: a clash would fail only after a rollout
+            if data is not None and self.reward_fn is not None:  # before any model is built: a clash would fail only after a rollout
                 check_reward_columns(self.reward_fn, reward_function, {k for s in data.samples for k in s.columns})
         self.counts = report_counts({"train": self.train, "val": self.val}, cfg.overlong, rank() == 0)
 

@@ -776,9 +776,18 @@ class ChatEncoder:
 
     def prompt(self, value: object, source: str) -> tuple[list[int], str]:
         """``(ids, text)`` of an RL prompt rendered with the generation prompt."""
+        messages = self.prompt_messages(value, source)
+        if messages is None:
+            return self._ids(value, special=True), value
+        text = self._render(messages, True, source)
+        return self._ids(text), text
+
+    def prompt_messages(self, value: object, source: str) -> list[dict] | None:
+        """An RL prompt column's value as checked chat messages (a string is one user turn);
+        None for a string prompt with ``apply_chat_template`` off (raw text)."""
         if isinstance(value, str):
             if not self.cfg.apply_chat_template:
-                return self._ids(value, special=True), value
+                return None
             value = [{"role": "user", "content": value}]
         elif _is_sharegpt(value):
             value = sharegpt_to_messages(value, source)
@@ -786,8 +795,7 @@ class ChatEncoder:
         for i, m in enumerate(value):
             if m["role"] == "assistant" and m.get("content") is None:
                 self._require_rendered_tool_calls(value, i, source)
-        text = self._render(value, True, source)
-        return self._ids(text), text
+        return value
 
 
 def sharegpt_to_messages(turns: object, source: str) -> list[dict]:
@@ -980,12 +988,14 @@ class SFTDataset:
 
 @dataclass(frozen=True)
 class PromptSample:
-    """One RL prompt: its token ids, the rendered text and the other columns of its row."""
+    """One RL prompt: its token ids, the rendered text, the other columns of its row and its
+    chat messages (None: a raw-text prompt; multi-turn rollouts re-render them every turn)."""
 
     ids: torch.Tensor
     text: str
     columns: Mapping[str, object]
     source: str
+    messages: tuple | None = None
 
 
 class PromptDataset:
@@ -997,7 +1007,9 @@ class PromptDataset:
         self.counts = LoadCounts()
         for row in read_rows(files, key, cfg.max_row_bytes, cfg.split_for(key)):
             self.counts.rows += 1
-            ids, text = enc.prompt(_column(row, cfg.prompt_key, "prompt_key"), row.source)
+            value = _column(row, cfg.prompt_key, "prompt_key")
+            ids, text = enc.prompt(value, row.source)
+            messages = enc.prompt_messages(value, row.source)
             action = _overlong(cfg, row.source, len(ids), cfg.max_prompt_length, "max_prompt_length")
             if action == "drop":
                 self.counts.dropped += 1
@@ -1007,7 +1019,9 @@ class PromptDataset:
                 ids = ids[-cfg.max_prompt_length :]
                 text = tokenizer.decode(ids)
             columns = {k: v for k, v in row.values.items() if k != cfg.prompt_key}
-            self.samples.append(PromptSample(torch.tensor(ids, dtype=torch.long), text, columns, row.source))
+            self.samples.append(
+                PromptSample(torch.tensor(ids, dtype=torch.long), text, columns, row.source, None if messages is None else tuple(messages))
+            )
         self.counts.kept = len(self.samples)
         if not self.samples:
             raise ValueError(f"{key}: every row was dropped ({self.counts.line(key)}); fix: raise data.max_prompt_length")

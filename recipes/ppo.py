@@ -37,6 +37,7 @@ from engine_api.batch import unpack
 from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
+from posttrain.agents import AgentBatch, AgentLoop, EnvConfig
 from posttrain.async_rl import AsyncConfig, Pipeline
 from posttrain.cli import parse_recipe_args
 from posttrain.data_order import check_order, save_order
@@ -142,6 +143,8 @@ class PPOConfig:
         trainer: the loop.
         async_: the asynchronous mode (config key ``async``): how far the rollout may run
             ahead of training (``posttrain.async_rl``).
+        env: multi-turn rollouts with an environment and tools (``posttrain.agents``); off
+            unless ``env.function`` is set.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -155,11 +158,16 @@ class PPOConfig:
     trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
     # The config key is ``async`` (a Python keyword, so the field is ``async_``).
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def _problems(self) -> list[str]:
         out = data_model_problems(self)
-        if self.data.from_files and self.reward.function is None:
-            out.append("reward.function = None: prompts from data.train_files need a reward function; fix: reward.function=file.py:fn")
+        if self.data.from_files and self.reward.function is None and not self.env.enabled:
+            out.append(
+                "reward.function = None: prompts from data.train_files need a reward function (or an environment that gives "
+                "rewards); fix: reward.function=file.py:fn, or env.function"
+            )
+        out += agent_problems(self)
         if not self.data.from_files and self.reward.function is not None:
             out.append(
                 f"reward.function = {self.reward.function!r}: the built-in sorting task (no data.train_files) has no text to score; "
@@ -180,6 +188,49 @@ class PPOConfig:
                     "fix: trainer.use_legacy_worker_impl=auto, or actor.router_replay=off"
                 )
         return out
+
+
+def agent_problems(cfg: PPOConfig) -> list[str]:
+    """What multi-turn rollouts (``env.function``) cannot run with yet, each named."""
+    if not cfg.env.enabled:
+        return []
+    out = []
+    if not cfg.data.from_files:
+        out.append(
+            f"env.function = {cfg.env.function!r}: multi-turn rollouts need a tokenizer with a chat template (the sorting task has "
+            "none); fix: give data.train_files and engine.model.path"
+        )
+    if cfg.async_.max_staleness:
+        out.append(
+            f"async.max_staleness = {cfg.async_.max_staleness} with env.function: asynchronous multi-turn rollouts are not built "
+            "yet (docs/agents.md); fix: async.max_staleness=0"
+        )
+    if cfg.actor.router_replay == "r3":
+        out.append(
+            "actor.router_replay = 'r3' with env.function: replaying the rollout's routing over several turns is not built yet "
+            "(docs/agents.md); fix: actor.router_replay=r2 or off"
+        )
+    if cfg.trainer.use_legacy_worker_impl in FLAG_VALUES and use_legacy(cfg.trainer.use_legacy_worker_impl):
+        out.append(
+            "trainer.use_legacy_worker_impl: the legacy workers train single-turn batches only, not env.function's multi-turn "
+            "trajectories; fix: trainer.use_legacy_worker_impl=auto"
+        )
+    if cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < cfg.env.max_tokens:
+        out.append(
+            f"env.max_tokens = {cfg.env.max_tokens} > rollout.max_model_len = {cfg.rollout.max_model_len}: a trajectory could "
+            "outgrow the rollout engine; fix: lower env.max_tokens or raise rollout.max_model_len"
+        )
+    return out
+
+
+def build_agent(cfg: PPOConfig, source) -> AgentLoop | None:
+    """The run's multi-turn rollout (``env.function``), or None (single-turn)."""
+    if not cfg.env.enabled:
+        return None
+    reward = None
+    if cfg.reward.function is not None:
+        reward = (source.reward_fn, cfg.reward.function, cfg.reward.batched, cfg.reward.timeout_s)
+    return AgentLoop(cfg.env, source.tokenizer, cfg.data.chat_template_kwargs, source.stop_ids, cfg.rollout.temperature, reward)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -255,6 +306,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if refused:
         raise ValueError("; ".join(refused))
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
+    agent = build_agent(cfg, source)  # likewise a bad environment or tool
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     if t.resume and ckpt_layout.latest_checkpoint(os.path.join(ckpt_dir, "actor")) is not None:
         check_order(ckpt_dir, source.data_order(), rank0)  # a step is a position in the data order: refused before any engine
@@ -274,7 +326,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     began = False  # a refused resume writes nothing, not even the plots
     try:
         start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
-        pipeline = Pipeline(cfg, rollout, source, rank0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"])
+        pipeline = Pipeline(cfg, rollout, source, rank0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"], agent=agent)
         pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")
@@ -290,7 +342,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                     run_log.log_samples(step + 1, m.pop("samples"))
                 rewards.append(m["reward"])
                 if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
-                    score = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples)
+                    score = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples, agent, cfg.rollout.max_new_tokens)
                     if score is not None:  # None: no validation prompts
                         m["val/reward"] = val_reward = score
                         run_log.message(f"validation at step {step + 1}: mean reward {score:.4f}")
@@ -379,16 +431,23 @@ def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline, source) -
     pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
 
 
-def validate(source, rollout: Rollout, chunk: int) -> float | None:
-    """Mean reward of one response per validation prompt, sampled with the rollout settings
-    from fixed seeds (the same draws at every validation), ``chunk`` prompts per sampler call
-    (a training step's number of responses); None without validation prompts."""
+def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = None, max_new_tokens: int = 0) -> float | None:
+    """Mean reward of one response (with ``agent``: one trajectory) per validation prompt,
+    sampled with the rollout settings from fixed seeds (the same draws at every validation),
+    ``chunk`` prompts per sampler call (a training step's number of responses); None without
+    validation prompts."""
     val = source.val_prompts()
     if val is None:
         return None
     prompts, metas = val
     rollout.sync_weights()
-    scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
+    if agent is None:
+        scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
+    else:
+        scores = [
+            agent.run(rollout, metas[b : b + chunk], rollout.seeds(_VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens).scores
+            for k, b in enumerate(range(0, len(metas), chunk))
+        ]
     rollout.release()
     return mean_reward(scores)
 
@@ -467,20 +526,40 @@ def step_prompts(source, step: int, n: int) -> tuple[list[torch.Tensor], list]:
 
 
 def train_on_batch(
-    cfg: PPOConfig, step: int, batch, metas: list, timings: dict[str, float], *, actor, critic, reference, rollout, source, samples: int = 0
+    cfg: PPOConfig,
+    step: int,
+    batch,
+    metas: list,
+    timings: dict[str, float],
+    *,
+    actor,
+    critic,
+    reference,
+    rollout,
+    source,
+    samples: int = 0,
+    agent: AgentBatch | None = None,
 ) -> dict[str, Any]:
     """The training half of :func:`rl_step`: score the sampled ``batch`` (prompts of ``step``,
     ``metas`` per response), prepare and update, return the step's metrics; ``timings`` holds
-    the sampling's seconds (``rollout_s``) and gets the rest."""
+    the sampling's seconds (``rollout_s``) and gets the rest.
+
+    ``agent``: the batch is multi-turn trajectories (``posttrain.agents``), already scored:
+    GRPO groups are over trajectories, and a trajectory split into several rows gives each of
+    them its advantage (PPO: its reward at each row's last sampled token)."""
     n = cfg.algo.n_samples
     lengths = batch["input_ids"].offsets().diff()
     t0 = time.perf_counter()
-    scores = source.score(_responses(batch), metas)  # raises before any update when a reward fails
+    if agent is None:
+        scores = source.score(_responses(batch), metas)  # raises before any update when a reward fails
+        row_traj = torch.arange(len(scores))
+    else:
+        scores, row_traj = agent.scores, agent.traj_of_row
     timings["reward_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # One update epoch over one mini-batch of a dense, dropout-free policy: the old-policy
     # log-probs are the update's own forward's (Actor.reuses_update_log_probs), one forward saved.
-    reuse = actor.reuses_update_log_probs(len(metas))
+    reuse = actor.reuses_update_log_probs(len(lengths))
     routing_metrics: dict[str, float] = {}
     if not reuse:
         old = actor.compute_log_probs(batch, calculate_entropy=True)
@@ -492,10 +571,10 @@ def train_on_batch(
         batch.set("ref_log_probs", unpack(reference.compute_log_probs(batch)["log_probs"].values(), batch["input_ids"]))
     mask = batch["loss_mask"].values()
     if critic is None:
-        adv = torch.repeat_interleave(grpo_advantages(scores, torch.arange(len(scores)) // n), lengths) * mask
+        adv = torch.repeat_interleave(grpo_advantages(scores, torch.arange(len(scores)) // n)[row_traj], lengths) * mask
     else:
         values = critic.compute_values(batch)["values"].values() * mask
-        adv, returns = _gae_per_sequence(scores, values, mask, batch["input_ids"].offsets(), cfg.algo)
+        adv, returns = _gae_per_sequence(scores[row_traj], values, mask, batch["input_ids"].offsets(), cfg.algo)
         batch.set("values", unpack(values, batch["input_ids"]))
         batch.set("returns", unpack(returns, batch["input_ids"]))
     batch.set("advantages", unpack(adv, batch["input_ids"]))
@@ -508,6 +587,11 @@ def train_on_batch(
     critic_m = critic.update(batch) if critic is not None else []
     timings["update_s"] = time.perf_counter() - t0
     parity = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), mask)
+    if agent is not None:  # per turn index too: a shifted or re-encoded turn shows here
+        for turn in sorted(set(agent.turns[mask > 0].tolist())):
+            per_turn = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), mask * (agent.turns == turn))
+            parity[f"rollout/logprob_abs_diff_max/turn_{turn}"] = per_turn["rollout/logprob_abs_diff_max"]
+        parity.update(agent.metrics)
     parity.update(routing_metrics)
     parity["rollout/weight_version_lag"] = float(step + 1 - int(batch["rollout_weight_version"].min()))
     parity.update(rollout.last_sync)
@@ -517,7 +601,7 @@ def train_on_batch(
         "reward": float(scores.mean()),
         **group_reward_stats(scores, torch.arange(len(scores)) // n),
         "entropy": float((old["entropy"].values() * mask).sum() / mask.sum()),
-        "response_len": float(mask.sum() / len(scores)),
+        "response_len": float(mask.sum() / len(scores)),  # sampled tokens per response (trajectory)
         "actor_loss": _mean([m["loss"] for m in actor_m]),
         "actor_grad_norm": _mean([m["grad_norm"] for m in actor_m]),
         "actor_skipped": _mean([m.get("step_skipped", 0.0) for m in actor_m]),
@@ -531,7 +615,7 @@ def train_on_batch(
     if "kl" in actor_m[0]:
         out["kl"] = _mean([m["kl"] for m in actor_m])
     if samples:
-        out["samples"] = _sample_rows(batch, scores, source, samples, n)
+        out["samples"] = _sample_rows(batch, scores, source, samples, n) if agent is None else _trajectory_rows(agent, samples, n)
     if critic_m:
         out["critic_loss"] = _mean([m["loss"] for m in critic_m])
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
@@ -552,6 +636,13 @@ def _sample_rows(batch, scores: torch.Tensor, source, count: int, group: int) ->
             {"prompt": source.decode(ids[:cut].tolist()), "response": source.decode(ids[cut:].tolist()), "reward": float(scores[i])}
         )
     return rows
+
+
+def _trajectory_rows(agent: AgentBatch, count: int, group: int) -> list[dict[str, Any]]:
+    """:func:`_sample_rows` of multi-turn trajectories (the conversation after the prompt)."""
+    total = len(agent.texts)
+    order = [g * group + k for k in range(group) for g in range(total // group)][:count]
+    return [agent.texts[i] for i in order]
 
 
 def rollout_parity(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

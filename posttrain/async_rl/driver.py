@@ -59,9 +59,11 @@ class Pipeline:
         rank0: whether this process writes the ledger.
         score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
             ``async.check_version_parity`` probe; None: no probe.
+        agent: multi-turn rollouts (``posttrain.agents.AgentLoop``; synchronous only): the
+            step's batch is its trajectories, generated whole in step 3 with the same seeds.
     """
 
-    def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None) -> None:
+    def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None, agent=None) -> None:
         a = cfg.async_
         self.k, self.partial = a.max_staleness, a.partial_rollouts
         self.max_new = cfg.rollout.max_new_tokens
@@ -70,6 +72,9 @@ class Pipeline:
         self.rollout, self.source, self.rank0 = rollout, source, rank0
         self.score = score if a.check_version_parity else None
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
+        self.agent = agent
+        if agent is not None and self.k:
+            raise ValueError(f"async.max_staleness = {self.k}: multi-turn rollouts (env.function) run synchronously only; fix: 0")
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
         self.last = cfg.trainer.total_steps - 1  # the last step: nothing past it is admitted
@@ -178,7 +183,12 @@ class Pipeline:
             self.pending[self.cursor] = self._admitted(self.cursor)
             self.cursor += 1
         current = self.pending[step]
-        self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
+        metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
+        trajectories = None
+        if self.agent is not None:
+            trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new)
+        else:
+            self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
         finished = time.perf_counter()
         work = self._round_work(step)
         round_s, error = [0.0], []
@@ -203,13 +213,16 @@ class Pipeline:
         waited = time.perf_counter() - began  # the sync, the finish and a round that could not overlap
         try:
             del self.pending[step]
-            batch = samples_to_batch(current.prompts, current.samples, self.temperature)
+            if trajectories is None:
+                batch = samples_to_batch(current.prompts, current.samples, self.temperature)
+            else:
+                batch = trajectories.batch
             probe = self._version_parity(step, batch) if self.score is not None else {}
-            metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
             stale = (step + 1) - batch["rollout_weight_version"]
             if int(stale.max()) > self.k:  # the schedule guarantees it; a bug must not train silently
                 raise RuntimeError(f"async: a sample of step {step + 1} has staleness {int(stale.max())} > async.max_staleness {self.k}")
-            m = train(batch, metas, {"rollout_s": waited})
+            extra = {} if trajectories is None else {"agent": trajectories}
+            m = train(batch, metas, {"rollout_s": waited}, **extra)
         except BaseException as exc:
             if thread is not None:
                 thread.join()

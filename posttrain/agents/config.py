@@ -1,0 +1,89 @@
+"""The ``env`` section of the RL recipe: multi-turn rollouts with an environment and tools."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from posttrain.agents.tools import TOOL_FORMATS
+
+HISTORY_MISMATCH = ("error", "split")
+TURN_REWARDS = ("sum", "last")
+BUILTIN_ENVS = ("tools",)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn agentic rollouts (``posttrain.agents``; docs/agents.md).
+
+    Attributes:
+        function: the environment: ``package.module:Name`` or ``path/to/file.py:Name`` (a
+            class or factory called ``Name(prompt, **columns)`` once per trajectory), or
+            ``tools`` (the built-in tool-calling environment: runs the calls of each assistant
+            turn and ends at the first turn without one). null: single-turn rollouts.
+        tools: tool callables by import path (``pkg.mod:fn`` or ``file.py:fn``), offered to the
+            model through the chat template and executed by the ``tools`` environment
+            (an environment's own ``tools`` attribute adds to them).
+        tool_format: how tool calls are written: ``hermes`` (``<tool_call>{json}</tool_call>``,
+            Qwen / Hermes), ``llama3`` (Llama 3.1 JSON calls) or ``auto`` (read off the chat
+            template; refused at build when it names neither).
+        max_turns: assistant turns per trajectory, >= 1.
+        max_tokens: the longest token sequence of a training sample (prompt, every turn and
+            every observation); a trajectory that reaches it ends, flagged truncated.
+        tool_timeout_s: seconds one tool call may take (its thread is then abandoned and the
+            model sees an error observation); null: no limit.
+        step_timeout_s: seconds the environment's own ``step`` (or construction) may take; past
+            it the run stops naming ``env.function``; null: no limit.
+        history_mismatch: when the chat template renders the conversation so far differently
+            from the tokens kept (a template that rewrites history, e.g. drops earlier
+            reasoning): ``error`` (stop, naming the turn and the first differing token) or
+            ``split`` (the trajectory's next turns start a new training sample whose prompt is
+            the re-rendered conversation).
+        turn_rewards: how the environment's per-turn rewards combine: ``sum`` or ``last``;
+            ``reward.function`` (when set) adds its score of the final answer.
+        observation_role: the chat role of an observation given as plain text (``user``, or
+            e.g. ``tool`` / ``environment`` where the template knows it).
+    """
+
+    function: str | None = None
+    tools: list[str] = field(default_factory=list)
+    tool_format: str = "auto"
+    max_turns: int = 4
+    max_tokens: int = 1024
+    tool_timeout_s: float | None = 30.0
+    step_timeout_s: float | None = 300.0
+    history_mismatch: str = "error"
+    turn_rewards: str = "sum"
+    observation_role: str = "user"
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None
+
+    def _problems(self) -> list[str]:
+        out = []
+        for key, spec in [("function", self.function)] * (self.function not in (None, *BUILTIN_ENVS)) + [("tools", t) for t in self.tools]:
+            module, sep, name = str(spec).rpartition(":")
+            if not sep or not module or not name:
+                out.append(f"{key} = {spec!r}: expected 'package.module:Name' or 'path/to/file.py:Name'; fix: add ':Name'")
+            elif (module.endswith(".py") or "/" in module) and not os.path.isfile(module):
+                out.append(f"{key} = {spec!r}: file {module!r} does not exist (working directory {os.getcwd()}); fix: give its path")
+        if self.tools and self.function is None:
+            out.append("tools: given without env.function; fix: env.function=tools (the built-in tool environment) or your environment")
+        if self.tool_format not in TOOL_FORMATS:
+            out.append(f"tool_format = {self.tool_format!r}: unknown; fix: one of {', '.join(TOOL_FORMATS)}")
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
+            out.append(f"max_turns = {self.max_turns!r}: must be an integer >= 1; fix: e.g. 4")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 2:
+            out.append(f"max_tokens = {self.max_tokens!r}: must be an integer >= 2; fix: e.g. 1024")
+        for key in ("tool_timeout_s", "step_timeout_s"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                out.append(f"{key} = {value!r}: must be > 0 seconds or null (no limit); fix: e.g. 30")
+        if self.history_mismatch not in HISTORY_MISMATCH:
+            out.append(f"history_mismatch = {self.history_mismatch!r}: unknown; fix: one of {', '.join(HISTORY_MISMATCH)}")
+        if self.turn_rewards not in TURN_REWARDS:
+            out.append(f"turn_rewards = {self.turn_rewards!r}: unknown; fix: one of {', '.join(TURN_REWARDS)}")
+        if not isinstance(self.observation_role, str) or not self.observation_role:
+            out.append(f"observation_role = {self.observation_role!r}: must be a chat role; fix: e.g. user")
+        return out

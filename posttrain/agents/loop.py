@@ -1,0 +1,337 @@
+"""The multi-turn rollout: every trajectory of a step advanced turn by turn through the rollout
+role, the environment answering each turn, the whole kept token in, token out
+(``posttrain.agents.trajectory``), and the step's protocol batch built from the result.
+
+One step (``AgentLoop.run``): each trajectory starts from its prompt rendered with its tools;
+turn ``t`` samples every unfinished trajectory's next assistant turn in one rollout call per
+distinct length cap (``min(rollout.max_new_tokens, env.max_tokens - tokens so far)``), seeded
+``sample_seed(seed of the trajectory, t)``; the environment answers each turn; a trajectory
+ends when the environment says done, at ``env.max_turns``, or at the token budget (flagged
+truncated). Its reward: the environment's rewards (``env.turn_rewards``) plus
+``reward.function``'s score of the final answer when set.
+
+Ranks: the environment, the tools, the template and the reward function run on rank 0 only
+(user code with side effects runs once); each turn's prompts, and at the end the training
+samples, reach the other ranks by one broadcast, and every rank calls the rollout role with the
+same prompts (it is collective). An error on rank 0 is broadcast too, so every rank stops.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine_api import make_batch
+from engine_api.dist import comm_device, is_initialized
+from engine_api.rollout import sample_seed
+from posttrain.agents.config import EnvConfig
+from posttrain.agents.env import StepResult, ToolEnv, Turn
+from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
+from posttrain.agents.trajectory import Trajectory, message_list, token_fields
+from posttrain.rewards import _fenced, _Timeout, compute_rewards, load_callable
+
+
+@dataclass
+class AgentBatch:
+    """A step's trajectories as training data.
+
+    Attributes:
+        batch: the protocol batch, one row per training sample (a trajectory split by
+            ``env.history_mismatch=split`` gives several).
+        traj_of_row: ``[rows]`` the trajectory of each row.
+        scores: ``[T]`` float64, each trajectory's reward.
+        turns: flat ``[tokens]`` (aligned with the batch's jagged values): the assistant turn
+            that sampled each token, -1 off the model's tokens.
+        metrics: ``env/*``.
+        texts: per trajectory ``{"prompt", "response", "reward"}`` (the conversation after the
+            prompt, decoded; rank 0 only).
+    """
+
+    batch: Any
+    traj_of_row: torch.Tensor
+    scores: torch.Tensor
+    turns: torch.Tensor
+    metrics: dict[str, float]
+    texts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class AgentLoop:
+    """Multi-turn rollouts of one run (module docstring).
+
+    Args:
+        env: the ``env`` section.
+        tokenizer: the model directory's tokenizer (its chat template renders every turn).
+        template_kwargs: ``data.chat_template_kwargs``.
+        stop_ids: the rollout's stop token ids.
+        temperature: the rollout temperature (batch metadata).
+        reward: ``(fn, spec, batched, timeout_s)`` of ``reward.function``, or None.
+    """
+
+    def __init__(
+        self,
+        env: EnvConfig,
+        tokenizer,
+        template_kwargs: Mapping[str, Any],
+        stop_ids: Sequence[int],
+        temperature: float,
+        reward: tuple[Callable, str, bool, float | None] | None,
+    ) -> None:
+        self.cfg, self.tok, self.kwargs = env, tokenizer, dict(template_kwargs)
+        self.stop_ids, self.temperature, self.reward = list(stop_ids), temperature, reward
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "env.function: multi-turn rollouts render every turn with the tokenizer's chat template, and it has none; fix: "
+                "save a chat template with the tokenizer (engine.model.path)"
+            )
+        self.rank0 = not is_initialized() or dist.get_rank() == 0
+        self.factory: Callable | None = None
+        self.tools: dict[str, Callable] = {}
+        if self.rank0:  # user code: loaded where it runs
+            self.tools = {getattr(fn, "__name__", spec): fn for spec in env.tools for fn in [load_callable(spec, "env.tools")]}
+            if env.function != "tools":
+                self.factory = load_callable(env.function, "env.function")
+        fmt = env.tool_format
+        if fmt == "auto":
+            fmt = detect_format(tokenizer.chat_template)
+            if fmt is None and (env.tools or env.function == "tools"):
+                raise ValueError(
+                    "env.tool_format = 'auto': the chat template shows neither the hermes (<tool_call>) nor the llama3 "
+                    "(<|python_tag|>) tool-call form; fix: env.tool_format=hermes or llama3, the form your model was trained on"
+                )
+        self.fmt = fmt
+
+    # ------------------------------------------------------------------ one step
+    def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int) -> AgentBatch:
+        """The trajectories of ``metas`` (``posttrain.text_data.PromptSample``, one per
+        trajectory: a GRPO group's prompt repeated), trajectory ``i`` seeded ``seeds[i]``.
+        Collective over the ranks."""
+        state: dict[str, list] = {}
+
+        def start() -> None:
+            state["trajs"], state["envs"] = self._start(metas)
+
+        _on_rank0(start)
+        trajs, envs = state.get("trajs"), state.get("envs")
+        for turn in range(self.cfg.max_turns):
+            plan = _on_rank0(lambda: self._plan(trajs, max_new_tokens))
+            if not plan:
+                break
+            for amount, rows in sorted(plan.items()):
+                samples = rollout.sample(
+                    [torch.tensor(ids, dtype=torch.long) for _, ids in rows],
+                    [sample_seed(seeds[i], turn) for i, _ in rows],
+                    max_new_tokens=amount,
+                )
+                if self.rank0:
+                    for (i, _), s in zip(rows, samples, strict=True):
+                        trajs[i].add_turn(s)
+            _on_rank0(lambda plan=plan, turn=turn: self._respond(trajs, envs, metas, plan, turn))
+        rows = _on_rank0(lambda: self._rows(trajs))
+        scores = self._scores(trajs, envs, metas, len(metas))
+        segments, traj_of_row, prompt_lens, truncated, metrics = rows
+        fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
+        batch = make_batch(
+            fields["ids"],
+            loss_mask=fields["loss_mask"],
+            rollout_log_probs=fields["rollout_log_probs"],
+            rollout_token_versions=fields["rollout_token_versions"],
+            prompt_len=torch.tensor(prompt_lens, dtype=torch.long),
+            rollout_weight_version=torch.tensor(
+                [int(v[m > 0].min()) for v, m in zip(fields["rollout_token_versions"], fields["loss_mask"], strict=True)]
+            ),
+            rollout_truncated=torch.tensor(truncated, dtype=torch.long),
+            temperature=self.temperature,
+        )
+        texts = []
+        if self.rank0:
+            texts = [
+                {"prompt": m.text, "response": t.text[len(m.text) :] if t.text.startswith(m.text) else t.text, "reward": float(r)}
+                for m, t, r in zip(metas, trajs, scores.tolist(), strict=True)
+            ]
+        return AgentBatch(batch, torch.tensor(traj_of_row, dtype=torch.long), scores, torch.cat(fields["turns"]), metrics, texts)
+
+    # ------------------------------------------------------------------ rank 0's parts
+    def _start(self, metas: Sequence) -> tuple[list[Trajectory], list]:
+        trajs, envs = [], []
+        for m in metas:
+            declared = check_declared_tools(m.columns.get("tools"), m.source)
+            env = self._build_env(m)
+            registry = dict(self.tools)
+            registry.update({getattr(fn, "__name__", str(fn)): fn for fn in getattr(env, "tools", None) or []})
+            by_name = {schema_name(d): d for d in declared}
+            schemas = [tool_schema(fn, by_name) for fn in registry.values()]
+            schemas += [d for name, d in by_name.items() if name not in registry]
+            if isinstance(env, ToolEnv):
+                env.registry = registry
+            messages = list(m.messages) if getattr(m, "messages", None) else [{"role": "user", "content": m.text}]
+            render = _renderer(self.tok, schemas or None, self.kwargs)
+            text = render(messages)
+            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            if len(ids) >= self.cfg.max_tokens:
+                raise ValueError(
+                    f"row {m.source}: its prompt (tools included) has {len(ids)} tokens, not below env.max_tokens = "
+                    f"{self.cfg.max_tokens}; fix: raise env.max_tokens or shorten the prompt"
+                )
+            trajs.append(Trajectory(messages, ids, text, self.tok, render, self.cfg.max_tokens, self.stop_ids, self.cfg.history_mismatch))
+            envs.append(env)
+        return trajs, envs
+
+    def _build_env(self, meta):
+        if self.factory is None:
+            return ToolEnv(meta.text, {}, self.cfg.tool_timeout_s)
+        return self._fence(lambda: self.factory(meta.text, **dict(meta.columns)), meta.source, "building the environment")
+
+    def _plan(self, trajs: list[Trajectory], max_new_tokens: int) -> dict[int, list[tuple[int, list[int]]]]:
+        plan: dict[int, list[tuple[int, list[int]]]] = {}
+        for i, t in enumerate(trajs):
+            if t.done:
+                continue
+            amount = min(max_new_tokens, t.room())
+            if amount < 1:
+                t.truncated, t.done = True, True
+                continue
+            plan.setdefault(amount, []).append((i, list(t.current.ids)))
+        return plan
+
+    def _respond(self, trajs, envs, metas, plan, turn: int) -> None:
+        for _, rows in plan.items():
+            for i, _ in rows:
+                t, m = trajs[i], metas[i]
+                text = t.last_text
+                calls = parse_tool_calls(text, self.fmt) if self.fmt else []
+                cut = t.last_finish == "length"
+                result = self._fence(
+                    lambda env=envs[i], calls=calls, text=text, cut=cut: env.step(Turn(turn, text, calls, cut)), m.source, f"turn {turn}"
+                )
+                result = _check_result(result, self.cfg.function, m.source)
+                t.rewards.append(float(result.reward))
+                t.calls += len(calls)
+                t.errors += int(result.tool_errors)
+                if result.done or turn + 1 >= self.cfg.max_turns or t.truncated:
+                    t.done = True
+                    continue
+                observation = message_list(result.observation, self.cfg.observation_role, m.source, str(self.cfg.function))
+                if observation is None:
+                    raise ValueError(
+                        f"env.function = {self.cfg.function!r} (row {m.source}), turn {turn}: no observation but not done; fix: "
+                        "return an observation, or done=True"
+                    )
+                if not t.add_observation(observation):
+                    t.done = True
+
+    def _fence(self, fn: Callable[[], Any], source: str, what: str) -> Any:
+        name = self.cfg.function
+        try:
+            return _fenced(fn, self.cfg.step_timeout_s)
+        except KeyboardInterrupt:
+            raise
+        except _Timeout:
+            raise RuntimeError(
+                f"env.function = {name!r} (row {source}), {what}: did not return within env.step_timeout_s = {self.cfg.step_timeout_s:g} s "
+                "(abandoned: a thread cannot be stopped); fix: make it faster, or raise env.step_timeout_s"
+            ) from None
+        except BaseException as exc:  # noqa: BLE001 (user code: sys.exit included)
+            raise RuntimeError(f"env.function = {name!r} (row {source}), {what}: raised {exc!r}; no update was made") from exc
+
+    def _rows(self, trajs: list[Trajectory]):
+        segments = {k: [] for k in _DTYPES}
+        traj_of_row, prompt_lens, truncated = [], [], []
+        for i, t in enumerate(trajs):
+            for s in t.segments():
+                for k, v in token_fields([s]).items():
+                    segments[k].append(v[0].tolist())
+                traj_of_row.append(i)
+                prompt_lens.append(s.prompt_len)
+                truncated.append(int(t.truncated))
+        turns = [t.turns for t in trajs]
+        metrics = {
+            "env/turns_mean": statistics.mean(turns),
+            "env/turns_max": float(max(turns)),
+            "env/tool_calls_mean": statistics.mean(t.calls for t in trajs),
+            "env/tool_errors": float(sum(t.errors for t in trajs)),
+            "env/truncated_frac": statistics.mean(float(t.truncated) for t in trajs),
+            "env/split_frac": statistics.mean(float(t.splits > 0) for t in trajs),
+        }
+        return segments, traj_of_row, prompt_lens, truncated, metrics
+
+    def _scores(self, trajs, envs, metas, count: int) -> torch.Tensor:
+        env_scores = torch.zeros(count, dtype=torch.float64)
+        if self.rank0:
+            combine = sum if self.cfg.turn_rewards == "sum" else (lambda r: r[-1] if r else 0.0)
+            env_scores = torch.tensor([float(combine(t.rewards)) for t in trajs], dtype=torch.float64)
+        if is_initialized() and dist.get_world_size() > 1:
+            env_scores = env_scores.to(comm_device(None))
+            dist.broadcast(env_scores, src=0)
+            env_scores = env_scores.cpu()
+        if self.reward is None:
+            return env_scores
+        fn, spec, batched, timeout_s = self.reward
+        if self.rank0:
+            prompts, responses = [m.text for m in metas], [t.last_answer for t in trajs]
+            columns, sources = [dict(m.columns) for m in metas], [m.source for m in metas]
+        else:  # only rank 0 calls the function; the others take part in its one collective
+            prompts = responses = [""] * count
+            columns, sources = [{}] * count, [""] * count
+        return env_scores + compute_rewards(fn, batched, prompts, responses, columns, sources, name=spec, timeout_s=timeout_s)
+
+
+_DTYPES = {
+    "ids": torch.long,
+    "loss_mask": torch.float32,
+    "rollout_log_probs": torch.float32,
+    "rollout_token_versions": torch.long,
+    "turns": torch.long,
+}
+
+
+def _renderer(tokenizer, tools: list[dict] | None, kwargs: Mapping[str, Any]):
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    return render
+
+
+def _check_result(result: object, name: object, source: str) -> StepResult:
+    """An environment's ``step`` result as a checked ``StepResult`` (a 3-tuple is accepted)."""
+    if isinstance(result, tuple) and len(result) == 3:
+        result = StepResult(*result)
+    if not isinstance(result, StepResult):
+        raise ValueError(
+            f"env.function = {name!r} (row {source}): step returned a {type(result).__name__}; fix: return "
+            "posttrain.agents.StepResult(observation, reward, done) or an (observation, reward, done) tuple"
+        )
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward or abs(reward) == float("inf"):
+        raise ValueError(f"env.function = {name!r} (row {source}): reward {reward!r} is not a finite number; fix: return a float")
+    if not isinstance(result.done, bool):
+        raise ValueError(f"env.function = {name!r} (row {source}): done = {result.done!r} is not a bool; fix: True or False")
+    return result
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 (every rank calls this; only rank 0 runs ``fn``), its value broadcast
+    to every rank; an error on rank 0 is broadcast and raised everywhere (rank 0 raises its own)."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 (re-raised below after the others learn of it)
+            error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0, device=comm_device(None))
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise RuntimeError(f"the multi-turn rollout failed on rank 0 ({value}); this rank stops too")
+    return value
+
+
+__all__ = ["AgentBatch", "AgentLoop", "ToolCall"]

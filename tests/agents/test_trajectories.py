@@ -1,0 +1,338 @@
+"""Multi-turn trajectories kept token in, token out (``posttrain.agents``; issue 54), on real HF
+tokenizers and chat templates with a scripted policy in place of the rollout (the rollout role's
+``sample`` interface: what the loop calls). No engine: the engine runs are in
+``test_agent_runs.py``.
+
+What must hold, each shown failing on a broken implementation once:
+
+* the trained tokens ARE the sampled ones, with a tokenizer whose decode-then-encode is not the
+  identity (a re-encoding loop trains other tokens: the test compares ids);
+* the loss mask is 1 exactly on the sampled tokens; prompts, template glue and observations
+  (tool results) are 0;
+* a template that strips earlier reasoning is refused by default, naming the turn and the
+  token; with ``history_mismatch=split`` the next turns start a new sample whose prompt is the
+  re-rendered conversation;
+* the token budget ends a trajectory, flagged truncated, never cut mid-observation;
+* malformed tool calls, unknown tools and failing tools are error observations, counted;
+  a broken environment (raises, hangs, returns a non-string observation) stops the step naming
+  ``env.function``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+
+from engine_api.rollout import Sample
+from posttrain.agents import AgentLoop, EnvConfig, HistoryMismatch, StepResult, parse_tool_calls
+from posttrain.agents.demo import TEMPLATE, character_tokenizer
+from posttrain.agents.tools import run_tool
+from posttrain.text_data import PromptSample
+
+HERMES = TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{# <tool_call> #}")
+# Like Qwen3's: an assistant turn before the last message is written without its reasoning.
+STRIPS_REASONING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Scripted:
+    """The rollout role's ``sample``: each prompt answered by ``policy(prompt_text)`` (text,
+    tokenized piece by piece as ``pieces`` says), with made-up log-probs; records every call."""
+
+    def __init__(self, tok, policy, split_pieces: bool = False, stop: str = "<|im_end|>") -> None:
+        self.tok, self.policy, self.split, self.stop = tok, policy, split_pieces, stop
+        self.calls: list[list[list[int]]] = []
+
+    def sample(self, prompts, seeds, kept=None, max_new_tokens=None):
+        out, drawn = [], []
+        for p in prompts:
+            text = self.policy(self.tok.decode(p.tolist(), skip_special_tokens=False))
+            if self.split:  # one token per character: a non-canonical split for a BPE tokenizer
+                ids = [i for ch in text for i in self.tok(ch, add_special_tokens=False)["input_ids"]]
+            else:
+                ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            ids.append(self.tok.convert_tokens_to_ids(self.stop))
+            finish = "stop"
+            if max_new_tokens is not None and len(ids) > max_new_tokens:
+                ids, finish = ids[:max_new_tokens], "length"
+            drawn.append(ids)
+            out.append(Sample(torch.tensor(ids), -0.5 - torch.arange(len(ids), dtype=torch.float32) / 100, finish, 1))
+        self.calls.append(drawn)
+        return out
+
+
+def _chat_tokenizer(template: str, *extra: str):
+    """One token per printable ASCII character, ChatML's specials, and ``extra`` tags as single
+    non-special tokens (Qwen's ``<tool_call>`` kind)."""
+    from tokenizers import AddedToken
+
+    from recipes.tinker_server.demo import character_tokenizer as ascii_tokenizer
+
+    tok = ascii_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>", *extra)])
+    tok.chat_template = template
+    return tok
+
+
+def _loop(tok, **env) -> AgentLoop:
+    settings = {"function": "tools", "max_turns": 3, "max_tokens": 256, **env}
+    return AgentLoop(EnvConfig(**settings), tok, {}, [tok.convert_tokens_to_ids("<|im_end|>")], 1.0, None)
+
+
+def _meta(prompt: str, **columns) -> PromptSample:
+    return PromptSample(torch.zeros(1, dtype=torch.long), prompt, columns, f"test.jsonl:{prompt}", ({"role": "user", "content": prompt},))
+
+
+def _sampled_in_rows(out, rollout: Scripted) -> None:
+    """Every sampled token is in the batch, in order, exactly where the mask is 1."""
+    drawn = [t for call in rollout.calls for ids in call for t in ids]
+    ids, mask = out.batch["input_ids"].values(), out.batch["loss_mask"].values()
+    assert sorted(ids[mask > 0].tolist()) == sorted(drawn)  # the multiset: calls interleave trajectories
+    assert int(mask.sum()) == len(drawn)
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+def test_hermes_and_llama3_calls_parse_and_malformed_ones_are_named():
+    calls = parse_tool_calls('x <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> y', "hermes")
+    assert [(c.name, dict(c.arguments), c.error) for c in calls] == [("add", {"a": 1, "b": 2}, None)]
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', "hermes")[0].arguments == {"a": 1}
+    bad = parse_tool_calls("<tool_call>{name: add}</tool_call><tool_call>[1]</tool_call><tool_call>{", "hermes")
+    assert [c.error is not None for c in bad] == [True, True, True]
+    assert "not valid JSON" in bad[0].error and "not an object" in bad[1].error and "closing" in bad[2].error
+    llama = parse_tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', "llama3")
+    assert [(c.name, dict(c.arguments)) for c in llama] == [("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls("The answer is 3.", "llama3") == []
+    assert parse_tool_calls('{"name": 3}', "llama3")[0].error == "the call has no string 'name'"
+
+
+def test_failing_tools_become_counted_error_observations():
+    def exits():
+        sys.exit(3)
+
+    def sleeps():
+        time.sleep(5)
+
+    registry = {"add": add, "exits": exits, "sleeps": sleeps, "boom": lambda: 1 / 0}
+    ok = run_tool(parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', "hermes")[0], registry, 5)
+    assert (ok.content, ok.error) == ("3", False)
+    for text, needle in [
+        ('{"name": "nope", "arguments": {}}', "unknown tool 'nope'"),
+        ('{"name": "add", "arguments": {"a": 1}}', "bad arguments for 'add'"),
+        ('{"name": "exits", "arguments": {}}', "raised SystemExit"),
+        ('{"name": "boom", "arguments": {}}', "ZeroDivisionError"),
+        ('{"name": "sleeps", "arguments": {}}', "did not return within 0.2 s"),
+        ('{"name": "add", "arguments": [1]}', "malformed tool call"),
+    ]:
+        result = run_tool(parse_tool_calls(f"<tool_call>{text}</tool_call>", "hermes")[0], registry, 0.2)
+        assert result.error and needle in result.content, result
+
+
+def _bpe_tokenizer():
+    """A byte-free BPE whose vocabulary has both 'a', 'b' and the merge 'ab': sampling 'a' then
+    'b' is a valid draw that re-encodes to one token (decode-then-encode is not the identity)."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 :\n{}\"',<>/_")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], initial_alphabet=chars)
+    tok.train_from_iterator(["abab ab abc " * 50, "user assistant tool " * 20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = TEMPLATE
+    assert fast("ab", add_special_tokens=False)["input_ids"] != [fast.convert_tokens_to_ids(c) for c in "ab"]
+    return fast
+
+
+class Echo:
+    """Answers every turn with an observation until ``turns`` turns, then done (reward 1)."""
+
+    def __init__(self, prompt: str, turns: int = 2, **columns) -> None:
+        self.turns = turns
+
+    def step(self, turn):
+        if turn.index + 1 >= self.turns:
+            return StepResult(None, 1.0, True)
+        return StepResult("obs ab", 0.25, False)
+
+
+def test_the_trained_tokens_are_the_sampled_ones_with_a_tokenizer_that_does_not_round_trip():
+    tok = _bpe_tokenizer()
+    rollout = Scripted(tok, lambda prompt: "abab", split_pieces=True)
+    loop = _loop(tok, function=f"{__name__}:Echo", max_turns=3)
+    out = loop.run(rollout, [_meta("ab"), _meta("abc")], [1, 2], max_new_tokens=8)
+    _sampled_in_rows(out, rollout)
+    per_row = [out.batch["input_ids"][i][out.batch["loss_mask"][i] > 0].tolist() for i in range(2)]
+    a, b = tok.convert_tokens_to_ids("a"), tok.convert_tokens_to_ids("b")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert per_row == [[a, b, a, b, end] * 2] * 2  # two turns of the split draw, never re-encoded to 'ab'
+    # The second turn's prompt continued from the kept ids: the first turn's split tokens are in it.
+    second_prompt = rollout.calls[1][0]
+    assert rollout.calls[0][0] == [a, b, a, b, end] and second_prompt == [a, b, a, b, end]
+    assert out.scores.tolist() == [1.25, 1.25] and out.metrics["env/turns_max"] == 2
+    # Each turn's tokens carry their own log-probs and turn index.
+    turns = out.turns[out.batch["loss_mask"].values() > 0]
+    assert turns.tolist() == ([0] * 5 + [1] * 5) * 2
+
+
+def test_tool_results_are_never_in_the_loss_mask(tmp_path):
+    tok = _chat_tokenizer(HERMES)
+
+    def policy(prompt: str) -> str:
+        if prompt.count("<|im_start|>assistant") == 1:
+            return '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+        return "5"
+
+    rollout = Scripted(tok, policy)
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: x.\n        b: y.\n    '''\n    return a + b\n")
+    loop = AgentLoop(
+        EnvConfig(function="tools", tools=[f"{tools}:add"], max_turns=3, max_tokens=256),
+        tok,
+        {},
+        [tok.convert_tokens_to_ids("<|im_end|>")],
+        1.0,
+        None,
+    )
+    assert loop.fmt == "hermes"  # read off the template
+    out = loop.run(rollout, [_meta("key 1")], [0], max_new_tokens=80)
+    ids, mask = out.batch["input_ids"][0], out.batch["loss_mask"][0]
+    text = tok.decode(ids.tolist())
+    assert "<|im_start|>tool\n5<|im_end|>" in text  # the tool ran and its result was rendered
+    masked_text = tok.decode(ids[mask > 0].tolist())
+    assert masked_text == '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>5<|im_end|>'
+    _sampled_in_rows(out, rollout)
+    assert out.metrics["env/tool_calls_mean"] == 1 and out.metrics["env/tool_errors"] == 0
+    assert out.metrics["env/turns_mean"] == 2 and out.metrics["env/truncated_frac"] == 0
+
+
+def test_malformed_and_unknown_calls_reach_the_model_as_errors_and_are_counted():
+    tok = _chat_tokenizer(HERMES)
+    answers = iter(['<tool_call>{"name": add}</tool_call>', '<tool_call>{"name": "sub", "arguments": {}}</tool_call>', "1"])
+    rollout = Scripted(tok, lambda prompt: next(answers))
+    out = _loop(tok).run(rollout, [_meta("key 1")], [0], max_new_tokens=80)
+    text = tok.decode(out.batch["input_ids"][0].tolist())
+    assert "Error: malformed tool call: the call is not valid JSON" in text and "Error: unknown tool 'sub'" in text
+    assert out.metrics["env/tool_errors"] == 2 and out.metrics["env/tool_calls_mean"] == 2
+
+
+def test_a_template_that_strips_reasoning_is_refused_or_split():
+    tok = _chat_tokenizer(STRIPS_REASONING, "<think>", "</think>")
+    policy = lambda prompt: "<think>hm</think>ab"  # noqa: E731
+    with pytest.raises(HistoryMismatch, match="renders the conversation before assistant turn 1 differently") as err:
+        _loop(tok, function=f"{__name__}:Echo").run(Scripted(tok, policy), [_meta("key 1")], [0], max_new_tokens=20)
+    assert "assistant turn 0" in str(err.value) and "'<think>'" in str(err.value)
+    rollout = Scripted(tok, policy)
+    out = _loop(tok, function=f"{__name__}:Echo", history_mismatch="split").run(rollout, [_meta("key 1")], [0], max_new_tokens=20)
+    assert len(out.batch["input_ids"]) == 2 and out.traj_of_row.tolist() == [0, 0] and out.metrics["env/split_frac"] == 1
+    _sampled_in_rows(out, rollout)
+    second = tok.decode(out.batch["input_ids"][1].tolist())
+    # The new sample's prompt is the re-rendered conversation: the first turn without its reasoning.
+    assert second.startswith("<|im_start|>user\nkey 1<|im_end|>\n<|im_start|>assistant\nab<|im_end|>")
+    assert tok.decode(out.batch["input_ids"][1][out.batch["loss_mask"][1] > 0].tolist()) == "<think>hm</think>ab<|im_end|>"
+
+
+def test_the_token_budget_ends_a_trajectory_flagged_truncated():
+    tok = character_tokenizer()
+    tok.chat_template = TEMPLATE
+    rollout = Scripted(tok, lambda prompt: "1234")
+    budget = 40  # the prompt (21 tokens) + a turn (5) + the observation's 20 do not fit
+    out = _loop(tok, function=f"{__name__}:Echo", max_tokens=budget).run(rollout, [_meta("key 1")], [0], max_new_tokens=8)
+    assert out.metrics["env/truncated_frac"] == 1 and out.batch["rollout_truncated"].tolist() == [1]
+    assert len(out.batch["input_ids"][0]) < budget and out.metrics["env/turns_max"] == 1
+    # A turn capped by the budget: it samples only what is left.
+    rollout = Scripted(tok, lambda prompt: "123456789")
+    out = _loop(tok, function=f"{__name__}:Echo", max_tokens=26).run(rollout, [_meta("key 1")], [0], max_new_tokens=8)
+    assert len(out.batch["input_ids"][0]) == 26 and out.batch["rollout_truncated"].tolist() == [1]
+
+
+class Raises:
+    def __init__(self, prompt, **columns):
+        pass
+
+    def step(self, turn):
+        raise KeyError("boom")
+
+
+class Hangs(Raises):
+    def step(self, turn):
+        time.sleep(5)
+
+
+class NotText(Raises):
+    def step(self, turn):
+        return StepResult({"role": "user", "content": 5}, 0.0, False)
+
+
+class Exits(Raises):
+    def step(self, turn):
+        sys.exit(1)
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ("Raises", "raised KeyError('boom')"),
+        ("Hangs", "did not return within env.step_timeout_s = 0.2 s"),
+        ("NotText", "the observation is a dict"),
+        ("Exits", "raised SystemExit(1)"),
+    ],
+)
+def test_a_broken_environment_stops_the_step_naming_it(env, needle):
+    tok = character_tokenizer()
+    tok.chat_template = TEMPLATE
+    loop = _loop(tok, function=f"{__name__}:{env}", step_timeout_s=0.2)
+    with pytest.raises((RuntimeError, ValueError), match="env.function") as err:
+        loop.run(Scripted(tok, lambda p: "1"), [_meta("key 1")], [0], max_new_tokens=4)
+    assert needle in str(err.value) and "test.jsonl:key 1" in str(err.value)
+
+
+def test_bad_env_settings_are_named():
+    problems = EnvConfig(function="nomodule", max_turns=0, tool_format="xml", history_mismatch="guess", tool_timeout_s=0)._problems()
+    text = "; ".join(problems)
+    for needle in ("function = 'nomodule'", "max_turns = 0", "tool_format = 'xml'", "history_mismatch = 'guess'", "tool_timeout_s = 0"):
+        assert needle in text, text
+    tok = character_tokenizer()
+    tok.chat_template = TEMPLATE  # names neither tool-call form
+    with pytest.raises(ValueError, match="env.tool_format = 'auto'"):
+        _loop(tok)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        _loop(tok, tool_format="hermes")
+
+
+def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
+    from engine_api.typed_config import load_typed
+    from recipes.ppo import PPOConfig
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "x"}) + "\n")
+    over = [f"data.train_files=[{data}]", f"engine.model.path={tmp_path}", "env.function=tools"]
+    for extra, needle in [
+        (["async.max_staleness=2"], "async.max_staleness = 2 with env.function"),
+        (["actor.router_replay=r3"], "actor.router_replay = 'r3' with env.function"),
+        (["trainer.use_legacy_worker_impl=enable"], "legacy workers train single-turn"),
+        (["rollout.max_model_len=64", "env.max_tokens=128"], "env.max_tokens = 128 > rollout.max_model_len = 64"),
+    ]:
+        with pytest.raises(ValueError, match="env") as err:
+            load_typed(PPOConfig, "configs/grpo_tiny.yaml", [*over, *extra])
+        assert needle in str(err.value)
