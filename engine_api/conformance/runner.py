@@ -5,7 +5,8 @@ forked from multiprocessing's forkserver, which has
 imported torch, transformers, the kit and the backend's module once (a new interpreter spends
 5-10 s importing them; a fork from the server well under one). They are fresh processes in
 everything the checks touch: no engine, process group or RNG use happened in the server, and
-each rank takes the caller's environment as it is at the launch. With ``nproc > 1`` they get the environment torchrun
+each rank takes the caller's environment as it is at the launch (and computes on cores // nproc
+torch threads, at most the caller's ``OMP_NUM_THREADS``). With ``nproc > 1`` they get the environment torchrun
 gives (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), so the
 engines join that world as they would under torchrun; with ``nproc == 1`` they get none and
 take the plain-python path (a 1-rank group of their own). Phase-2 checks (resume,
@@ -73,8 +74,9 @@ def run_conformance(
     only: tuple[str, ...] | list[str] | None = None,
     workdir: str | None = None,
     timeout_s: float = 1200.0,
+    exclude: tuple[str, ...] | list[str] | set[str] = (),
 ) -> Report:
-    """Run the checks (all, or ``only`` these names) against ``strategy``.
+    """Run the checks (all, or ``only`` these names, less ``exclude``) against ``strategy``.
 
     Raises:
         ValueError: ``strategy`` names no engine, or an unknown check is asked for.
@@ -87,12 +89,16 @@ def run_conformance(
         overrides: engine settings for every check, e.g. a layout
             (``megatron.tensor_model_parallel_size=2``).
         workdir: where the model and checkpoints go (default: a temporary directory).
+        exclude: checks not to run (e.g. ones a layout cannot change, run on another layout);
+            they are left out of the report. ``resume_save`` still runs when ``resume`` or
+            ``tampered_checkpoint`` does (they read its checkpoint).
     """
     target = _resolvable(strategy)
     names = list(C.CHECKS) if only is None else list(only)
-    unknown = [n for n in names if n not in C.CHECKS]
+    unknown = [n for n in [*names, *exclude] if n not in C.CHECKS]
     if unknown:
         raise ValueError(f"unknown check(s) {unknown}; fix: use some of {', '.join(C.CHECKS)}")
+    names = [n for n in names if n not in exclude]
     if "resume" in names and "resume_save" not in names:
         names.insert(0, "resume_save")
     if "tampered_checkpoint" in names and "resume_save" not in names:
@@ -226,8 +232,14 @@ def _rank_main(rank: int, world: int, port: int, env: dict, names: list[str], re
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world),
         )
-    # Tiny models: more threads than cores per process only contend.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # Tiny models: more threads than cores per process only contend (on a busy machine OpenMP
+    # threads waiting for each other made a check 10x slower); the caller's OMP_NUM_THREADS,
+    # when set, caps them (a rank forked from the server has its torch threads already).
+    threads = max(1, (os.cpu_count() or 1) // world)
+    cap = caller_env.get("OMP_NUM_THREADS", "").strip()
+    if cap.isdigit() and int(cap) > 0:
+        threads = min(threads, int(cap))
+    torch.set_num_threads(threads)
     e = C.Env(rank=rank, world=world, **env)
     for name in names:
         try:

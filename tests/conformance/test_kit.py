@@ -2,7 +2,9 @@
 
 Every backend passes every check: fsdp and the reference engine (torch DDP over HF, built on
 the backend kit only) on 1 and 2 processes, fsdp with Ulysses SP=2 on 2 and 4 processes, megatron on 1 process and on 2 at DP=2 (with the
-distributed optimizer), TP=2 and PP=2. These runs replace the per-backend invariance copies (the old reference-engine
+distributed optimizer), TP=2 and PP=2; four checks whose property a layout cannot change
+everywhere run on the layouts ``ONLY_ON`` names (each backend, and every layout whose path
+differs), and each run asserts it ran exactly the others. These runs replace the per-backend invariance copies (the old reference-engine
 invariance suite and the FSDP invariance file): the update check compares one optimizer step
 with an independent HF step in all 4 aggregation modes for every micro-batching layout, and at
 2 processes that is DP-size invariance.
@@ -43,13 +45,73 @@ RUNS = {
     "megatron-pp2": ("megatron", 2, ["megatron.pipeline_model_parallel_size=2"]),
 }
 
+# Checks that run on some layouts only (every other check runs on all of RUNS): on each backend,
+# and on every layout whose code path the property goes through differently. Read from the checks
+# (engine_api/conformance/checks.py, precision_checks.py) and the backends:
+# - mixed_precision: fsdp-1 (and megatron-1: the teeth' sound engines), fsdp-2 (fp32 params sharded,
+#   bf16 gathers), fsdp-sp2 (the Ulysses all-to-all and masks in bf16: no other bf16 SP test),
+#   megatron DP=2 distopt (mains seeded per optimizer shard), TP=2 (TP-split mains, exports
+#   gathered), PP=2 (Float16Module casts at the first / last stage, exports from each stage);
+#   reference-1 shows the refusal (the reference refuses bf16 at build_engine on any nproc).
+#   Not fsdp-dp2-sp2: DP x SP adds nothing bf16-specific to fsdp-2 + fsdp-sp2.
+# - save_before_first_step: whether a save or load touches the optimizer state before its first
+#   step. FSDP drops the state torch's get_state_dict creates on every rank alike (SP changes no
+#   optimizer state): fsdp-2 (sharded DCP save). megatron refuses by has_optimizer_state, which
+#   depends on the optimizer (plain: megatron-1; distributed: DP=2 distopt), not on TP / PP.
+#   The reference: reference-2.
+# - nonfinite_update: the overflowing weight (layer 0's down_proj[0, 0]) lies on one rank's shard
+#   at fsdp-2 (params are sharded over the world, with or without SP), on one TP rank at TP=2 and
+#   on stage 0 at PP=2: the other rank must raise through the world-wide flag; DP=2 distopt steps
+#   the main shards and gathers the params the check reads. At 1 rank the flag is trivial (fsdp-1,
+#   megatron-1: subsumed by those). reference-1: the teeth' sound engine (1 process).
+# - unshard_order: only where a rank's shard is not the whole batch, i.e. on every 2- and 4-rank
+#   layout (reference-2 is the teeth' sound engine); at 1 rank there is no order to get wrong.
+ONLY_ON = {
+    "mixed_precision": (
+        "reference-1",
+        "fsdp-1",
+        "fsdp-2",
+        "fsdp-sp2",
+        "megatron-1",
+        "megatron-dp2-distopt",
+        "megatron-tp2",
+        "megatron-pp2",
+    ),
+    "save_before_first_step": ("reference-2", "fsdp-2", "megatron-1", "megatron-dp2-distopt"),
+    "nonfinite_update": ("reference-1", "fsdp-2", "megatron-dp2-distopt", "megatron-tp2", "megatron-pp2"),
+    "unshard_order": tuple(run for run, (_, nproc, _) in RUNS.items() if nproc > 1),
+}
+SKIPPED_ON = {run: {check for check, runs in ONLY_ON.items() if run not in runs} for run in RUNS}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank(monkeypatch):
+    """The kit's ranks take one torch thread (``OMP_NUM_THREADS`` caps the runner's cores // nproc),
+    as every process the suite launches does: ``make test`` runs 2 workers on 2 cores, and a
+    1-process layout on 2 threads next to the other worker ran its checks up to 10x slower."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_the_layout_table_leaves_no_check_uncovered():
+    """Every check runs on at least one layout of each backend, and where a tooth's sound engine
+    is said to pass its check (below), that layout runs it."""
+    assert set(ONLY_ON) <= set(CHECKS) and all(set(runs) <= set(RUNS) for runs in ONLY_ON.values())
+    for backend in (REFERENCE, "fsdp", "megatron"):
+        layouts = [run for run, (strategy, _, _) in RUNS.items() if strategy == backend]
+        for check in CHECKS:
+            assert any(check not in SKIPPED_ON[run] for run in layouts), (check, backend)
+    for _, nproc, check in TEETH.values():
+        sound = ["fsdp-1", "megatron-1"] if check == "mixed_precision" else [f"reference-{nproc}"]
+        assert all(RUNS[run][1] == nproc and check not in SKIPPED_ON[run] for run in sound), (check, sound)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_every_backend_passes_every_check(run):
     strategy, nproc, overrides = RUNS[run]
-    report = run_conformance(strategy, nproc, overrides)
-    in_run_order = [n for n in CHECKS if CHECKS[n].phase == 1] + [n for n in CHECKS if CHECKS[n].phase == 2]
+    report = run_conformance(strategy, nproc, overrides, exclude=SKIPPED_ON[run])
+    # exactly the checks ONLY_ON leaves to this layout, in run order: none lost or added silently
+    in_run_order = [n for phase in (1, 2) for n in CHECKS if CHECKS[n].phase == phase and n not in SKIPPED_ON[run]]
     assert [o.name for o in report.outcomes] == in_run_order, report.summary()
     # Sequences split over ranks (Ulysses SP) refuse target_ids, as documented: those two checks
     # must report the refusal (skipped, with the engine's reason), never pass or fail.
