@@ -205,11 +205,6 @@ def agent_problems(cfg: PPOConfig) -> list[str]:
             f"async.max_staleness = {cfg.async_.max_staleness} with env.function: asynchronous multi-turn rollouts are not built "
             "yet (docs/agents.md); fix: async.max_staleness=0"
         )
-    if cfg.actor.router_replay == "r3":
-        out.append(
-            "actor.router_replay = 'r3' with env.function: replaying the rollout's routing over several turns is not built yet "
-            "(docs/agents.md); fix: actor.router_replay=r2 or off"
-        )
     if cfg.trainer.use_legacy_worker_impl in FLAG_VALUES and use_legacy(cfg.trainer.use_legacy_worker_impl):
         out.append(
             "trainer.use_legacy_worker_impl: the legacy workers train single-turn batches only, not env.function's multi-turn "

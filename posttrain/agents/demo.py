@@ -72,8 +72,9 @@ def character_tokenizer():
     return fast
 
 
-def build_assets(root: str | os.PathLike = DEFAULT_ASSETS, rows: int = 256, seed: int = 0) -> str:
-    """The model directory and data files under ``root`` (kept when present); returns ``root``."""
+def build_assets(root: str | os.PathLike = DEFAULT_ASSETS, rows: int = 256, seed: int = 0, family: str = "llama") -> str:
+    """The model directory and data files under ``root`` (kept when present); returns ``root``.
+    ``family``: the tiny model's (``posttrain.tiny_model``; e.g. ``qwen3_moe`` for routing replay)."""
     from posttrain.tiny_model import build_tiny_model
 
     root = Path(root)
@@ -82,7 +83,7 @@ def build_assets(root: str | os.PathLike = DEFAULT_ASSETS, rows: int = 256, seed
         tok = character_tokenizer()
         # head_dim 32: vLLM's CPU attention refuses narrower heads (rollout.backend=vllm runs it too).
         build_tiny_model(
-            model, family="llama", seed=seed, vocab_size=len(tok), max_position_embeddings=128, eos_token_id=tok.eos_token_id, head_dim=32
+            model, family=family, seed=seed, vocab_size=len(tok), max_position_embeddings=128, eos_token_id=tok.eos_token_id, head_dim=32
         )
         tok.save_pretrained(str(model))
     rng = random.Random(seed)

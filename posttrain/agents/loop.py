@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from engine_api import make_batch
 from engine_api.dist import comm_device, is_initialized
+from engine_api.moe import ROLLOUT_ROUTING_FIELD
 from engine_api.rollout import sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
@@ -133,8 +134,9 @@ class AgentLoop:
             _on_rank0(lambda plan=plan, turn=turn: self._respond(trajs, envs, metas, plan, turn))
         rows = _on_rank0(lambda: self._rows(trajs))
         scores = self._scores(trajs, envs, metas, len(metas))
-        segments, traj_of_row, prompt_lens, truncated, metrics = rows
+        segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
         fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
+        extra = {ROLLOUT_ROUTING_FIELD: routing} if routing else {}
         batch = make_batch(
             fields["ids"],
             loss_mask=fields["loss_mask"],
@@ -146,6 +148,7 @@ class AgentLoop:
             ),
             rollout_truncated=torch.tensor(truncated, dtype=torch.long),
             temperature=self.temperature,
+            **extra,
         )
         texts = []
         if self.rank0:
@@ -240,9 +243,12 @@ class AgentLoop:
 
     def _rows(self, trajs: list[Trajectory]):
         segments = {k: [] for k in _DTYPES}
-        traj_of_row, prompt_lens, truncated = [], [], []
+        traj_of_row, prompt_lens, truncated, routing = [], [], [], []
         for i, t in enumerate(trajs):
             for s in t.segments():
+                routed = s.routed_experts()
+                if routed is not None:
+                    routing.append(routed)
                 for k, v in token_fields([s]).items():
                     segments[k].append(v[0].tolist())
                 traj_of_row.append(i)
@@ -257,7 +263,9 @@ class AgentLoop:
             "env/truncated_frac": statistics.mean(float(t.truncated) for t in trajs),
             "env/split_frac": statistics.mean(float(t.splits > 0) for t in trajs),
         }
-        return segments, traj_of_row, prompt_lens, truncated, metrics
+        if routing and len(routing) != len(traj_of_row):
+            raise RuntimeError("the rollout recorded MoE routing for some trajectories' samples and not others")
+        return segments, traj_of_row, prompt_lens, truncated, metrics, routing
 
     def _scores(self, trajs, envs, metas, count: int) -> torch.Tensor:
         env_scores = torch.zeros(count, dtype=torch.float64)

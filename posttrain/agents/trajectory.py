@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_api.moe import NOT_ROUTED
 from engine_api.rollout import Sample
 
 Render = Callable[[list[dict]], str]  # messages -> text with the generation prompt
@@ -44,7 +45,11 @@ class HistoryMismatch(ValueError):
 class Segment:
     """One training sample of a trajectory: token ids and, per token, loss mask (1 exactly on
     the sampled tokens), sampling log-prob and weight version (0 off the model's tokens), and
-    the assistant turn that sampled it (-1 elsewhere)."""
+    the assistant turn that sampled it (-1 elsewhere). ``routing``: with an engine that records
+    MoE routing, the rows ``[positions, L, k]`` kept so far: each position's routing from the
+    rollout call that first computed it (the sampled tokens' from the call that sampled them,
+    a prompt's or an observation's from the next call's prefill, as a KV cache would keep them);
+    the last position, which no forward fed, is ``NOT_ROUTED``."""
 
     ids: list[int]
     prompt_len: int
@@ -52,6 +57,7 @@ class Segment:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -73,6 +79,23 @@ class Segment:
     @property
     def model_tokens(self) -> int:
         return int(sum(self.mask))
+
+    def keep_routing(self, recorded: torch.Tensor, length: int) -> None:
+        """Keep ``recorded``'s rows (one call's ``Sample.routed_experts`` over this segment's
+        first ``length`` positions) for the positions not kept yet, but the call's last one."""
+        have = sum(len(r) for r in self.routing)
+        if len(recorded) != length:
+            raise RuntimeError(f"the rollout recorded routing for {len(recorded)} positions, the call had {length}")
+        if length - 1 > have:
+            self.routing.append(recorded[have : length - 1].long().cpu())
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """``[len(ids), L, k]`` of the kept routing (the last row ``NOT_ROUTED``), or None."""
+        if not self.routing:
+            return None
+        rows = torch.cat(self.routing)
+        pad = torch.full((len(self.ids) - len(rows), *rows.shape[1:]), NOT_ROUTED, dtype=torch.long)
+        return torch.cat([rows, pad])
 
 
 class Trajectory:
@@ -135,6 +158,8 @@ class Trajectory:
         turn = self.turns
         self.pieces.append((len(self.text), len(self.current.ids), turn))
         self.current.extend(ids, sample, turn)
+        if sample.routed_experts is not None:
+            self.current.keep_routing(sample.routed_experts, len(self.current.ids))
         content_ids = ids[:-1] if ids and sample.finish_reason == "stop" and ids[-1] in self.stop_ids else ids
         self.text += self._decode(ids)
         content = self._decode(content_ids)

@@ -8,6 +8,10 @@ as a user runs it.
 * megatron: the same trajectories and rewards as FSDP at step 1 (the same weights and seeds
   sample the same tokens), actor losses equal to 1e-5 relative, parity per turn;
 * FSDP with ``rollout.backend=vllm``: parity per turn at vLLM's float noise (<= 1e-4);
+* Qwen3-MoE with ``actor.router_replay=r3``: the routing the update replays is, at every
+  position of every turn, what the trainer's own router computes from the same weights (fp32:
+  ``rollout/router_disagreement`` 0; a row shifted by one position or taken from the wrong call
+  disagrees on most tokens);
 * the demo config learns: the reward rises by the margin ``configs/agent_tiny.yaml`` states.
 """
 
@@ -79,6 +83,13 @@ def test_fsdp_megatron_and_two_ranks_train_the_same_trajectories_at_parity(asset
         m = got[name][0]
         assert (m["reward"], m["env/turns_mean"], m["env/tool_calls_mean"]) == (f["reward"], f["env/turns_mean"], f["env/tool_calls_mean"])
         assert m["actor_loss"] == pytest.approx(f["actor_loss"], rel=1e-5), name
+
+
+def test_moe_routing_replay_over_every_turn(tmp_path):
+    assets = Path(build_assets(tmp_path / "moe_assets", rows=32, family="qwen3_moe"))
+    rows = _run(assets, tmp_path / "r3", 2, *SMALL, "actor.router_replay=r3", "trainer.val_every=0")
+    _per_turn_parity(rows, 1e-5)
+    assert all(r["rollout/router_disagreement"] == 0.0 for r in rows), [r["rollout/router_disagreement"] for r in rows]
 
 
 @pytest.mark.skipif(not rollout_installed("vllm"), reason="vllm not installed (make test installs it)")

@@ -329,7 +329,6 @@ def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
     over = [f"data.train_files=[{data}]", f"engine.model.path={tmp_path}", "env.function=tools"]
     for extra, needle in [
         (["async.max_staleness=2"], "async.max_staleness = 2 with env.function"),
-        (["actor.router_replay=r3"], "actor.router_replay = 'r3' with env.function"),
         (["trainer.use_legacy_worker_impl=enable"], "legacy workers train single-turn"),
         (["rollout.max_model_len=64", "env.max_tokens=128"], "env.max_tokens = 128 > rollout.max_model_len = 64"),
     ]:
