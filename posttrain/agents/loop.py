@@ -60,6 +60,42 @@ class AgentBatch:
     metrics: dict[str, float]
     texts: list[dict[str, Any]] = field(default_factory=list)
 
+    # ------------------------------------------------------------------ checkpointing
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(tensors, meta)``: everything to rebuild it (``from_tensors``), for the asynchronous
+        pipeline's checkpoint (tensors and JSON only; nothing pickled)."""
+        b = self.batch
+        ids = b["input_ids"]
+        out = {
+            "lengths": ids.offsets().diff(),
+            "ids": ids.values(),
+            "turns": self.turns,
+            "traj_of_row": self.traj_of_row,
+            "scores": self.scores.double(),
+            "prompt_len": b["prompt_len"],
+            "rollout_truncated": b["rollout_truncated"],
+        }
+        for key in _TOKEN_FIELDS + ((ROLLOUT_ROUTING_FIELD,) if ROLLOUT_ROUTING_FIELD in b.keys() else ()):
+            out[key] = b[key].values()
+        meta = {"metrics": self.metrics, "texts": self.texts, "temperature": float(b["temperature"])}
+        return {k: v.contiguous().cpu() for k, v in out.items()}, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> AgentBatch:
+        """The batch ``to_tensors`` described."""
+        split = tensors["lengths"].tolist()
+        rows = {k: list(tensors[k].split(split)) for k in ("ids", *_TOKEN_FIELDS) if k in tensors}
+        extra = {ROLLOUT_ROUTING_FIELD: list(tensors[ROLLOUT_ROUTING_FIELD].split(split))} if ROLLOUT_ROUTING_FIELD in tensors else {}
+        batch = _make(
+            rows["ids"],
+            {k: rows[k] for k in _TOKEN_FIELDS},
+            tensors["prompt_len"],
+            tensors["rollout_truncated"],
+            meta["temperature"],
+            extra,
+        )
+        return cls(batch, tensors["traj_of_row"], tensors["scores"], tensors["turns"], dict(meta["metrics"]), list(meta["texts"]))
+
 
 class AgentLoop:
     """Multi-turn rollouts of one run (module docstring).
@@ -137,18 +173,13 @@ class AgentLoop:
         segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
         fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
         extra = {ROLLOUT_ROUTING_FIELD: routing} if routing else {}
-        batch = make_batch(
+        batch = _make(
             fields["ids"],
-            loss_mask=fields["loss_mask"],
-            rollout_log_probs=fields["rollout_log_probs"],
-            rollout_token_versions=fields["rollout_token_versions"],
-            prompt_len=torch.tensor(prompt_lens, dtype=torch.long),
-            rollout_weight_version=torch.tensor(
-                [int(v[m > 0].min()) for v, m in zip(fields["rollout_token_versions"], fields["loss_mask"], strict=True)]
-            ),
-            rollout_truncated=torch.tensor(truncated, dtype=torch.long),
-            temperature=self.temperature,
-            **extra,
+            {k: fields[k] for k in _TOKEN_FIELDS},
+            torch.tensor(prompt_lens, dtype=torch.long),
+            torch.tensor(truncated, dtype=torch.long),
+            self.temperature,
+            extra,
         )
         texts = []
         if self.rank0:
@@ -286,6 +317,26 @@ class AgentLoop:
             prompts = responses = [""] * count
             columns, sources = [{}] * count, [""] * count
         return env_scores + compute_rewards(fn, batched, prompts, responses, columns, sources, name=spec, timeout_s=timeout_s)
+
+
+_TOKEN_FIELDS = ("loss_mask", "rollout_log_probs", "rollout_token_versions")
+
+
+def _make(ids, fields, prompt_len, truncated, temperature: float, extra) -> Any:
+    """The protocol batch of training samples (``AgentBatch.batch``)."""
+    versions, mask = fields["rollout_token_versions"], fields["loss_mask"]
+    return make_batch(
+        ids,
+        loss_mask=mask,
+        rollout_log_probs=fields["rollout_log_probs"],
+        rollout_token_versions=versions,
+        prompt_len=prompt_len,
+        # The oldest version that sampled a token of the sample: what its staleness counts from.
+        rollout_weight_version=torch.tensor([int(v[m > 0].min()) for v, m in zip(versions, mask, strict=True)]),
+        rollout_truncated=truncated,
+        temperature=temperature,
+        **extra,
+    )
 
 
 _DTYPES = {

@@ -59,8 +59,10 @@ class Pipeline:
         rank0: whether this process writes the ledger.
         score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
             ``async.check_version_parity`` probe; None: no probe.
-        agent: multi-turn rollouts (``posttrain.agents.AgentLoop``; synchronous only): the
-            step's batch is its trajectories, generated whole in step 3 with the same seeds.
+        agent: multi-turn rollouts (``posttrain.agents.AgentLoop``): each batch is its
+            trajectories, generated whole (every turn) in one round under one weight version:
+            in step 3 at K = 0, in the batch's first round at K >= 1 (``partial_rollouts`` off:
+            a conversation is not paused across a weight update yet).
     """
 
     def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None, agent=None) -> None:
@@ -73,8 +75,11 @@ class Pipeline:
         self.score = score if a.check_version_parity else None
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.agent = agent
-        if agent is not None and self.k:
-            raise ValueError(f"async.max_staleness = {self.k}: multi-turn rollouts (env.function) run synchronously only; fix: 0")
+        if agent is not None and self.k and self.partial:
+            raise ValueError(
+                "async.partial_rollouts = true with env.function: a multi-turn trajectory is not paused across weight updates "
+                "yet; fix: async.partial_rollouts=false (each batch of trajectories generated whole in one round)"
+            )
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
         self.last = cfg.trainer.total_steps - 1  # the last step: nothing past it is admitted
@@ -92,7 +97,8 @@ class Pipeline:
 
     def settings(self) -> dict[str, Any]:
         """What a saved state depends on (a resume with other values regenerates instead)."""
-        return {"max_staleness": self.k, "partial_rollouts": self.partial, "max_new_tokens": self.max_new, "n_samples": self.n}
+        out = {"max_staleness": self.k, "partial_rollouts": self.partial, "max_new_tokens": self.max_new, "n_samples": self.n}
+        return {**out, "multi_turn": True} if self.agent is not None else out
 
     # ------------------------------------------------------------------ checkpoint
     def save(self, ckpt_dir: str, step: int) -> None:
@@ -186,7 +192,9 @@ class Pipeline:
         metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
         trajectories = None
         if self.agent is not None:
-            trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new)
+            if current.trajectories is None:  # K = 0, or a batch whose round has not run (a resume)
+                current.trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new)
+            trajectories = current.trajectories
         else:
             self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
         finished = time.perf_counter()
@@ -251,7 +259,10 @@ class Pipeline:
         return Pending(step, ids, prompts, step_seeds(self.seed, step, len(prompts)))
 
     def _round_work(self, step: int) -> list[tuple[Pending, int, int]]:
-        """``(batch, row, new tokens)`` of this step's background round (module docstring)."""
+        """``(batch, row, new tokens)`` of this step's background round (module docstring);
+        multi-turn: ``(batch, -1, 0)`` for each admitted batch whose trajectories are not generated."""
+        if self.agent is not None:
+            return [(self.pending[b], -1, 0) for b in sorted(self.pending) if b > step and self.pending[b].trajectories is None]
         work = []
         for b in sorted(self.pending):
             if b <= step:
@@ -269,7 +280,13 @@ class Pipeline:
 
     def _advance(self, work: list[tuple[Pending, int, int]]) -> None:
         """Generate ``work``'s new tokens (one sampler call per distinct token count), each row
-        continuing from its kept tokens; rows already finished are skipped."""
+        continuing from its kept tokens; rows already finished are skipped. Multi-turn: each
+        batch's trajectories, whole."""
+        if self.agent is not None:
+            for p, _, _ in work:
+                metas = [m for m in self.source.prompts_at(p.step)[1] for _ in range(self.n)]
+                p.trajectories = self.agent.run(self.rollout, metas, p.seeds, self.max_new)
+            return
         by_amount: dict[int, list[tuple[Pending, int]]] = {}
         for p, i, amount in work:
             if not p.done(i, self.max_new):

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class Pending:
         prompts: one entry per response (each prompt ``n_samples`` times).
         seeds: each response's seed (the synchronous loop's: ``Rollout.seeds(step, ...)``).
         samples: each response so far (None: not started).
+        trajectories: multi-turn rollouts (``env.function``): the batch's trajectories once
+            generated (``posttrain.agents.AgentBatch``, generated whole in one round), else None.
     """
 
     step: int
@@ -47,6 +50,7 @@ class Pending:
     prompts: list[torch.Tensor]
     seeds: list[int]
     samples: list[Sample | None] = field(default_factory=list)
+    trajectories: Any = None
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -80,6 +84,10 @@ def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict)
         tensors.update({f"{k}.{part}.{name}": t for part, packed in parts.items() for name, t in packed.items()})
         tensors[f"{k}.seeds"] = torch.tensor(p.seeds, dtype=torch.long)
         batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids)})
+        if p.trajectories is not None:  # generated trajectories: kept, so a resume trains them as they are
+            traj, meta = p.trajectories.to_tensors()
+            tensors.update({f"{k}.traj.{name}": t for name, t in traj.items()})
+            batches[-1]["trajectories"] = meta
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     # The layout rides in the tensors file's own header, so the hash covers it too; the JSON
     # repeats it for people and holds the hash.
@@ -183,7 +191,12 @@ def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
     seeds = tensors[f"{k}.seeds"].tolist()
     if not (len(prompts) == len(samples) == len(seeds)):
         raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(samples)} response rows")
-    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples)
+    trajectories = None
+    if "trajectories" in meta:
+        from posttrain.agents.loop import AgentBatch
+
+        trajectories = AgentBatch.from_tensors(part("traj"), meta["trajectories"])
+    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples, trajectories)
 
 
 def _sha256(path: str) -> str:

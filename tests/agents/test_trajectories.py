@@ -328,7 +328,7 @@ def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
     data.write_text(json.dumps({"prompt": "x"}) + "\n")
     over = [f"data.train_files=[{data}]", f"engine.model.path={tmp_path}", "env.function=tools"]
     for extra, needle in [
-        (["async.max_staleness=2"], "async.max_staleness = 2 with env.function"),
+        (["async.max_staleness=2"], "async.partial_rollouts = true with env.function (async.max_staleness = 2)"),
         (["trainer.use_legacy_worker_impl=enable"], "legacy workers train single-turn"),
         (["rollout.max_model_len=64", "env.max_tokens=128"], "env.max_tokens = 128 > rollout.max_model_len = 64"),
     ]:
