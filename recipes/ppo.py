@@ -38,6 +38,7 @@ from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
 from posttrain.agents import AgentBatch, AgentLoop, EnvConfig
+from posttrain.agents.demo import is_demo_model
 from posttrain.async_rl import AsyncConfig, Pipeline
 from posttrain.cli import parse_recipe_args
 from posttrain.data_order import check_order, save_order
@@ -243,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
     # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
     lora = cfg.engine.model.lora.enabled
-    warn(demo_setting_warnings("rl", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
+    own_model = cfg.engine.model.path is not None and not is_demo_model(cfg.engine.model.path)  # the agent demo's is built too
+    warn(demo_setting_warnings("rl", own_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
     cfg = _fit_rollout_to_cpu(cfg, rank() == 0)
     try:
         try:

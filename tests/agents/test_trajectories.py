@@ -254,15 +254,26 @@ def test_a_template_that_strips_reasoning_is_refused_or_split():
 def test_the_token_budget_ends_a_trajectory_flagged_truncated():
     tok = character_tokenizer()
     tok.chat_template = TEMPLATE
-    rollout = Scripted(tok, lambda prompt: "1234")
-    budget = 40  # the prompt (21 tokens) + a turn (5) + the observation's 20 do not fit
+
+    def length(messages) -> int:
+        return len(
+            tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        )
+
+    prompt = [{"role": "user", "content": "key 1"}]
+    after_obs = length([*prompt, {"role": "assistant", "content": "1234"}, {"role": "user", "content": "obs ab"}])
+    budget = after_obs  # the observation would leave no room for one sampled token
+    rollout = Scripted(tok, lambda p: "1234")
     out = _loop(tok, function=f"{__name__}:Echo", max_tokens=budget).run(rollout, [_meta("key 1")], [0], max_new_tokens=8)
     assert out.metrics["env/truncated_frac"] == 1 and out.batch["rollout_truncated"].tolist() == [1]
-    assert len(out.batch["input_ids"][0]) < budget and out.metrics["env/turns_max"] == 1
+    assert len(out.batch["input_ids"][0]) == length(prompt) + 5 and out.metrics["env/turns_max"] == 1
+    # One more token of budget: the observation fits and the second turn samples.
+    out = _loop(tok, function=f"{__name__}:Echo", max_tokens=budget + 6).run(Scripted(tok, lambda p: "1234"), [_meta("key 1")], [0], 8)
+    assert out.metrics["env/turns_max"] == 2 and out.metrics["env/truncated_frac"] == 0
     # A turn capped by the budget: it samples only what is left.
-    rollout = Scripted(tok, lambda prompt: "123456789")
-    out = _loop(tok, function=f"{__name__}:Echo", max_tokens=26).run(rollout, [_meta("key 1")], [0], max_new_tokens=8)
-    assert len(out.batch["input_ids"][0]) == 26 and out.batch["rollout_truncated"].tolist() == [1]
+    cap = length(prompt) + 5
+    out = _loop(tok, function=f"{__name__}:Echo", max_tokens=cap).run(Scripted(tok, lambda p: "123456789"), [_meta("key 1")], [0], 8)
+    assert len(out.batch["input_ids"][0]) == cap and out.batch["rollout_truncated"].tolist() == [1]
 
 
 class Raises:
