@@ -57,7 +57,7 @@ from roles.algos import gae, group_reward_stats, grpo_advantages
 from roles.critic import CriticConfig
 from roles.factory import build_roles
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
-from roles.rollout import Rollout, RolloutConfig
+from roles.rollout import Rollout, RolloutConfig, step_seeds
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
 ADVANTAGES = ("gae", "grpo")
@@ -340,7 +340,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                     run_log.log_samples(step + 1, m.pop("samples"))
                 rewards.append(m["reward"])
                 if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
-                    score = validate(source, rollout, cfg.data.batch_size * cfg.algo.n_samples, agent, cfg.rollout.max_new_tokens)
+                    chunk = cfg.data.batch_size * cfg.algo.n_samples
+                    score = validate(source, rollout, chunk, agent, cfg.rollout.max_new_tokens, cfg.rollout.seed)
                     if score is not None:  # None: no validation prompts
                         m["val/reward"] = val_reward = score
                         run_log.message(f"validation at step {step + 1}: mean reward {score:.4f}")
@@ -429,11 +430,12 @@ def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline, source) -
     pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
 
 
-def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = None, max_new_tokens: int = 0) -> float | None:
+def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = None, max_new_tokens: int = 0, seed: int = 0) -> float | None:
     """Mean reward of one response (with ``agent``: one trajectory) per validation prompt,
     sampled with the rollout settings from fixed seeds (the same draws at every validation),
     ``chunk`` prompts per sampler call (a training step's number of responses); None without
-    validation prompts."""
+    validation prompts. ``seed``: ``rollout.seed`` (the trajectories' seeds, as ``Rollout.seeds``
+    derives them; the Ray stand-in of the rollout has no such method)."""
     val = source.val_prompts()
     if val is None:
         return None
@@ -443,7 +445,9 @@ def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = Non
         scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
     else:
         scores = [
-            agent.run(rollout, metas[b : b + chunk], rollout.seeds(_VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens).scores
+            agent.run(
+                rollout, metas[b : b + chunk], step_seeds(seed, _VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens
+            ).scores
             for k, b in enumerate(range(0, len(metas), chunk))
         ]
     rollout.release()

@@ -106,10 +106,16 @@ def test_async_trajectories_stay_within_the_bound_and_resume_after_sigkill_exact
     its first round and trained up to 2 updates later (staleness 2 from step 3 on, never more);
     a run SIGKILLed at a random moment after its step-2 checkpoint, resumed, equals the
     uninterrupted run in every metric but the timings (the admitted batches' trajectories are
-    checkpointed with the roles, so none is regenerated or trained twice)."""
+    checkpointed with the roles, so none is regenerated or trained twice). On Ray with the
+    rollout on a pool of its own (each batch's trajectories generated in a driver thread while the
+    actor trains), the same run step for step: the schedule depends on the step, not the layout."""
     over = [*SMALL, "async.max_staleness=2", "async.partial_rollouts=false", "trainer.val_every=0", "trainer.checkpoint_every=1"]
     full = _run(assets, tmp_path / "full", 5, *over)
     assert [r["async/staleness_max"] for r in full] == [0, 1, 2, 2, 2]
+    split = ["trainer.placement.pools.train=1", "trainer.placement.pools.gen=1", "trainer.placement.roles.rollout=gen"]
+    ray = _run(assets, tmp_path / "ray", 5, *over, "trainer.launcher=ray", "trainer.placement.cpus_per_worker=0.5", *split)
+    for key in ("reward", "actor_loss", "env/turns_mean", "env/tool_calls_mean", "async/staleness_max"):
+        assert [r[key] for r in ray] == pytest.approx([r[key] for r in full], rel=1e-6), key
     out = tmp_path / "cut"
     cmd = [sys.executable, *_args(assets, out, 5, *over)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
