@@ -130,6 +130,8 @@ class AgentLoop:
         self.tools: dict[str, Callable] = {}
         if self.rank0:  # user code: loaded where it runs
             self.tools = {getattr(fn, "__name__", spec): fn for spec in env.tools for fn in [load_callable(spec, "env.tools")]}
+            for fn in self.tools.values():  # a tool without a schema fails here, before any engine is built
+                tool_schema(fn)
             if env.function != "tools":
                 self.factory = load_callable(env.function, "env.function")
         fmt = env.tool_format

@@ -329,6 +329,9 @@ def test_bad_env_settings_are_named():
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         _loop(tok, tool_format="hermes")
+    tok.chat_template = HERMES
+    with pytest.raises(ValueError, match="tool 'run_tool': no schema"):  # no docstring Args for its parameters
+        _loop(tok, tools=["posttrain.agents.tools:run_tool"])
 
 
 def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
