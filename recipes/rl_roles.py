@@ -38,6 +38,12 @@ def rollout_engine_config(cfg, tokenizer: bool) -> RolloutEngineConfig:
 
 def _budget_problem(cfg, limit: int | None) -> str | None:
     r = cfg.rollout
+    env = getattr(cfg, "env", None)
+    if env is not None and env.enabled and limit is not None and env.max_tokens > limit:
+        return (
+            f"env.max_tokens = {env.max_tokens} > the rollout engine's max_model_len {limit}: a trajectory could outgrow the "
+            "engine mid-run; fix: lower env.max_tokens, or raise rollout.max_model_len (within the model's context)"
+        )
     if cfg.data.from_files and limit is not None and cfg.data.max_prompt_length + r.max_new_tokens > limit:
         return (
             f"data.max_prompt_length = {cfg.data.max_prompt_length} + a response of {r.max_new_tokens} tokens > the rollout engine's "

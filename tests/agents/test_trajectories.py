@@ -349,3 +349,59 @@ def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
         with pytest.raises(ValueError, match="env") as err:
             load_typed(PPOConfig, "configs/grpo_tiny.yaml", [*over, *extra])
         assert needle in str(err.value)
+
+
+def test_a_trajectory_budget_over_the_rollout_engines_context_is_refused_before_any_engine(tmp_path):
+    """vLLM holds at most the model's ``max_position_embeddings`` (128 for the demo model): a
+    larger ``env.max_tokens`` is refused from the model's files, before the data or any engine."""
+    from engine_api.rollout_registry import rollout_installed
+    from engine_api.typed_config import load_typed
+    from posttrain.agents.demo import build_assets
+    from recipes.ppo import PPOConfig, rollout_model_problems
+
+    if not rollout_installed("vllm"):
+        pytest.skip("vllm not installed (make test installs it)")
+    assets = build_assets(tmp_path / "assets", rows=4)
+    over = [f"engine.model.path={assets}/model", f"data.train_files=[{assets}/train.jsonl]", "rollout.backend=vllm"]
+    cfg = load_typed(PPOConfig, "configs/agent_tiny.yaml", [*over, "env.max_tokens=256", "data.max_prompt_length=16"])
+    assert any("env.max_tokens = 256 > the rollout engine's max_model_len 128" in p for p in rollout_model_problems(cfg))
+    cfg = load_typed(PPOConfig, "configs/agent_tiny.yaml", [*over, "env.max_tokens=128", "data.max_prompt_length=16"])
+    assert rollout_model_problems(cfg) == []
+
+
+# Llama 3.1's turn markup (header tokens, <|eot_id|>, tool results as the ipython role) with its
+# JSON tool calls; the template names <|python_tag|>, so `auto` reads the llama3 form off it.
+LLAMA31 = (
+    "{% for m in messages %}<|start_header_id|>{% if m['role'] == 'tool' %}ipython{% else %}{{ m['role'] }}{% endif %}"
+    "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}{# <|python_tag|> #}"
+)
+
+
+def test_llama31_json_tool_calls_run_through_the_loop(tmp_path):
+    from tokenizers import AddedToken
+
+    from recipes.tinker_server.demo import character_tokenizer as ascii_tokenizer
+
+    tok = ascii_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.add_tokens([AddedToken("<|python_tag|>", special=False, normalized=False)])
+    tok.chat_template = LLAMA31
+    answers = iter(['{"name": "add", "parameters": {"a": 2, "b": 3}}', "5"])
+    rollout = Scripted(tok, lambda prompt: next(answers), stop="<|eot_id|>")
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: x.\n        b: y.\n    '''\n    return a + b\n")
+    loop = AgentLoop(
+        EnvConfig(function="tools", tools=[f"{tools}:add"], max_turns=3, max_tokens=512),
+        tok,
+        {},
+        [tok.convert_tokens_to_ids("<|eot_id|>")],
+        1.0,
+        None,
+    )
+    assert loop.fmt == "llama3"
+    out = loop.run(rollout, [_meta("2+3?")], [0], max_new_tokens=80)
+    ids, mask = out.batch["input_ids"][0], out.batch["loss_mask"][0]
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>" in tok.decode(ids.tolist())
+    assert tok.decode(ids[mask > 0].tolist()) == '{"name": "add", "parameters": {"a": 2, "b": 3}}<|eot_id|>5<|eot_id|>'
+    assert out.metrics["env/tool_calls_mean"] == 1 and out.metrics["env/tool_errors"] == 0 and out.metrics["env/turns_max"] == 2
