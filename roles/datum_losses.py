@@ -38,16 +38,17 @@ the datums gives the same total and the same gradient.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-DATUM_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 REFUSED_LOSSES = {
-    "stable_reinforce": "it needs the sampler's per-sequence stability records, which only Tinker's own service keeps; "
-    "fix: use importance_sampling, ppo, cispo or gspo",
-    "custom": "server-side custom loss graphs are not run here (no code from a request); fix: use forward_backward_custom, "
-    "which computes the custom loss on the client",
+    "stable_reinforce": "stable_reinforce needs the sampler's per-sequence stability records (record_stability_info), which only Tinker's own "
+    "service keeps; fix: loss_fn='importance_sampling' (or ppo, cispo, gspo); with tinker-cookbook's rl_loop, whose default "
+    "loss it is: rl_loop loss_fn=importance_sampling",
+    "custom": "server-side custom loss graphs (create_custom_loss uploads) are not run here (no code from a request); fix: "
+    "forward_backward_custom, which the SDK runs client-side over a forward and a weighted cross_entropy",
 }
 # loss_fn_inputs name -> the batch field it travels in (``logprobs`` would read as the engine's output).
 INPUT_FIELDS = {
@@ -57,30 +58,6 @@ INPUT_FIELDS = {
     "sequence_ratio_mask": "sequence_ratio_mask",
     "clip_low_threshold": "clip_low_threshold",
     "clip_high_threshold": "clip_high_threshold",
-}
-REQUIRED = {
-    "cross_entropy": ("weights",),
-    "importance_sampling": ("logprobs", "advantages"),
-    "ppo": ("logprobs", "advantages"),
-    "cispo": ("logprobs", "advantages"),
-    "dro": ("logprobs", "advantages"),
-    "gspo": ("logprobs", "advantages"),
-}
-OPTIONAL = {
-    "cross_entropy": (),
-    "importance_sampling": (),
-    "ppo": ("clip_low_threshold", "clip_high_threshold"),
-    "cispo": ("clip_low_threshold", "clip_high_threshold"),
-    "dro": (),
-    "gspo": ("clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask"),
-}
-CONFIG_KEYS = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 
 
@@ -97,9 +74,9 @@ def check_loss(name: str, config: Mapping[str, object] | None) -> dict[str, floa
     """
     if name in REFUSED_LOSSES:
         raise DatumLossError(f"loss_fn = {name!r} is not served: {REFUSED_LOSSES[name]}")
-    if name not in DATUM_LOSSES:
-        raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(DATUM_LOSSES)}")
-    out = dict(CONFIG_KEYS[name])
+    if name not in LOSSES:
+        raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(LOSSES)}")
+    out = dict(LOSSES[name].config)
     for key, value in (config or {}).items():
         if key not in out:
             known = ", ".join(out) or "none"
@@ -117,12 +94,12 @@ def check_loss(name: str, config: Mapping[str, object] | None) -> dict[str, floa
 
 def required_inputs(name: str) -> tuple[str, ...]:
     """The ``loss_fn_inputs`` (besides ``target_tokens``) that ``name`` needs."""
-    return REQUIRED[name]
+    return LOSSES[name].required
 
 
 def accepted_inputs(name: str) -> tuple[str, ...]:
     """Every ``loss_fn_inputs`` name ``name`` reads (besides ``target_tokens``)."""
-    return REQUIRED[name] + OPTIONAL[name]
+    return LOSSES[name].required + LOSSES[name].optional
 
 
 def per_token_terms(
@@ -131,41 +108,103 @@ def per_token_terms(
     """The per-token loss terms of ``name`` (their sum is the loss), differentiable in ``lp``.
 
     Args:
-        name: a loss of :data:`DATUM_LOSSES` (checked with :func:`check_loss` first).
+        name: a loss of :data:`LOSSES` (checked with :func:`check_loss` first).
         lp: the target log-probs, flat ``[tokens]`` (``[tokens, K]`` for ``cross_entropy``).
         inputs: ``loss_fn_inputs`` by their Tinker names, flat in ``lp``'s token order.
         offsets: ``[datums + 1]`` boundaries of the datums in the flat order (GSPO's mean is per datum).
         config: :func:`check_loss`'s result.
     """
-    if name == "cross_entropy":
-        w = inputs["weights"].to(lp.dtype)
-        if w.dim() < lp.dim():
-            w = w[:, None]  # one weight per position for all K targets
-        return -lp * w
-    q = inputs["logprobs"].to(lp.dtype)
-    adv = inputs["advantages"].to(lp.dtype)
-    if name == "dro":
-        return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2)
+    if name not in LOSSES:
+        raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(LOSSES)}")
+    return LOSSES[name].terms(lp, inputs, offsets, config)
+
+
+def _cross_entropy(lp, inputs, offsets, config) -> torch.Tensor:
+    w = inputs["weights"].to(lp.dtype)
+    if w.dim() < lp.dim():
+        w = w[:, None]  # one weight per position for all K targets
+    return -lp * w
+
+
+def _q_adv(lp, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return inputs["logprobs"].to(lp.dtype), inputs["advantages"].to(lp.dtype)
+
+
+def _bounds(lp, inputs, config) -> tuple:
+    """The clip thresholds: per token from the datum when given, else the config's."""
     lo = inputs["clip_low_threshold"].to(lp.dtype) if "clip_low_threshold" in inputs else config.get("clip_low_threshold")
     hi = inputs["clip_high_threshold"].to(lp.dtype) if "clip_high_threshold" in inputs else config.get("clip_high_threshold")
-    if name == "gspo":
-        mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else torch.ones_like(lp, dtype=torch.bool)
-        seq = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=lp.device), offsets[1:] - offsets[:-1])
-        n = offsets.numel() - 1
-        log_ratio = (lp.detach() - q) * mask
-        per_seq = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, log_ratio)
-        count = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, mask.to(lp.dtype))
-        mean = per_seq / count.clamp(min=1)  # a datum with an empty mask has the ratio 1
-        ratio = torch.exp(mean[seq] + lp - lp.detach())
-        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    return lo, hi
+
+
+def _importance_sampling(lp, inputs, offsets, config) -> torch.Tensor:
+    q, adv = _q_adv(lp, inputs)
+    return -torch.exp(lp - q) * adv
+
+
+def _ppo(lp, inputs, offsets, config) -> torch.Tensor:
+    q, adv = _q_adv(lp, inputs)
+    lo, hi = _bounds(lp, inputs, config)
     ratio = torch.exp(lp - q)
-    if name == "importance_sampling":
-        return -ratio * adv
-    if name == "ppo":
-        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
-    if name == "cispo":
-        return -torch.clamp(ratio, lo, hi).detach() * lp * adv
-    raise DatumLossError(f"loss_fn = {name!r} is unknown; fix: use one of {', '.join(DATUM_LOSSES)}")
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+
+
+def _cispo(lp, inputs, offsets, config) -> torch.Tensor:
+    q, adv = _q_adv(lp, inputs)
+    lo, hi = _bounds(lp, inputs, config)
+    return -torch.clamp(torch.exp(lp - q), lo, hi).detach() * lp * adv
+
+
+def _dro(lp, inputs, offsets, config) -> torch.Tensor:
+    q, adv = _q_adv(lp, inputs)
+    return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2)
+
+
+def _gspo(lp, inputs, offsets, config) -> torch.Tensor:
+    q, adv = _q_adv(lp, inputs)
+    lo, hi = _bounds(lp, inputs, config)
+    mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else torch.ones_like(lp, dtype=torch.bool)
+    seq = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=lp.device), offsets[1:] - offsets[:-1])
+    n = offsets.numel() - 1
+    log_ratio = (lp.detach() - q) * mask
+    per_seq = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, log_ratio)
+    count = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, mask.to(lp.dtype))
+    mean = per_seq / count.clamp(min=1)  # a datum with an empty mask has the ratio 1
+    ratio = torch.exp(mean[seq] + lp - lp.detach())
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+
+
+@dataclass(frozen=True)
+class DatumLoss:
+    """One loss of the registry: how its per-token terms are computed from the target log-probs
+    and the datum's inputs, and what it reads.
+
+    Attributes:
+        terms: ``(lp, inputs, offsets, config) -> [tokens]`` terms (see :func:`per_token_terms`).
+        required: the ``loss_fn_inputs`` it needs besides ``target_tokens``.
+        optional: the ones it reads when given (per-token overrides of config values).
+        config: its ``loss_fn_config`` keys and their defaults (float).
+    """
+
+    terms: Callable[..., torch.Tensor]
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    config: Mapping[str, float] = field(default_factory=dict)
+
+
+_CLIPS = ("clip_low_threshold", "clip_high_threshold")
+_CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# THE registry: the engine's loss (engine_loss_fn), the datum checks and the Tinker server's wire
+# layer all read it, so a loss added here is served everywhere.
+LOSSES: dict[str, DatumLoss] = {
+    "cross_entropy": DatumLoss(_cross_entropy, ("weights",)),
+    "importance_sampling": DatumLoss(_importance_sampling, ("logprobs", "advantages")),
+    "ppo": DatumLoss(_ppo, ("logprobs", "advantages"), _CLIPS, _CLIP_DEFAULTS),
+    "cispo": DatumLoss(_cispo, ("logprobs", "advantages"), _CLIPS, _CLIP_DEFAULTS),
+    "dro": DatumLoss(_dro, ("logprobs", "advantages"), (), {"beta": 0.05}),
+    "gspo": DatumLoss(_gspo, ("logprobs", "advantages"), (*_CLIPS, "sequence_ratio_mask"), _CLIP_DEFAULTS),
+}
+DATUM_LOSSES = tuple(LOSSES)  # the built-in six, in the documented order
 
 
 def engine_loss_fn(name: str, config: Mapping[str, float]):

@@ -24,23 +24,12 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from recipes.tinker_server.contract import AdamIn, DatumIn, ForwardBackwardOut, LoraIn, SampleOut, SampleParamsIn, UserError
-from roles.datum_losses import INPUT_FIELDS
+from roles.datum_losses import INPUT_FIELDS, LOSSES, REFUSED_LOSSES
 
 PROTO = "application/x-protobuf"
 
-# Passed to run.forward_backward by name; the others the SDK knows are refused with the reason.
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
-REFUSED_LOSSES = {
-    "stable_reinforce": (
-        "stable_reinforce needs the sampler's stability records (record_stability_info) that only Tinker's own service keeps; "
-        "fix: loss_fn='importance_sampling' (or ppo, cispo, gspo); with tinker-cookbook's rl_loop, whose default loss it is: "
-        "rl_loop loss_fn=importance_sampling"
-    ),
-    "custom": (
-        "server-side custom losses (create_custom_loss uploads) are not supported; this server tells the SDK to run "
-        "custom losses client-side (forward_backward_custom with a Python loss or a LossHandle)"
-    ),
-}
+# The losses and the refused names come from the one registry (roles.datum_losses.LOSSES /
+# REFUSED_LOSSES), read at each call: a loss registered there is served here unchanged.
 # loss_fn_inputs that are per token: their first dimension must be the model input's length.
 _PER_TOKEN_INPUTS = ("target_tokens", "weights", "advantages", "logprobs")
 _METRIC_REDUCTIONS = ("mean", "sum", "min", "max", "slack", "hash2", "unique")
@@ -274,8 +263,8 @@ def check_loss_fn(loss_fn: str) -> str:
     """A loss this server runs, else a :class:`UserError` that says why not."""
     if loss_fn in REFUSED_LOSSES:
         raise UserError(f"loss_fn: {loss_fn!r} is refused: {REFUSED_LOSSES[loss_fn]}")
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise UserError(f"loss_fn: {loss_fn!r} is unknown; this server runs {', '.join(SUPPORTED_LOSSES)}")
+    if loss_fn not in LOSSES:
+        raise UserError(f"loss_fn: {loss_fn!r} is unknown; this server runs {', '.join(LOSSES)}")
     return loss_fn
 
 

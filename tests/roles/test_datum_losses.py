@@ -169,3 +169,25 @@ def test_the_engine_loss_reads_the_batch_fields_and_reports_the_sum():
     contribution, metrics = engine_loss_fn("importance_sampling", check_loss("importance_sampling", None))(batch, out, norm)
     want, _ = _written_out("importance_sampling", lp, inputs, offsets, {})
     assert math.isclose(float(contribution), want, rel_tol=1e-12) and math.isclose(metrics["loss:sum"], want, rel_tol=1e-12)
+
+
+def test_a_loss_added_to_the_registry_is_served_by_the_engine_loss_and_the_wire_layer(monkeypatch):
+    """Issue 55, item 5: one registry (``roles.datum_losses.LOSSES``) that the engine loss, the
+    datum checks and the Tinker server's wire layer read: a new entry there is accepted by name
+    everywhere, with its inputs and config, and nothing else is edited."""
+    from recipes.tinker_server import wire
+    from roles import datum_losses as dl
+
+    def doubled(lp, inputs, offsets, config):
+        return -2.0 * config["scale"] * lp * inputs["weights"]
+
+    monkeypatch.setitem(dl.LOSSES, "doubled_ce", dl.DatumLoss(doubled, ("weights",), (), {"scale": 1.0}))
+    assert wire.check_loss_fn("doubled_ce") == "doubled_ce"
+    assert dl.check_loss("doubled_ce", {"scale": 3.0}) == {"scale": 3.0}
+    assert dl.required_inputs("doubled_ce") == ("weights",)
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    terms = dl.per_token_terms("doubled_ce", lp, {"weights": torch.tensor([1.0, 0.0, 1.0])}, torch.tensor([0, 3]), {"scale": 3.0})
+    assert terms.tolist() == [6.0, 0.0, 3.0]
+    monkeypatch.delitem(dl.LOSSES, "doubled_ce")
+    with pytest.raises(wire.UserError, match="'doubled_ce' is unknown"):
+        wire.check_loss_fn("doubled_ce")
