@@ -362,7 +362,8 @@ def test_a_trajectory_budget_over_the_rollout_engines_context_is_refused_before_
     if not rollout_installed("vllm"):
         pytest.skip("vllm not installed (make test installs it)")
     assets = build_assets(tmp_path / "assets", rows=4)
-    over = [f"engine.model.path={assets}/model", f"data.train_files=[{assets}/train.jsonl]", "rollout.backend=vllm"]
+    over = [f"engine.model.path={assets}/model", f"data.train_files=[{assets}/train.jsonl]", f"data.val_files=[{assets}/val.jsonl]"]
+    over.append("rollout.backend=vllm")
     cfg = load_typed(PPOConfig, "configs/agent_tiny.yaml", [*over, "env.max_tokens=256", "data.max_prompt_length=16"])
     assert any("env.max_tokens = 256 > the rollout engine's max_model_len 128" in p for p in rollout_model_problems(cfg))
     cfg = load_typed(PPOConfig, "configs/agent_tiny.yaml", [*over, "env.max_tokens=128", "data.max_prompt_length=16"])
