@@ -33,7 +33,7 @@ from engine_api.rollout import sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
-from posttrain.agents.trajectory import Trajectory, message_list, token_fields
+from posttrain.agents.trajectory import Trajectory, message_list
 from posttrain.rewards import _fenced, _Timeout, compute_rewards, load_callable
 
 
@@ -282,8 +282,9 @@ class AgentLoop:
                 routed = s.routed_experts()
                 if routed is not None:
                     routing.append(routed)
-                for k, v in token_fields([s]).items():
-                    segments[k].append(v[0].tolist())
+                columns = {"ids": s.ids, "loss_mask": s.mask, "rollout_log_probs": s.log_probs, "rollout_token_versions": s.versions}
+                for k, v in {**columns, "turns": s.turns}.items():
+                    segments[k].append(list(v))
                 traj_of_row.append(i)
                 prompt_lens.append(s.prompt_len)
                 truncated.append(int(t.truncated))

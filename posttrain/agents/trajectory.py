@@ -235,17 +235,6 @@ class Trajectory:
         )
 
 
-def token_fields(segments: Sequence[Segment]) -> dict[str, list[torch.Tensor]]:
-    """The per-token fields of training samples as tensors (``make_batch`` arguments)."""
-    return {
-        "ids": [torch.tensor(s.ids, dtype=torch.long) for s in segments],
-        "loss_mask": [torch.tensor(s.mask, dtype=torch.float32) for s in segments],
-        "rollout_log_probs": [torch.tensor(s.log_probs, dtype=torch.float32) for s in segments],
-        "rollout_token_versions": [torch.tensor(s.versions, dtype=torch.long) for s in segments],
-        "turns": [torch.tensor(s.turns, dtype=torch.long) for s in segments],
-    }
-
-
 def message_list(observation: object, role: str, source: str, name: str) -> list[dict] | None:
     """An environment's observation as chat messages (``posttrain.agents.env``); None: none.
 

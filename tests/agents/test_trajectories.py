@@ -83,9 +83,9 @@ def _chat_tokenizer(template: str, *extra: str):
     return tok
 
 
-def _loop(tok, **env) -> AgentLoop:
+def _loop(tok, stop: str = "<|im_end|>", **env) -> AgentLoop:
     settings = {"function": "tools", "max_turns": 3, "max_tokens": 256, **env}
-    return AgentLoop(EnvConfig(**settings), tok, {}, [tok.convert_tokens_to_ids("<|im_end|>")], 1.0, None)
+    return AgentLoop(EnvConfig(**settings), tok, {}, [tok.convert_tokens_to_ids(stop)], 1.0, None)
 
 
 def _meta(prompt: str, **columns) -> PromptSample:
@@ -194,7 +194,7 @@ def test_the_trained_tokens_are_the_sampled_ones_with_a_tokenizer_that_does_not_
     assert turns.tolist() == ([0] * 5 + [1] * 5) * 2
 
 
-def test_tool_results_are_never_in_the_loss_mask(tmp_path):
+def test_tool_results_are_never_in_the_loss_mask():
     tok = _chat_tokenizer(HERMES)
 
     def policy(prompt: str) -> str:
@@ -203,16 +203,7 @@ def test_tool_results_are_never_in_the_loss_mask(tmp_path):
         return "5"
 
     rollout = Scripted(tok, policy)
-    tools = tmp_path / "tools.py"
-    tools.write_text("def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: x.\n        b: y.\n    '''\n    return a + b\n")
-    loop = AgentLoop(
-        EnvConfig(function="tools", tools=[f"{tools}:add"], max_turns=3, max_tokens=256),
-        tok,
-        {},
-        [tok.convert_tokens_to_ids("<|im_end|>")],
-        1.0,
-        None,
-    )
+    loop = _loop(tok, tools=[f"{__name__}:add"])
     assert loop.fmt == "hermes"  # read off the template
     out = loop.run(rollout, [_meta("key 1")], [0], max_new_tokens=80)
     ids, mask = out.batch["input_ids"][0], out.batch["loss_mask"][0]
@@ -379,7 +370,7 @@ LLAMA31 = (
 )
 
 
-def test_llama31_json_tool_calls_run_through_the_loop(tmp_path):
+def test_llama31_json_tool_calls_run_through_the_loop():
     from tokenizers import AddedToken
 
     from recipes.tinker_server.demo import character_tokenizer as ascii_tokenizer
@@ -390,16 +381,7 @@ def test_llama31_json_tool_calls_run_through_the_loop(tmp_path):
     tok.chat_template = LLAMA31
     answers = iter(['{"name": "add", "parameters": {"a": 2, "b": 3}}', "5"])
     rollout = Scripted(tok, lambda prompt: next(answers), stop="<|eot_id|>")
-    tools = tmp_path / "tools.py"
-    tools.write_text("def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: x.\n        b: y.\n    '''\n    return a + b\n")
-    loop = AgentLoop(
-        EnvConfig(function="tools", tools=[f"{tools}:add"], max_turns=3, max_tokens=512),
-        tok,
-        {},
-        [tok.convert_tokens_to_ids("<|eot_id|>")],
-        1.0,
-        None,
-    )
+    loop = _loop(tok, stop="<|eot_id|>", tools=[f"{__name__}:add"], max_tokens=512)
     assert loop.fmt == "llama3"
     out = loop.run(rollout, [_meta("2+3?")], [0], max_new_tokens=80)
     ids, mask = out.batch["input_ids"][0], out.batch["loss_mask"][0]
