@@ -201,12 +201,6 @@ def agent_problems(cfg: PPOConfig) -> list[str]:
             f"env.function = {cfg.env.function!r}: multi-turn rollouts need a tokenizer with a chat template (the sorting task has "
             "none); fix: give data.train_files and engine.model.path"
         )
-    if cfg.async_.max_staleness and cfg.async_.partial_rollouts:
-        out.append(
-            f"async.partial_rollouts = true with env.function (async.max_staleness = {cfg.async_.max_staleness}): a multi-turn "
-            "trajectory is not paused across weight updates yet (docs/agents.md); fix: async.partial_rollouts=false (each batch "
-            "of trajectories generated whole in one round, staleness still <= K)"
-        )
     if cfg.trainer.use_legacy_worker_impl in FLAG_VALUES and use_legacy(cfg.trainer.use_legacy_worker_impl):
         out.append(
             "trainer.use_legacy_worker_impl: the legacy workers train single-turn batches only, not env.function's multi-turn "

@@ -18,6 +18,8 @@ same prompts (it is collective). An error on rank 0 is broadcast too, so every r
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,12 +31,13 @@ import torch.distributed as dist
 from engine_api import make_batch
 from engine_api.dist import comm_device, is_initialized
 from engine_api.moe import ROLLOUT_ROUTING_FIELD
-from engine_api.rollout import sample_seed
+from engine_api.rollout import Sample, sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
 from posttrain.agents.trajectory import Trajectory, message_list
 from posttrain.rewards import _fenced, _Timeout, compute_rewards, load_callable
+from roles.rollout import pack_samples, unpack_samples
 
 
 @dataclass
@@ -97,6 +100,60 @@ class AgentBatch:
         return cls(batch, tensors["traj_of_row"], tensors["scores"], tensors["turns"], dict(meta["metrics"]), list(meta["texts"]))
 
 
+@dataclass
+class AgentRun:
+    """One batch's trajectories in progress: what ``AgentLoop.advance`` continues (the
+    asynchronous pipeline pauses it between turns, across weight updates).
+
+    Attributes:
+        metas: one prompt row per trajectory.
+        seeds: each trajectory's seed.
+        turn: the next assistant turn's index (every unfinished trajectory is at it).
+        finished: every trajectory has ended.
+        trajs, envs: the trajectories and their environments (rank 0; None elsewhere).
+        record: per trajectory the samples of its turns in order (rank 0): with the rows, all a
+            checkpoint needs to rebuild the rest (``AgentLoop.replay``).
+        digests: per trajectory a SHA-256 of its state when saved (set by ``from_tensors``).
+    """
+
+    metas: list
+    seeds: list[int]
+    turn: int = 0
+    finished: bool = False
+    trajs: list[Trajectory] | None = None
+    envs: list | None = None
+    record: list[list[Sample]] | None = None
+    digests: list[str] = field(default_factory=list)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(tensors, meta)`` of a paused run (rank 0; tensors and JSON only, nothing pickled):
+        its kept samples, which trajectory each belongs to, and each trajectory's digest."""
+        flat = [s for kept in self.record for s in kept]
+        owner = torch.tensor([i for i, kept in enumerate(self.record) for _ in kept], dtype=torch.long)
+        meta = {"turn": self.turn, "finished": self.finished, "seeds": self.seeds, "digests": [_digest(t) for t in self.trajs]}
+        return {"owner": owner, **pack_samples(flat)}, meta
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> AgentRun:
+        """The saved run (no trajectories or environments yet: ``AgentLoop.replay`` rebuilds them).
+
+        Raises:
+            ValueError: the tensors do not describe one sample per kept turn.
+        """
+        seeds = [int(s) for s in meta["seeds"]]
+        flat = unpack_samples({k: v for k, v in tensors.items() if k != "owner"})
+        owner = tensors["owner"].tolist()
+        if len(owner) != len(flat) or any(s is None for s in flat) or any(not 0 <= i < len(seeds) for i in owner):
+            raise ValueError(f"a paused multi-turn run: {len(flat)} samples for {len(owner)} owners of {len(seeds)} trajectories")
+        record: list[list[Sample]] = [[] for _ in seeds]
+        for i, s in zip(owner, flat, strict=True):
+            record[i].append(s)
+        digests = [str(d) for d in meta["digests"]]
+        if len(digests) != len(seeds) or any(len(kept) > int(meta["turn"]) for kept in record):
+            raise ValueError(f"a paused multi-turn run at turn {meta['turn']}: {len(digests)} digests for {len(seeds)} trajectories")
+        return cls([], seeds, int(meta["turn"]), bool(meta["finished"]), record=record, digests=digests)
+
+
 class AgentLoop:
     """Multi-turn rollouts of one run (module docstring).
 
@@ -145,31 +202,101 @@ class AgentLoop:
         self.fmt = fmt
 
     # ------------------------------------------------------------------ one step
-    def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int) -> AgentBatch:
+    def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int, state: AgentRun | None = None) -> AgentBatch:
         """The trajectories of ``metas`` (``posttrain.text_data.PromptSample``, one per
-        trajectory: a GRPO group's prompt repeated), trajectory ``i`` seeded ``seeds[i]``.
-        Collective over the ranks."""
-        state: dict[str, list] = {}
+        trajectory: a GRPO group's prompt repeated), trajectory ``i`` seeded ``seeds[i]``, every
+        turn left run now (``state``: a run already advanced by ``advance``). Collective over
+        the ranks."""
+        state = self.start(metas, seeds) if state is None else state
+        self.advance(rollout, state, max_new_tokens)
+        return self.finish(state)
+
+    def start(self, metas: Sequence, seeds: Sequence[int]) -> AgentRun:
+        """A run of ``metas``'s trajectories with no turn sampled yet (the prompts rendered, the
+        environments built). Collective."""
+        run = AgentRun(list(metas), [int(s) for s in seeds])
 
         def start() -> None:
-            state["trajs"], state["envs"] = self._start(metas)
+            run.trajs, run.envs = self._start(run.metas)
+            run.record = [[] for _ in run.metas]
 
         _on_rank0(start)
-        trajs, envs = state.get("trajs"), state.get("envs")
-        for turn in range(self.cfg.max_turns):
-            plan = _on_rank0(lambda: self._plan(trajs, max_new_tokens))
+        return run
+
+    def advance(self, rollout, run: AgentRun, max_new_tokens: int, turns: int | None = None) -> None:
+        """Sample up to ``turns`` more assistant turns of every unfinished trajectory of ``run``
+        (None: until every trajectory has ended), each answered by its environment. Turn ``t``'s
+        samples are seeded ``sample_seed(seed, t)`` whenever it runs, so a run paused between
+        turns (the asynchronous pipeline's weight updates) samples what an unpaused one would
+        under the same weights. Collective."""
+        stop = self.cfg.max_turns if turns is None else min(self.cfg.max_turns, run.turn + turns)
+        while not run.finished and run.turn < stop:
+            plan = _on_rank0(lambda: self._plan(run.trajs, max_new_tokens))
             if not plan:
+                run.finished = True
                 break
+            turn = run.turn
             for amount, rows in sorted(plan.items()):
                 samples = rollout.sample(
                     [torch.tensor(ids, dtype=torch.long) for _, ids in rows],
-                    [sample_seed(seeds[i], turn) for i, _ in rows],
+                    [sample_seed(run.seeds[i], turn) for i, _ in rows],
                     max_new_tokens=amount,
                 )
                 if self.rank0:
                     for (i, _), s in zip(rows, samples, strict=True):
-                        trajs[i].add_turn(s)
-            _on_rank0(lambda plan=plan, turn=turn: self._respond(trajs, envs, metas, plan, turn))
+                        run.trajs[i].add_turn(s)
+                        run.record[i].append(s)
+            run.turn += 1
+            run.finished = _on_rank0(lambda plan=plan, turn=turn: self._respond(run.trajs, run.envs, run.metas, plan, turn))
+        run.finished = run.finished or run.turn >= self.cfg.max_turns
+
+    def replay(self, saved: AgentRun, metas: Sequence) -> AgentRun | None:
+        """A run paused by a checkpoint (``AgentRun.from_tensors``), live again: its prompts
+        rendered and environments built anew, and each kept turn's sampled tokens given back to
+        them in order, as ``advance`` did; nothing is sampled. Assumption (docs/agents.md): an
+        environment (and its tools) answers the same turns the same way. Each trajectory's state
+        is checked against the digest saved with it; None (warned on rank 0) when one differs: the
+        batch is then generated again from its first turn, never trained twice. Collective."""
+        run = self.start(metas, saved.seeds)
+        run.turn, run.finished = saved.turn, saved.finished
+
+        def replay() -> str | None:
+            for turn in range(saved.turn):
+                plan = self._plan(run.trajs, 1 << 30)
+                rows = sorted(i for _, group in plan.items() for i, _ in group)
+                want = sorted(i for i, kept in enumerate(saved.record) if len(kept) > turn)
+                if rows != want:
+                    return f"turn {turn}: trajectories {rows} go on, the checkpoint sampled {want}"
+                for i in rows:
+                    run.trajs[i].add_turn(saved.record[i][turn])
+                    run.record[i].append(saved.record[i][turn])
+                self._respond(run.trajs, run.envs, run.metas, plan, turn)
+            for i, (t, digest) in enumerate(zip(run.trajs, saved.digests, strict=True)):
+                if _digest(t) != digest:
+                    return f"trajectory {i} (row {run.metas[i].source}) differs after its {len(saved.record[i])} kept turn(s)"
+            return None
+
+        why = _on_rank0(replay)
+        if why is None:
+            return run
+        from posttrain.trainer_utils import warn
+
+        warn(
+            [
+                f"trainer.resume: a batch of trajectories paused at a checkpoint (turn {saved.turn}) does not replay: {why}; the "
+                f"environment (env.function = {self.cfg.function!r}) does not answer the kept turns as it did, so the batch is "
+                "generated again from its first turn with the resumed weights (trained once; the run differs from an "
+                "uninterrupted one); fix: make the environment and its tools deterministic given the row and the turns"
+            ],
+            self.rank0,
+        )
+        return None
+
+    def finish(self, run: AgentRun) -> AgentBatch:
+        """The training batch of a run whose trajectories have all ended. Collective."""
+        if not run.finished:
+            raise RuntimeError(f"AgentLoop.finish: the run is at turn {run.turn} with trajectories unfinished")
+        trajs, envs, metas = run.trajs, run.envs, run.metas
         rows = _on_rank0(lambda: self._rows(trajs))
         scores = self._scores(trajs, envs, metas, len(metas))
         segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
@@ -234,7 +361,7 @@ class AgentLoop:
             plan.setdefault(amount, []).append((i, list(t.current.ids)))
         return plan
 
-    def _respond(self, trajs, envs, metas, plan, turn: int) -> None:
+    def _respond(self, trajs, envs, metas, plan, turn: int) -> bool:
         for _, rows in plan.items():
             for i, _ in rows:
                 t, m = trajs[i], metas[i]
@@ -259,6 +386,7 @@ class AgentLoop:
                     )
                 if not t.add_observation(observation):
                     t.done = True
+        return all(t.done for t in trajs)
 
     def _fence(self, fn: Callable[[], Any], source: str, what: str) -> Any:
         name = self.cfg.function
@@ -375,6 +503,17 @@ def _check_result(result: object, name: object, source: str) -> StepResult:
     return result
 
 
+def _digest(t: Trajectory) -> str:
+    """A trajectory's state (its tokens, what the environment gave, whether it ended) as a
+    SHA-256: what a replay must reproduce."""
+    state = {
+        "segments": [[s.ids, s.prompt_len, s.mask] for s in (*t.closed, t.current)],
+        "rewards": t.rewards,
+        "flags": [t.turns, t.calls, t.errors, t.done, t.truncated, t.splits],
+    }
+    return hashlib.sha256(json.dumps(state).encode()).hexdigest()
+
+
 def _on_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` on rank 0 (every rank calls this; only rank 0 runs ``fn``), its value broadcast
     to every rank; an error on rank 0 is broadcast and raised everywhere (rank 0 raises its own)."""
@@ -396,4 +535,4 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-__all__ = ["AgentBatch", "AgentLoop", "ToolCall"]
+__all__ = ["AgentBatch", "AgentLoop", "AgentRun", "ToolCall"]

@@ -12,8 +12,10 @@ One step ``s`` (the actor has made ``s`` updates: its weights are version ``s + 
    waits for this part: ``async/trainer_wait_frac``);
 4. one round of generation for the admitted batches ``s + 1 .. s + K``, under version ``s + 1``:
    with partial rollouts each unfinished response of batch ``b`` advances by
-   ``ceil(remaining tokens / (b - s))``, its budget spread over the steps it has left; without,
-   a batch is generated whole in its first round. On a layout where the rollout has a Ray pool
+   ``ceil(remaining tokens / (b - s))``, its budget spread over the steps it has left
+   (multi-turn trajectories: by ``ceil(turns left / (b - s))`` whole turns, ``env.max_turns``
+   being the budget, pausing between turns); without, a batch is generated whole in its first
+   round. On a layout where the rollout has a Ray pool
    of its own this round runs WHILE step 5 trains (a driver thread); elsewhere before it;
 5. the actor (and critic) train on batch ``s`` (``recipes.ppo.train_on_batch``).
 
@@ -25,7 +27,8 @@ in step 3 with version ``s + 1``, with the seeds and calls of ``recipes.ppo.rl_s
 The schedule depends on the step, the data order and the settings only (never on timing),
 so a run is reproducible bit for bit, and its state at a step boundary (the admitted batches and
 their kept tokens, log-probs and versions) is checkpointed with the roles and restored on
-resume (``posttrain.async_rl.state``).
+resume (``posttrain.async_rl.state``; multi-turn trajectories paused between turns are
+rebuilt by replaying their kept turns through fresh environments: ``AgentLoop.replay``).
 """
 
 from __future__ import annotations
@@ -60,9 +63,13 @@ class Pipeline:
         score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
             ``async.check_version_parity`` probe; None: no probe.
         agent: multi-turn rollouts (``posttrain.agents.AgentLoop``): each batch is its
-            trajectories, generated whole (every turn) in one round under one weight version:
-            in step 3 at K = 0, in the batch's first round at K >= 1 (``partial_rollouts`` off:
-            a conversation is not paused across a weight update yet).
+            trajectories. At K = 0 they are generated whole in step 3. At K >= 1 with partial
+            rollouts a trajectory pauses between turns (never inside one): each round advances
+            batch ``b``'s unfinished trajectories by ``ceil(turns left / (b - s))`` turns
+            (``env.max_turns`` being the budget), so a trajectory may span weight versions
+            across turns (staleness counted from its oldest token); a batch whose trajectories
+            have all ended is scored there and then. Without partial rollouts a batch's
+            trajectories are generated whole in its first round.
     """
 
     def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None, agent=None) -> None:
@@ -75,11 +82,6 @@ class Pipeline:
         self.score = score if a.check_version_parity else None
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.agent = agent
-        if agent is not None and self.k and self.partial:
-            raise ValueError(
-                "async.partial_rollouts = true with env.function: a multi-turn trajectory is not paused across weight updates "
-                "yet; fix: async.partial_rollouts=false (each batch of trajectories generated whole in one round)"
-            )
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
         self.last = cfg.trainer.total_steps - 1  # the last step: nothing past it is admitted
@@ -166,6 +168,8 @@ class Pipeline:
                     "the data gives now (data files, data.seed or data.batch_size changed); nothing was loaded; fix: resume with the "
                     "run's own data settings"
                 )
+            if p.agent_run is not None:  # trajectories paused between turns: rebuilt by replaying their kept turns
+                p.agent_run = self.agent.replay(p.agent_run, self._metas(p.step)) if self.agent is not None else None
             self.pending[p.step] = p
         self.cursor = max([start, *(b + 1 for b in self.pending)])
         ahead = min(start - 1 + self.k, self.last) + 1  # what an uninterrupted run of this length has admitted by now
@@ -189,11 +193,12 @@ class Pipeline:
             self.pending[self.cursor] = self._admitted(self.cursor)
             self.cursor += 1
         current = self.pending[step]
-        metas = [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
+        metas = self._metas(step)
         trajectories = None
         if self.agent is not None:
-            if current.trajectories is None:  # K = 0, or a batch whose round has not run (a resume)
-                current.trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new)
+            if current.trajectories is None:  # K = 0, a batch with turns left, or one whose round has not run (a resume)
+                current.trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new, state=current.agent_run)
+                current.agent_run = None
             trajectories = current.trajectories
         else:
             self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
@@ -258,11 +263,22 @@ class Pipeline:
         prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts for _ in range(self.n)]
         return Pending(step, ids, prompts, step_seeds(self.seed, step, len(prompts)))
 
+    def _metas(self, step: int) -> list:
+        """Step ``step``'s prompt rows, one per response (each ``n_samples`` times)."""
+        return [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
+
     def _round_work(self, step: int) -> list[tuple[Pending, int, int]]:
         """``(batch, row, new tokens)`` of this step's background round (module docstring);
-        multi-turn: ``(batch, -1, 0)`` for each admitted batch whose trajectories are not generated."""
+        multi-turn: ``(batch, -1, turns)`` for each admitted batch whose trajectories have not all
+        ended (``turns``: 0 for the whole of them, without partial rollouts)."""
         if self.agent is not None:
-            return [(self.pending[b], -1, 0) for b in sorted(self.pending) if b > step and self.pending[b].trajectories is None]
+            work = []
+            for b in sorted(self.pending):
+                p = self.pending[b]
+                if b > step and p.trajectories is None:
+                    left = self.agent.cfg.max_turns - (0 if p.agent_run is None else p.agent_run.turn)
+                    work.append((p, -1, math.ceil(left / (b - step)) if self.partial else 0))
+            return work
         work = []
         for b in sorted(self.pending):
             if b <= step:
@@ -281,11 +297,14 @@ class Pipeline:
     def _advance(self, work: list[tuple[Pending, int, int]]) -> None:
         """Generate ``work``'s new tokens (one sampler call per distinct token count), each row
         continuing from its kept tokens; rows already finished are skipped. Multi-turn: each
-        batch's trajectories, whole."""
+        batch's trajectories by its number of turns (0: whole), scored once all have ended."""
         if self.agent is not None:
-            for p, _, _ in work:
-                metas = [m for m in self.source.prompts_at(p.step)[1] for _ in range(self.n)]
-                p.trajectories = self.agent.run(self.rollout, metas, p.seeds, self.max_new)
+            for p, _, turns in work:
+                if p.agent_run is None:
+                    p.agent_run = self.agent.start(self._metas(p.step), p.seeds)
+                self.agent.advance(self.rollout, p.agent_run, self.max_new, turns or None)
+                if p.agent_run.finished:
+                    p.trajectories, p.agent_run = self.agent.finish(p.agent_run), None
             return
         by_amount: dict[int, list[tuple[Pending, int]]] = {}
         for p, i, amount in work:

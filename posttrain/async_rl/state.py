@@ -42,7 +42,9 @@ class Pending:
         seeds: each response's seed (the synchronous loop's: ``Rollout.seeds(step, ...)``).
         samples: each response so far (None: not started).
         trajectories: multi-turn rollouts (``env.function``): the batch's trajectories once
-            generated (``posttrain.agents.AgentBatch``, generated whole in one round), else None.
+            they have all ended and been scored (``posttrain.agents.AgentBatch``), else None.
+        agent_run: multi-turn with partial rollouts: the trajectories while some are unfinished
+            (``posttrain.agents.AgentRun``, paused between turns), else None.
     """
 
     step: int
@@ -51,6 +53,7 @@ class Pending:
     seeds: list[int]
     samples: list[Sample | None] = field(default_factory=list)
     trajectories: Any = None
+    agent_run: Any = None
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -88,6 +91,10 @@ def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict)
             traj, meta = p.trajectories.to_tensors()
             tensors.update({f"{k}.traj.{name}": t for name, t in traj.items()})
             batches[-1]["trajectories"] = meta
+        elif p.agent_run is not None:  # paused between turns: the kept turns, replayed on resume
+            run, meta = p.agent_run.to_tensors()
+            tensors.update({f"{k}.run.{name}": t for name, t in run.items()})
+            batches[-1]["agent_run"] = meta
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     # The layout rides in the tensors file's own header, so the hash covers it too; the JSON
     # repeats it for people and holds the hash.
@@ -196,7 +203,16 @@ def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
         from posttrain.agents.loop import AgentBatch
 
         trajectories = AgentBatch.from_tensors(part("traj"), meta["trajectories"])
-    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples, trajectories)
+    agent_run = None
+    if "agent_run" in meta:
+        from posttrain.agents.loop import AgentRun
+
+        agent_run = AgentRun.from_tensors(part("run"), meta["agent_run"])
+        if agent_run.seeds != [int(s) for s in seeds]:
+            raise ValueError(f"batch {k}: its paused trajectories carry other seeds than the batch")
+    return Pending(
+        int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples, trajectories, agent_run
+    )
 
 
 def _sha256(path: str) -> str:

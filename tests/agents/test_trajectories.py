@@ -194,6 +194,58 @@ def test_the_trained_tokens_are_the_sampled_ones_with_a_tokenizer_that_does_not_
     assert turns.tolist() == ([0] * 5 + [1] * 5) * 2
 
 
+class Drifts(Echo):
+    """Echo whose observations differ from one instance to the next (not deterministic)."""
+
+    built = 0
+
+    def __init__(self, prompt: str, turns: int = 2, **columns) -> None:
+        super().__init__(prompt, turns)
+        Drifts.built += 1
+        self.mark = Drifts.built
+
+    def step(self, turn):
+        out = super().step(turn)
+        return out if out.done else StepResult(f"obs {self.mark}", out.reward, False)
+
+
+def test_a_run_paused_between_turns_resumes_from_its_checkpoint_as_if_never_paused(capsys):
+    """The asynchronous pipeline pauses trajectories between turns and checkpoints only their
+    kept samples: replayed through fresh environments (a new process's loop) and continued,
+    the batch equals the unpaused run's, and nothing is sampled twice. An environment that
+    answers differently on replay is caught by the saved digests: warned, and the batch is
+    generated again (None), never spliced."""
+    from posttrain.agents import AgentRun
+
+    tok = _chat_tokenizer(HERMES)
+    metas = [_meta("ab", turns=1), _meta("abc", turns=3), _meta("b", turns=2)]
+
+    def policy(prompt: str) -> str:
+        return str(len(prompt) % 7)
+
+    whole = _loop(tok, function=f"{__name__}:Echo").run(Scripted(tok, policy), metas, [1, 2, 3], 8)
+    loop = _loop(tok, function=f"{__name__}:Echo")
+    run = loop.start(metas, [1, 2, 3])
+    loop.advance(Scripted(tok, policy), run, 8, turns=1)
+    assert (run.turn, run.finished) == (1, False)
+    tensors, meta = run.to_tensors()
+    saved = AgentRun.from_tensors(tensors, json.loads(json.dumps(meta)))
+    fresh = _loop(tok, function=f"{__name__}:Echo")
+    rollout = Scripted(tok, policy)
+    out = fresh.run(rollout, metas, [1, 2, 3], 8, state=fresh.replay(saved, metas))
+    assert [len(call) for call in rollout.calls] == [2, 1]  # turns 1 and 2 only: turn 0 was not sampled again
+    for key in ("input_ids", "loss_mask", "rollout_log_probs", "rollout_token_versions"):
+        assert torch.equal(out.batch[key].values(), whole.batch[key].values()), key
+    assert out.scores.tolist() == whole.scores.tolist() and out.metrics == whole.metrics
+
+    drifting = _loop(tok, function=f"{__name__}:Drifts")
+    run = drifting.start(metas, [1, 2, 3])
+    drifting.advance(Scripted(tok, policy), run, 8, turns=1)
+    tensors, meta = run.to_tensors()
+    assert drifting.replay(AgentRun.from_tensors(tensors, meta), metas) is None
+    assert "does not replay: trajectory 1" in capsys.readouterr().err
+
+
 def test_tool_results_are_never_in_the_loss_mask():
     tok = _chat_tokenizer(HERMES)
 
@@ -325,7 +377,7 @@ def test_bad_env_settings_are_named():
         _loop(tok, tools=["posttrain.agents.tools:run_tool"])
 
 
-def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
+def test_the_recipe_refuses_what_multi_turn_cannot_run(tmp_path):
     from engine_api.typed_config import load_typed
     from recipes.ppo import PPOConfig
 
@@ -333,7 +385,6 @@ def test_the_recipe_refuses_what_multi_turn_does_not_run_yet(tmp_path):
     data.write_text(json.dumps({"prompt": "x"}) + "\n")
     over = [f"data.train_files=[{data}]", f"engine.model.path={tmp_path}", "env.function=tools"]
     for extra, needle in [
-        (["async.max_staleness=2"], "async.partial_rollouts = true with env.function (async.max_staleness = 2)"),
         (["trainer.use_legacy_worker_impl=enable"], "legacy workers train single-turn"),
         (["rollout.max_model_len=64", "env.max_tokens=128"], "env.max_tokens = 128 > rollout.max_model_len = 64"),
     ]:
