@@ -43,7 +43,7 @@ def _datums(seed: int):
 
 
 def _plain(datums):
-    from recipes.tinker_server.contract import DatumIn
+    from tinker_server.contract import DatumIn
 
     return [
         DatumIn(torch.tensor(d.model_input.to_ints()), {k: torch.as_tensor(v.to_torch()) for k, v in d.loss_fn_inputs.items()})
@@ -60,10 +60,10 @@ def main(argv=None) -> Report:
     from tinker import types
 
     from posttrain.tiny_model import build_tiny_model
-    from recipes.tinker_server.config import load_server_config
-    from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn
-    from recipes.tinker_server.runs import EngineFactory, _RolloutPool, snapshot
     from tests.support.tinker import KEY, running_server
+    from tinker_server.config import load_server_config
+    from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn
+    from tinker_server.runs import EngineFactory, _RolloutPool, snapshot
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     rounds = 3 if args.quick else 8

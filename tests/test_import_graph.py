@@ -35,10 +35,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine_api", "backends", "roles", "posttrain", "recipes", "benchmarks")
-ENGINE_API_MAY_NOT_IMPORT = ("backends", "roles", "posttrain", "recipes")
+PACKAGES = ("engine_api", "backends", "roles", "posttrain", "recipes", "tinker_server", "benchmarks")
+ENGINE_API_MAY_NOT_IMPORT = ("backends", "roles", "posttrain", "recipes", "tinker_server")
 # package -> the packages it may not import, function bodies included.
-MAY_NOT_IMPORT = {"recipes": ("backends",), "posttrain": ("backends", "recipes")}
+MAY_NOT_IMPORT = {"recipes": ("backends",), "posttrain": ("backends", "recipes"), "tinker_server": ("backends", "recipes")}
 
 Graph = dict[str, dict[str, int]]  # module -> {imported module: line of the first such import}
 
@@ -263,6 +263,15 @@ def test_posttrain_imports_no_recipe():
     """``posttrain`` is the library the recipes are built from, never the other way round."""
     offending = forbidden_imports(ROOT, {"posttrain": ("recipes",)})
     assert not offending, "posttrain must not import recipes:\n" + "\n".join(offending)
+
+
+def test_the_server_is_its_own_room_at_the_recipes_floor():
+    """The Tinker server (``tinker_server``) builds on the contract, the roles and ``posttrain``,
+    and nothing below it knows of it; it imports no backend and no recipe (the old module path
+    ``recipes.tinker_server`` forwards to it, not the other way round)."""
+    below = {package: ("tinker_server",) for package in ("engine_api", "backends", "roles", "posttrain")}
+    offending = forbidden_imports(ROOT, {**below, "tinker_server": ("backends", "recipes")})
+    assert not offending, "the server's seams:\n" + "\n".join(offending)
 
 
 # ---------------------------------------------------------------------------------- the checker itself

@@ -73,7 +73,7 @@ def _chat_tokenizer(template: str, *extra: str):
     non-special tokens (Qwen's ``<tool_call>`` kind)."""
     from tokenizers import AddedToken
 
-    from recipes.tinker_server.demo import character_tokenizer as ascii_tokenizer
+    from tinker_server.demo import character_tokenizer as ascii_tokenizer
 
     tok = ascii_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -424,7 +424,7 @@ LLAMA31 = (
 def test_llama31_json_tool_calls_run_through_the_loop():
     from tokenizers import AddedToken
 
-    from recipes.tinker_server.demo import character_tokenizer as ascii_tokenizer
+    from tinker_server.demo import character_tokenizer as ascii_tokenizer
 
     tok = ascii_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})

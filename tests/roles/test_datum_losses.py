@@ -175,8 +175,8 @@ def test_a_loss_added_to_the_registry_is_served_by_the_engine_loss_and_the_wire_
     """Issue 55, item 5: one registry (``roles.datum_losses.LOSSES``) that the engine loss, the
     datum checks and the Tinker server's wire layer read: a new entry there is accepted by name
     everywhere, with its inputs and config, and nothing else is edited."""
-    from recipes.tinker_server import wire
     from roles import datum_losses as dl
+    from tinker_server import wire
 
     def doubled(lp, inputs, offsets, config):
         return -2.0 * config["scale"] * lp * inputs["weights"]

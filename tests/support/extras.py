@@ -49,7 +49,7 @@ OPTIONAL_MODULES = frozenset(
         "flash_attn",
         "mutmut",  # mutate
         "xdist",  # dev (make test's -n; not on the GPU image)
-        # the Tinker server (recipes/tinker_server) and its tests
+        # the Tinker server (tinker_server) and its tests
         "fastapi",
         "starlette",
         "uvicorn",

@@ -16,9 +16,9 @@ import torch
 import uvicorn
 from tinker import types
 
-from recipes.tinker_server.app import build_app
-from recipes.tinker_server.contract import DatumIn
-from recipes.tinker_server.demo import closing_service_clients  # noqa: F401  (re-exported for the tests)
+from tinker_server.app import build_app
+from tinker_server.contract import DatumIn
+from tinker_server.demo import closing_service_clients  # noqa: F401  (re-exported for the tests)
 
 KEY = "tml-test"
 RANK, ALPHA = 4, 32.0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.tinker_server.contract import (
+from tinker_server.contract import (
     AdamIn,
     DatumIn,
     ForwardBackwardOut,

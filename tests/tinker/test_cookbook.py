@@ -1,6 +1,6 @@
 """tinker-cookbook 0.6.1's ``recipes/sl_loop.py`` and ``recipes/rl_loop.py``, unchanged, against the
-Tinker server on the FSDP engine, through ``recipes.tinker_server.demo`` (the offline first run
-docs/tinker.md gives: ``python -m recipes.tinker_server.demo serve`` / ``sl_loop`` / ``rl_loop``).
+Tinker server on the FSDP engine, through ``tinker_server.demo`` (the offline first run
+docs/tinker.md gives: ``python -m tinker_server.demo serve`` / ``sl_loop`` / ``rl_loop``).
 
 What the demo supplies, because nothing may be downloaded here: a tiny Llama-style model served
 under a name the cookbook knows (``meta-llama/Llama-3.2-1B``: its ``role_colon`` renderer is plain
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from recipes.tinker_server import demo
-from recipes.tinker_server.config import load_server_config
-from recipes.tinker_server.runs import EngineFactory
 from tests.support.tinker import running_server
+from tinker_server import demo
+from tinker_server.config import load_server_config
+from tinker_server.runs import EngineFactory
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 from transformers import LlamaConfig, Phi3Config
 
 from engine_api.conformance.fixtures import TINY_DIMS, save_model
-from recipes.tinker_server.contract import LoraIn, UserError
-from recipes.tinker_server.runs import lora_modules
+from tinker_server.contract import LoraIn, UserError
+from tinker_server.runs import lora_modules
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.tinker_server.config import load_server_config
-from recipes.tinker_server.contract import AdamIn, LoraIn
-from recipes.tinker_server.runs import EngineFactory
 from tests.support.tinker import ADAM, ALPHA, RANK, datums, plain
 from tests.support.user_data import build_model_dir
+from tinker_server.config import load_server_config
+from tinker_server.contract import AdamIn, LoraIn
+from tinker_server.runs import EngineFactory
 
 
 @pytest.fixture(scope="module")

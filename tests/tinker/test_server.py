@@ -16,11 +16,11 @@ import tinker
 import torch
 from tinker import types
 
-from recipes.tinker_server.config import load_server_config
-from recipes.tinker_server.contract import AdamIn, LoraIn
-from recipes.tinker_server.runs import EngineFactory, RunSettings
 from tests.support.tinker import ADAM, ALPHA, KEY, RANK, datums, plain, rel, running_server
 from tests.support.user_data import build_model_dir
+from tinker_server.config import load_server_config
+from tinker_server.contract import AdamIn, LoraIn
+from tinker_server.runs import EngineFactory, RunSettings
 
 
 @pytest.fixture(scope="module")

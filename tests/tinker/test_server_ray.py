@@ -1,4 +1,4 @@
-"""The Tinker server launched as a user launches it (``python -m recipes.tinker_server``, a real
+"""The Tinker server launched as a user launches it (``python -m tinker_server``, a real
 process) with ``engine.ranks=2``: each run's engine is 2 Ray workers the server drives as its single
 controller, on both backends: FSDP at DP=2, and megatron at TP=2 (column- and row-parallel
 adapters, and an adapted output layer whose 21-token vocabulary TP pads to 22).
@@ -29,11 +29,11 @@ import torch
 from safetensors.torch import load_file
 from tinker import types
 
-from recipes.tinker_server.contract import AdamIn, LoraIn
-from recipes.tinker_server.runs import EngineFactory, RunSettings
 from tests.support.launch import REPO, free_port, launch_env, run_distributed
 from tests.support.tinker import ADAM, KEY, RANK, datums, plain, rel
 from tests.support.user_data import build_model_dir
+from tinker_server.contract import AdamIn, LoraIn
+from tinker_server.runs import EngineFactory, RunSettings
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def served(request, models, tmp_path_factory):
     strategy, settings, tolerances = LAYOUTS[request.param]
     state = tmp_path_factory.mktemp("state")
     port = free_port()
-    args = [sys.executable, "-m", "recipes.tinker_server", "--config", "configs/tinker_tiny.yaml", f"server.model_root={models}",
+    args = [sys.executable, "-m", "tinker_server", "--config", "configs/tinker_tiny.yaml", f"server.model_root={models}",
             f"server.port={port}", f"server.state_dir={state}", f"server.api_keys=[{KEY}]", "engine.ranks=2", "engine.cpus_per_rank=0.5",
             "tinker.lora_alpha=32", f"engine.strategy={strategy}", f"engine.settings=[{','.join(settings)}]"]  # fmt: skip
     log = tmp_path_factory.mktemp("log") / "server.log"

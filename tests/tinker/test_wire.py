@@ -1,4 +1,4 @@
-"""The Tinker HTTP layer (``recipes.tinker_server``) driven by the official ``tinker`` SDK.
+"""The Tinker HTTP layer (``tinker_server``) driven by the official ``tinker`` SDK.
 
 One server per module (uvicorn in a thread) over :class:`FakeFactory`, whose every output is a
 known function of its input: the checks compare what the SDK decodes with what the fake computed,
@@ -25,9 +25,9 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from recipes.tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
 from tests.support.tinker import KEY, running_server
 from tests.tinker.fake_run import MODEL, OTHER, VOCAB, FakeFactory, FakeRun, fake_logprob
+from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
 
 MAX_RUNS = 8
 MAX_BODY = 1 << 20

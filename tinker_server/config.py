@@ -1,4 +1,4 @@
-"""The Tinker server's settings: ``python -m recipes.tinker_server --config configs/tinker_tiny.yaml
+"""The Tinker server's settings: ``python -m tinker_server --config configs/tinker_tiny.yaml
 [key=value ...]`` (docs/tinker.md). Typed and frozen; every bad value is reported with its key,
 the value and the fix before anything starts."""
 
@@ -8,8 +8,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipes.tinker_server.contract import ServerSettings
-from recipes.tinker_server.runs import RunSettings
+from tinker_server.contract import ServerSettings
+from tinker_server.runs import RunSettings
 
 
 @dataclass(frozen=True)

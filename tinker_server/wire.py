@@ -1,4 +1,4 @@
-"""The Tinker SDK's wire format <-> the plain types of :mod:`recipes.tinker_server.contract`.
+"""The Tinker SDK's wire format <-> the plain types of :mod:`tinker_server.contract`.
 
 Requests arrive as JSON (every call but ``forward_backward``) or as the SDK's public protobuf
 (``forward_backward``: ``tinker_public_pb2.ForwardBackwardRequest``); the results of
@@ -23,8 +23,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
-from recipes.tinker_server.contract import AdamIn, DatumIn, ForwardBackwardOut, LoraIn, SampleOut, SampleParamsIn, UserError
 from roles.datum_losses import INPUT_FIELDS, LOSSES, REFUSED_LOSSES
+from tinker_server.contract import AdamIn, DatumIn, ForwardBackwardOut, LoraIn, SampleOut, SampleParamsIn, UserError
 
 PROTO = "application/x-protobuf"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from recipes.tinker_server.contract import DatumIn, UserError
 from roles.datum_losses import DatumLossError, check_loss
+from tinker_server.contract import DatumIn, UserError
 
 _THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
 _FIX = "fix: 0 <= clip_low_threshold <= clip_high_threshold (e.g. 0.8 and 1.2)"

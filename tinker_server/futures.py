@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recipes.tinker_server.contract import UserError
-from recipes.tinker_server.wire import error_body
+from tinker_server.contract import UserError
+from tinker_server.wire import error_body
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The training side of the Tinker server: a LoRA training run on one Enginekit engine, and the
-samplers that serve its weights through the rollout contract (``recipes/tinker_server/contract.py``
+samplers that serve its weights through the rollout contract (``tinker_server/contract.py``
 is the interface the HTTP layer calls).
 
 A run is an engine built from the base model's HF directory with ``model.lora`` (rank, alpha and
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.tinker_server.contract import (
+from roles.datum_losses import INPUT_FIELDS, accepted_inputs, batch_loss, engine_loss_fn, required_inputs
+from tinker_server.contract import (
     AdamIn,
     DatumIn,
     ForwardBackwardOut,
@@ -46,8 +47,7 @@ from recipes.tinker_server.contract import (
     SequenceOut,
     UserError,
 )
-from recipes.tinker_server.loss_checks import check_loss_request
-from roles.datum_losses import INPUT_FIELDS, accepted_inputs, batch_loss, engine_loss_fn, required_inputs
+from tinker_server.loss_checks import check_loss_request
 
 # The projections each Tinker toggle selects, by HF module name: separate (Llama, Qwen, Mistral)
 # or fused (Phi-3's qkv_proj and gate_up_proj). A run adapts those its base model has.
@@ -482,7 +482,7 @@ class RayEngineRun:
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
         try:
             self.group = self.cluster.spawn("run")
-            self.cluster.build(self.group, "recipes.tinker_server.runs:worker_run", base_model, model_dir, asdict(lora), asdict(settings))
+            self.cluster.build(self.group, "tinker_server.runs:worker_run", base_model, model_dir, asdict(lora), asdict(settings))
         except BaseException:
             self.cluster.close(graceful=False)
             raise

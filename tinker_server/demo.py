@@ -1,9 +1,9 @@
 """An offline first success with the Tinker server: a tiny model served, and tinker-cookbook's
 ``sl_loop`` / ``rl_loop`` run against it, with nothing downloaded.
 
-    python -m recipes.tinker_server.demo serve                    # terminal 1: builds the model once, serves it
-    python -m recipes.tinker_server.demo sl_loop                  # terminal 2: the cookbook's SFT loop
-    python -m recipes.tinker_server.demo rl_loop                  # ... or its RL loop
+    python -m tinker_server.demo serve                    # terminal 1: builds the model once, serves it
+    python -m tinker_server.demo sl_loop                  # terminal 2: the cookbook's SFT loop
+    python -m tinker_server.demo rl_loop                  # ... or its RL loop
 
 What the demo supplies, because the cookbook loops expect hub assets: a tiny Llama-style model
 (built from a config with a fixed seed) with a character-level tokenizer, served under a model
@@ -168,7 +168,7 @@ def run_rl_loop(base_url: str, model_dir: str, log_path: str, reward: Callable[[
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m recipes.tinker_server.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tinker_server.demo", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["serve", "sl_loop", "rl_loop"])
     parser.add_argument("--dir", default=DEFAULT_DIR, help=f"where the model, server state and loop logs go (default {DEFAULT_DIR})")
     parser.add_argument("--port", type=int, default=8000, help="serve: the port (default 8000)")
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_dir = build_demo_model(args.dir)
     if args.command == "serve":
-        from recipes.tinker_server.__main__ import main as serve
+        from tinker_server.__main__ import main as serve
 
         config = Path(__file__).resolve().parents[2] / "configs" / "tinker_tiny.yaml"
         serve(

@@ -2,10 +2,10 @@
 
 The official ``tinker`` SDK (0.38) drives it unchanged: ``tinker.ServiceClient(base_url=...,
 api_key="tml-...")``. The training side is reached only through the contract
-(:mod:`recipes.tinker_server.contract`): a :class:`RunFactory`, its ``TrainingRun``s and
-``Sampler``s. Wire conversions live in :mod:`~recipes.tinker_server.wire`, the futures and the
-single worker thread in :mod:`~recipes.tinker_server.futures`, checkpoints on disk in
-:mod:`~recipes.tinker_server.checkpoints`.
+(:mod:`tinker_server.contract`): a :class:`RunFactory`, its ``TrainingRun``s and
+``Sampler``s. Wire conversions live in :mod:`~tinker_server.wire`, the futures and the
+single worker thread in :mod:`~tinker_server.futures`, checkpoints on disk in
+:mod:`~tinker_server.checkpoints`.
 
 Endpoints (all under ``/api/v1``; every one but ``healthz`` needs an ``X-API-Key`` in
 ``settings.api_keys``, any key when that is empty):
@@ -86,8 +86,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from recipes.tinker_server import wire
-from recipes.tinker_server.checkpoints import (
+from tinker_server import wire
+from tinker_server.checkpoints import (
     CheckpointRef,
     CheckpointStore,
     check_model_id,
@@ -95,9 +95,9 @@ from recipes.tinker_server.checkpoints import (
     check_session_id,
     parse_tinker_path,
 )
-from recipes.tinker_server.contract import LoraIn, RunFactory, Sampler, ServerSettings, TrainingRun, UserError
-from recipes.tinker_server.futures import FuturesTable, OrderedWorker, Outcome, QueueClosed, SeqConflict, outcome_of_exception
-from recipes.tinker_server.loss_checks import check_loss_request
+from tinker_server.contract import LoraIn, RunFactory, Sampler, ServerSettings, TrainingRun, UserError
+from tinker_server.futures import FuturesTable, OrderedWorker, Outcome, QueueClosed, SeqConflict, outcome_of_exception
+from tinker_server.loss_checks import check_loss_request
 
 log = logging.getLogger(__name__)
 

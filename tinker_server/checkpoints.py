@@ -25,7 +25,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recipes.tinker_server.contract import LoraIn, UserError
+from tinker_server.contract import LoraIn, UserError
 
 META_FILE = "tinker_checkpoint.json"
 RUN_FILE = "run.json"
