@@ -21,6 +21,9 @@ from engine_api.config import EngineConfig
 from engine_api.losses import DeferredNormalizer, LossFn
 from engine_api.offload import Offloader, relocate_module, relocate_state
 from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite
+from engine_api.run_state import RunState
+from engine_api.run_state import capture as capture_run_state
+from engine_api.run_state import restore as restore_run_state
 from engine_api.step import RETURN_PREDICTIONS, StepSpec, forward_backward_loop
 
 PreprocessFn = Callable[[TensorDict, dict], TensorDict]
@@ -483,6 +486,25 @@ class BaseEngine(abc.ABC):
         self._broken = None
         return self.global_step
 
+    def run_state(self) -> RunState:
+        """A host copy of everything a training run changes on this engine (``engine_api.run_state``):
+        the trainable parameters and their gradients, the optimizer's state and hyperparameters,
+        the step, the RNG streams. With :meth:`load_run_state`, several runs that share the
+        frozen weights (LoRA runs on one base model) take turns on one engine, each computing
+        exactly what it would alone. Per rank, not collective: every rank calls it between calls.
+        Refused on a frozen engine."""
+        self._refuse_if_frozen("run_state")
+        with self._offloader.loaded():
+            return capture_run_state(self)
+
+    def load_run_state(self, state: RunState) -> None:
+        """Put back a state :meth:`run_state` took (of this engine, or of one built with the same
+        settings): the next call continues that run exactly. Checked first: a state of another
+        layout raises ``ValueError`` and changes nothing. Per rank, like :meth:`run_state`."""
+        self._refuse_if_frozen("load_run_state")
+        with self._offloader.loaded():
+            restore_run_state(self, state)
+
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight in HF naming and layout (with LoRA,
         merged), for a rollout sync or HF export. Collective: every rank drains the generator.
@@ -616,6 +638,11 @@ class BaseEngine(abc.ABC):
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (with LoRA, the adapters)."""
         return [p for module in self._modules() for p in module.parameters() if p.requires_grad]
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        """Gradient storage besides the parameters' ``.grad`` that a run owns (megatron DDP's
+        ``main_grad`` views); default none."""
+        return []
 
     def _zero_grad(self) -> None:
         """Clear the gradients (default: ``self.optimizer.zero_grad(set_to_none=True)``)."""

@@ -229,6 +229,10 @@ class MegatronEngine(BaseEngine):
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if self.optimizer is not None else []
         return [opt.optimizer for opt in chained]
 
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        # megatron DDP accumulates into main_grad views of its grad buffers, not .grad
+        return [p.main_grad for p in self._trainable_parameters() if getattr(p, "main_grad", None) is not None]
+
     def _optimizer_tensors(self):
         for opt in self._torch_optimizers():
             for group in opt.param_groups:

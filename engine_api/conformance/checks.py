@@ -706,6 +706,71 @@ def lora(env: Env) -> str:
     return f"{len(adapters)} adapter tensors; {trained}; merged export rel {err:.1e}"
 
 
+@check("run_swap")
+def run_swap(env: Env) -> str:
+    """run_state / load_run_state: two runs taking turns on one engine (with LoRA when the backend supports it), one of them swapped out with gradients pending, each give bit for bit the losses, grad norms and weights of a fresh engine serving that run alone; a state of another layout is refused, changing nothing."""
+    from engine_api.registry import get_engine_class
+
+    settings = ("model.lora.rank=4", "model.lora.alpha=8") if get_engine_class(env.strategy).supports_lora else ()
+
+    def read(engine) -> dict[str, torch.Tensor]:
+        return _adapters(engine) if settings else weights(engine)
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return float(x) if isinstance(x, torch.Tensor) else x
+
+    def pending(engine, batch) -> float:
+        with engine.train_mode():
+            return float(engine.forward_backward_step(batch)[1])
+
+    def finish(engine) -> float:
+        with engine.train_mode():
+            norm = engine.optimizer_step()
+            engine.optimizer_zero_grad()
+        return norm
+
+    shared = new_engine(env, *settings, mode="sum")
+    a, b = _local(shared, seed=1), _local(shared, seed=2)
+    fresh = shared.run_state()
+    # Run A: a step, then a forward_backward whose gradients are pending when B takes over.
+    got_a = [window(shared, a), pending(shared, a)]
+    state_a = shared.run_state()
+    shared.load_run_state(fresh)
+    got_b = [window(shared, b), window(shared, b)]
+    state_b = shared.run_state()
+    shared.load_run_state(state_a)
+    got_a += [finish(shared), window(shared, a)]
+    weights_a = read(shared)
+    shared.load_run_state(state_b)
+    got_b.append(window(shared, b))
+    weights_b = read(shared)
+    for name, got, want_weights, calls in (
+        ("run A", got_a, weights_a, lambda e: [window(e, a), pending(e, a), finish(e), window(e, a)]),
+        ("run B", got_b, weights_b, lambda e: [window(e, b), window(e, b), window(e, b)]),
+    ):
+        alone = new_engine(env, *settings, mode="sum")
+        want = calls(alone)
+        got, want = plain(got), plain(want)
+        if got != want:
+            raise CheckFailed(f"{name} interleaved with the other on one engine: {got} != alone: {want}")
+        same(f"{name}'s weights after its calls (interleaved vs alone)", {"w": want_weights}, {"w": read(alone)})
+        del alone
+    other = new_engine(env, "model.lora.rank=2", "model.lora.alpha=8", mode="sum") if settings else None
+    if other is not None:
+        before = read(other)
+        try:
+            other.load_run_state(state_a)
+        except ValueError:
+            same("a refused load_run_state", {"w": read(other)}, {"w": before})
+        else:
+            raise CheckFailed("load_run_state took a rank-4 run's state into a rank-2 engine")
+    return f"2 runs interleaved == each alone, bit for bit ({'adapters' if settings else 'full weights'}); another layout refused"
+
+
 def _lora_steps(env: Env, engine) -> str:
     """:func:`_target_steps` on a LoRA engine (rank 4, alpha 8) against peft + torch AdamW from
     the engine's initial adapters: the second step is the first in which ``lora_A`` gets a

@@ -223,3 +223,13 @@ class UnshardsInReverseRankOrder(ReferenceEngine):
             else:
                 fields[key] = value[order]
         return TensorDict(fields, batch_size=[n])
+
+
+class SwapsWithoutTheMoments(ReferenceEngine):
+    """``run_state`` leaves the optimizer's per-parameter state out: a run swapped back in
+    steps with zeroed moments (issue 55)."""
+
+    def run_state(self):
+        state = super().run_state()
+        state.optim = [[None] * len(per) for per in state.optim]
+        return state

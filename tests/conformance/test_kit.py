@@ -2,7 +2,7 @@
 
 Every backend passes every check: fsdp and the reference engine (torch DDP over HF, built on
 the backend kit only) on 1 and 2 processes, fsdp with Ulysses SP=2 on 2 and 4 processes, megatron on 1 process and on 2 at DP=2 (with the
-distributed optimizer), TP=2 and PP=2; four checks whose property a layout cannot change
+distributed optimizer), TP=2 and PP=2; five checks whose property a layout cannot change
 everywhere run on the layouts ``ONLY_ON`` names (each backend, and every layout whose path
 differs), and each run asserts it ran exactly the others. These runs replace the per-backend invariance copies (the old reference-engine
 invariance suite and the FSDP invariance file): the update check compares one optimizer step
@@ -16,7 +16,8 @@ on resume, one that steps on a non-finite loss whose gradient is finite (2 proce
 whose offload frees nothing, one that ignores the model's dropout, and engines off by 1e-4
 (loss, gradient, log-probs) or by one float step in one weight after a load, (issues 52 and
 53) one that computes in fp32 under ``model.dtype=bfloat16``, one whose post-step finite check
-sees no parameter and one whose ``unshard_data`` reverses the ranks' shards, each fail the
+sees no parameter and one whose ``unshard_data`` reverses the ranks' shards, and (issue 55) one
+whose ``run_state`` leaves the optimizer moments out, each fail the
 check that guards that duty, while the correct reference engine passes it in the same
 configuration (``test_kit_helpers.py`` pins the comparison helpers themselves).
 """
@@ -64,6 +65,11 @@ RUNS = {
 #   on stage 0 at PP=2: the other rank must raise through the world-wide flag; DP=2 distopt steps
 #   the main shards and gathers the params the check reads. At 1 rank the flag is trivial (fsdp-1,
 #   megatron-1: subsumed by those). reference-1: the teeth' sound engine (1 process).
+# - run_swap (issue 55): what a run owns lives in other tensors per backend and optimizer: the
+#   reference's plain parameters and torch AdamW (reference-1, no LoRA: the full weights), FSDP2's
+#   sharded DTensor adapters and their sharded AdamW state (fsdp-2), megatron's main_grad buffers
+#   with its plain optimizer (megatron-1) and its distributed optimizer's fp32 main shards
+#   (megatron-dp2-distopt). TP / PP / SP shard the same tensors differently, not other ones.
 # - unshard_order: only where a rank's shard is not the whole batch, i.e. on every 2- and 4-rank
 #   layout (reference-2 is the teeth' sound engine); at 1 rank there is no order to get wrong.
 ONLY_ON = {
@@ -80,6 +86,7 @@ ONLY_ON = {
     "save_before_first_step": ("reference-2", "fsdp-2", "megatron-1", "megatron-dp2-distopt"),
     "nonfinite_update": ("reference-1", "fsdp-2", "megatron-dp2-distopt", "megatron-tp2", "megatron-pp2"),
     "unshard_order": tuple(run for run, (_, nproc, _) in RUNS.items() if nproc > 1),
+    "run_swap": ("reference-1", "fsdp-2", "megatron-1", "megatron-dp2-distopt"),
 }
 SKIPPED_ON = {run: {check for check, runs in ONLY_ON.items() if run not in runs} for run in RUNS}
 
@@ -151,6 +158,8 @@ TEETH = {
     # issue 53, item 4: two duties no check called
     "post-step finite check sees no parameter": ("ChecksNoParameterAfterTheStep", 1, "nonfinite_update"),
     "unshard_data in reverse rank order": ("UnshardsInReverseRankOrder", 2, "unshard_order"),
+    # issue 55: a run swapped out and back in without its optimizer moments
+    "run state without the moments": ("SwapsWithoutTheMoments", 1, "run_swap"),
 }
 
 
