@@ -505,6 +505,22 @@ class BaseEngine(abc.ABC):
         with self._offloader.loaded():
             restore_run_state(self, state)
 
+    def reset_adapters(self, seed: int) -> None:
+        """Draw the LoRA adapters anew, exactly as an engine built with ``engine.seed = seed``
+        draws them at build (``B`` zero, ``A`` from the seed), on every rank. Gradients and the
+        optimizer state are left as they are (pair it with ``reset_optimizer_state``, or take
+        ``run_state`` after it): with :meth:`run_state`, runs of different seeds share one engine.
+        Collective-free.
+
+        Raises:
+            ValueError: the engine has no adapters (``model.lora.rank`` is 0).
+        """
+        if not self.config.model.lora.enabled:
+            raise ValueError(f"reset_adapters on {type(self).__name__} (model.lora.rank = 0): no LoRA adapters to draw")
+        self._refuse_if_frozen("reset_adapters")
+        with self._offloader.loaded(optimizer=False), torch.no_grad():
+            self._reset_adapters(int(seed))
+
     def export_weights(self, bucket_mb: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight in HF naming and layout (with LoRA,
         merged), for a rollout sync or HF export. Collective: every rank drains the generator.
@@ -718,6 +734,10 @@ class BaseEngine(abc.ABC):
     def _export_weights(self, bucket_bytes: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight (``bucket_bytes``: the validated
         transfer hint, None for one tensor per collective). Called with the model loaded."""
+
+    def _reset_adapters(self, seed: int) -> None:
+        """Draw the adapters as a build with ``seed`` does (a backend with :attr:`supports_lora`)."""
+        raise NotImplementedError(f"{type(self).__name__} sets supports_lora but does not implement _reset_adapters")
 
     def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the LoRA adapters by peft's names (a backend with :attr:`supports_lora`)."""

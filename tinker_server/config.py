@@ -24,7 +24,9 @@ class ServerSection:
         aliases: further served names, each ``NAME=DIR`` (e.g. ``Qwen/Qwen3-8B=/models/q3``: a list of
             strings, because model names hold dots, which config keys cannot).
         state_dir: where checkpoints (``tinker://`` paths) are written.
-        max_runs: training runs held at once (one engine each); past it create_model is refused.
+        max_runs: training runs held at once (they share engines: ``engine.max_engines``); past it
+            create_model is refused. Each run costs host memory for its adapters, their gradients
+            and AdamW moments (about 4x its adapter size) while another run is resident.
         max_body_mb: the largest request body accepted.
         poll_timeout_s: how long a ``retrieve_future`` poll is held open before ``try_again``.
         session_timeout_s: a session with neither a heartbeat nor a request for this long is
@@ -40,7 +42,7 @@ class ServerSection:
     model_root: str | None = None
     aliases: list[str] = field(default_factory=list)
     state_dir: str = "outputs/tinker"
-    max_runs: int = 2
+    max_runs: int = 16
     max_body_mb: float = 64.0
     poll_timeout_s: float = 30.0
     session_timeout_s: float = 60.0
@@ -92,6 +94,12 @@ class EngineSection:
             server drives (the ``ray`` extra).
         cpus_per_rank: CPUs each of those workers reserves (fractions allowed).
         ray_address: null starts a local Ray instance; ``auto`` or ``HOST:PORT`` joins a cluster.
+        share: runs on the same base model with the same LoRA rank, target modules and seed share
+            one engine (the base weights once; each run's adapters and optimizer state swapped in
+            for its calls); false: one engine per run. In process only (``ranks`` 1): a run on
+            Ray workers has its own worker group.
+        max_engines: engines held at once (one per base model and LoRA signature while shared);
+            a create_model that needs one more is refused naming what is served.
     """
 
     strategy: str = "fsdp"
@@ -99,6 +107,8 @@ class EngineSection:
     ranks: int = 1
     cpus_per_rank: float = 1.0
     ray_address: str | None = None
+    share: bool = True
+    max_engines: int = 2
 
     def _problems(self) -> list[str]:
         out = []
@@ -109,6 +119,8 @@ class EngineSection:
             out.append(f"ranks = {self.ranks}: must be >= 1; fix: 1 (in process) or more (Ray workers)")
         if not self.cpus_per_rank > 0:
             out.append(f"cpus_per_rank = {self.cpus_per_rank}: must be > 0; fix: e.g. 1")
+        if self.max_engines < 1:
+            out.append(f"max_engines = {self.max_engines}: must be >= 1; fix: e.g. 2")
         return out
 
 
@@ -178,6 +190,8 @@ class TinkerServerConfig:
             ranks=self.engine.ranks,
             cpus_per_rank=self.engine.cpus_per_rank,
             ray_address=self.engine.ray_address,
+            share=self.engine.share,
+            max_engines=self.engine.max_engines,
         )
 
 

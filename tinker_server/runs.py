@@ -72,6 +72,8 @@ class RunSettings:
         cpus_per_rank: CPUs each Ray worker reserves (fractions allowed; also its torch threads).
         ray_address: null starts a local Ray instance (stopped with the server); ``auto`` or
             ``HOST:PORT`` joins a running cluster.
+        share: runs of one :class:`Signature` share one in-process engine (:class:`SharedEngine`).
+        max_engines: engines held at once (shared or not); past it create_model is refused.
     """
 
     strategy: str = "fsdp"
@@ -82,6 +84,8 @@ class RunSettings:
     ranks: int = 1
     cpus_per_rank: float = 1.0
     ray_address: str | None = None
+    share: bool = True
+    max_engines: int = 2
 
 
 def lora_modules(lora: LoraIn, model_dir: str | None = None) -> list[str]:
@@ -300,42 +304,130 @@ class _RolloutPool:
         self.engine.shutdown()
 
 
-class EngineRun:
-    """A training run (``contract.TrainingRun``) on one in-process engine."""
+def _check_rank(base_model: str, model_dir: str, lora: LoraIn) -> None:
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
+        raise UserError(f"lora_config.rank = {lora.rank!r}; fix: a positive integer (e.g. 32)")
+    hidden = _model_config(model_dir).get("hidden_size")
+    if isinstance(hidden, int) and lora.rank > hidden:
+        raise UserError(
+            f"lora_config.rank = {lora.rank}: larger than {base_model}'s hidden size {hidden} (a rank past the smaller "
+            f"side of a projection adds no capacity, only memory); fix: a rank <= {hidden} (e.g. 32)"
+        )
 
-    def __init__(self, base_model: str, model_dir: str, lora: LoraIn, settings: RunSettings, pool: _RolloutPool) -> None:
+
+@dataclass(frozen=True)
+class Signature:
+    """What runs must agree on to share one engine: the base model and the LoRA rank and target
+    modules the engine's adapters have (the seed need not: a run of another seed starts from the
+    adapters ``BaseEngine.reset_adapters`` draws for it, those of an engine built with it)."""
+
+    base_model: str
+    rank: int
+    modules: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"{self.base_model} rank {self.rank} on {','.join(self.modules)}"
+
+
+def signature(base_model: str, model_dir: str, lora: LoraIn) -> Signature:
+    """The engine a run of ``lora`` on ``base_model`` is served by (checked: a bad rank or toggles
+    raise ``UserError`` naming them)."""
+    _check_rank(base_model, model_dir, lora)
+    return Signature(base_model, lora.rank, tuple(lora_modules(lora, model_dir)))
+
+
+def run_seed(lora: LoraIn) -> int:
+    """The seed a run's adapters are drawn with (Tinker's ``seed``; none: 0, so reruns agree)."""
+    return lora.seed if lora.seed is not None else 0
+
+
+class SharedEngine:
+    """One in-process engine of a base model and LoRA :class:`Signature`, shared by its runs.
+
+    The engine holds the frozen base weights once; each run owns its adapters, their gradients,
+    the AdamW state, the step and the RNG streams (``BaseEngine.run_state``). One run is resident
+    at a time: a call of another run takes the resident's state out to host memory (pinned on a
+    GPU) and puts the caller's in (:meth:`use`), so each run computes exactly what it would on an
+    engine of its own. Calls are serialized by the server's one worker thread, in arrival order.
+    A new run starts from the engine's state at build with its adapters drawn for its seed;
+    assumption: its RNG streams start from the engine's (they drive dropout only, and a Tinker
+    LoRA run has none unless the base model's config asks for it).
+    """
+
+    def __init__(self, sig: Signature, seed: int, model_dir: str, settings: RunSettings) -> None:
         from engine_api import build_engine, load_config
 
-        if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 1:
-            raise UserError(f"lora_config.rank = {lora.rank!r}; fix: a positive integer (e.g. 32)")
-        hidden = _model_config(model_dir).get("hidden_size")
-        if isinstance(hidden, int) and lora.rank > hidden:
-            raise UserError(
-                f"lora_config.rank = {lora.rank}: larger than {base_model}'s hidden size {hidden} (a rank past the smaller "
-                f"side of a projection adds no capacity, only memory); fix: a rank <= {hidden} (e.g. 32)"
-            )
-        modules = lora_modules(lora, model_dir)
         overrides = [
             f"strategy={settings.strategy}",
             f"model.path={model_dir}",
-            f"model.lora.rank={lora.rank}",
+            f"model.lora.rank={sig.rank}",
             f"model.lora.alpha={settings.lora_alpha}",
-            f"model.lora.target_modules=[{','.join(modules)}]",
+            f"model.lora.target_modules=[{','.join(sig.modules)}]",
             "loss_agg_mode=sum",
             "deferred_normalization=false",
             # a non-zero placeholder: groups built with decay are the ones optim_step's weight decay reaches
             "optim.weight_decay=0.01",
             "optim.clip_grad=null",
-            f"seed={lora.seed if lora.seed is not None else 0}",
+            f"seed={seed}",
             *settings.engine_overrides,
         ]
-        self.base_model, self.lora, self.pool = base_model, lora, pool
+        self.signature, self.seed = sig, seed
         self.engine = build_engine(load_config(None, overrides))
         self.engine.init_model()
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
+        self.initial = self.engine.run_state()  # every new run starts from it
+        self.resident: EngineRun | None = None
+        self.runs = 0
+        self.swaps = 0
+
+    def use(self, run: EngineRun):
+        """The engine with ``run``'s state in it (swapping the resident run's out first)."""
+        if self.resident is not run:
+            if self.resident is not None:
+                self.resident.state = self.engine.run_state()
+                self.resident = None
+            if run.state is not None:
+                self.engine.load_run_state(run.state)
+            else:  # its first call
+                self.engine.load_run_state(self.initial)
+                if run.seed != self.seed:
+                    self.engine.reset_adapters(run.seed)
+            run.state, self.resident = None, run
+            self.swaps += 1
+        return self.engine
+
+    def leave(self, run: EngineRun) -> bool:
+        """``run`` is closed; returns whether the engine serves no run any more."""
+        if self.resident is run:
+            self.resident = None
+        run.state = None
+        self.runs -= 1
+        return self.runs == 0
+
+    def close(self) -> None:
+        self.engine = self.initial = None
+
+
+class EngineRun:
+    """A training run (``contract.TrainingRun``) on a :class:`SharedEngine` (its own when the
+    server builds one per run: ``worker_run``)."""
+
+    def __init__(self, base_model: str, shared: SharedEngine, lora: LoraIn, pool: _RolloutPool | None) -> None:
+        self.base_model, self.lora, self.pool, self.shared = base_model, lora, pool, shared
+        self.seed = run_seed(lora)
+        self.state = None  # this run's state while another run is resident (None: resident, or not started)
+        shared.runs += 1
         self.steps = 0
         self.broken: str | None = None  # why the run refuses to train (a step wrote non-finite weights), until a load
+        self.closed = False
+
+    @property
+    def engine(self):
+        """The shared engine, holding this run's adapters and optimizer state."""
+        if self.closed:
+            raise UserError("this training run was unloaded; fix: create a new one (create_model) or load_state a checkpoint into one")
+        return self.shared.use(self)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
@@ -440,7 +532,10 @@ class EngineRun:
         return snapshot(self.pool, self.base_model, self.merged_weights(), directory)
 
     def close(self) -> None:
-        self.engine = None
+        if not self.closed:
+            self.closed = True
+            if self.shared.leave(self):
+                self.shared.close()
 
 
 def snapshot(pool: _RolloutPool, base_model: str, weights: dict[str, torch.Tensor], directory: Path | None) -> Snapshot:
@@ -458,7 +553,9 @@ def snapshot(pool: _RolloutPool, base_model: str, weights: dict[str, torch.Tenso
 def worker_run(base_model: str, model_dir: str, lora: dict, settings: dict) -> EngineRun:
     """The host object of one Ray worker of a :class:`RayEngineRun` (``posttrain.placement``):
     this rank's part of the run's engine, joined to the worker group's world."""
-    return EngineRun(base_model, model_dir, LoraIn(**lora), RunSettings(**settings), None)
+    lora_in = LoraIn(**lora)
+    shared = SharedEngine(signature(base_model, model_dir, lora_in), run_seed(lora_in), model_dir, RunSettings(**settings))
+    return EngineRun(base_model, shared, lora_in, None)
 
 
 class RayEngineRun:
@@ -476,8 +573,8 @@ class RayEngineRun:
         from posttrain.placement.cluster import RayCluster
         from posttrain.placement.config import PlacementConfig
 
-        lora_modules(lora, model_dir)  # refused here, before any worker starts
-        self.base_model, self.lora, self.pool = base_model, lora, pool
+        self.sig = signature(base_model, model_dir, lora)  # refused here, before any worker starts
+        self.base_model, self.lora, self.pool, self.closed = base_model, lora, pool, False
         placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
         try:
@@ -509,7 +606,9 @@ class RayEngineRun:
         return snapshot(self.pool, self.base_model, self._call("merged_weights"), directory)
 
     def close(self) -> None:
-        self.cluster.close()
+        if not self.closed:
+            self.closed = True
+            self.cluster.close()
 
 
 class EngineFactory:
@@ -543,7 +642,9 @@ class EngineFactory:
         self.settings = settings
         self.pools: dict[str, _RolloutPool] = {}
         #: every run built, in order (tests reach a served run's engine through it)
-        self.created: list[EngineRun] = []
+        self.created: list[EngineRun | RayEngineRun] = []
+        self.engines: list[SharedEngine] = []  # the in-process engines held
+        self.ray_runs: list[RayEngineRun] = []  # runs on worker groups of their own
 
     def served_models(self) -> list[str]:
         return sorted(self.models)
@@ -559,8 +660,30 @@ class EngineFactory:
         return self.pools[base_model]
 
     def create_run(self, base_model: str, lora: LoraIn) -> EngineRun | RayEngineRun:
-        kind = EngineRun if self.settings.ranks == 1 else RayEngineRun
-        run = kind(base_model, self._dir(base_model), lora, self.settings, self._pool(base_model))
+        """A run of ``lora`` on ``base_model``: on the engine of its :class:`Signature` when one
+        is held and ``share`` is on, else on a new engine (refused past ``max_engines``)."""
+        model_dir = self._dir(base_model)
+        sig = signature(base_model, model_dir, lora)
+        self.engines = [e for e in self.engines if e.engine is not None]  # closed ones leave
+        self.ray_runs = [r for r in self.ray_runs if not r.closed]
+        shared = next((e for e in self.engines if e.signature == sig), None) if self.settings.share else None
+        if shared is None:
+            held = len(self.engines) + len(self.ray_runs)
+            if held >= self.settings.max_engines:
+                served = sorted({e.signature.describe() for e in self.engines} | {r.sig.describe() for r in self.ray_runs})
+                raise UserError(
+                    f"create_model: {sig.describe()} needs an engine of its own and the server holds engine.max_engines = "
+                    f"{self.settings.max_engines} ({'; '.join(served)}); fix: create the run with the rank and toggles of a "
+                    "served engine, unload the runs of one, or start the server with a larger engine.max_engines"
+                )
+        if self.settings.ranks > 1:
+            run = RayEngineRun(base_model, model_dir, lora, self.settings, self._pool(base_model))
+            self.ray_runs.append(run)
+        else:
+            if shared is None:
+                shared = SharedEngine(sig, run_seed(lora), model_dir, self.settings)
+                self.engines.append(shared)
+            run = EngineRun(base_model, shared, lora, self._pool(base_model))
         self.created.append(run)
         return run
 

@@ -27,7 +27,14 @@ from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward, packed_rows_exact
 from backends.fsdp.lm_head import chunked_head_exact, chunked_head_problem
-from backends.fsdp.lora import adapter_weights, adapters_off, merged_weights, tied_target_problems, unmatched_target_problems
+from backends.fsdp.lora import (
+    adapter_weights,
+    adapters_off,
+    merged_weights,
+    reset_adapters,
+    tied_target_problems,
+    unmatched_target_problems,
+)
 from backends.fsdp.model import (
     apply_activation_checkpointing,
     apply_compile,
@@ -274,6 +281,9 @@ class FSDPEngine(BaseEngine):
         if not lora.enabled:
             return {}
         return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules), "head": self.config.model.head}
+
+    def _reset_adapters(self, seed: int) -> None:
+        reset_adapters(self.model, seed)
 
     def _export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapters by peft's names (see ``BaseEngine.export_adapter_weights``). Collective."""

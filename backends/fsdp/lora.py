@@ -51,6 +51,52 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, head: str, seed: int) -> nn.Mo
         ) from exc
 
 
+@torch.no_grad()
+def reset_adapters(model: nn.Module, seed: int) -> None:
+    """Draw every adapter as :func:`apply_lora` with ``seed`` drew it, on a model already sharded:
+    peft creates ``lora_A`` / ``lora_B`` as ``nn.Linear`` (each construction draws its default
+    init from the global RNG), then gives ``lora_A`` a kaiming-uniform draw and zeroes ``lora_B``,
+    layer after layer in module order, under ``torch.manual_seed(seed)``. The same draws are
+    replayed on the host and each rank keeps its shard (no communication). Assumption: peft's
+    default init (``init_lora_weights=True``), which the engine's LoRA config always asks for;
+    held by a test against an engine built with the seed.
+
+    Raises:
+        ValueError: the model trains a copy of a whole module (a value head), not only adapters.
+    """
+    import math
+
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    if any(isinstance(m, ModulesToSaveWrapper) for m in model.modules()):
+        raise ValueError("reset_adapters: this model trains a copy of a whole module (a value head), which is not drawn from the seed")
+    devices = [torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the caller's RNG streams are not this draw's
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+                continue
+            lora_a, lora_b = module.lora_A[ADAPTER], module.lora_B[ADAPTER]
+            fresh_a = nn.Linear(lora_a.in_features, lora_a.out_features, bias=False)
+            nn.Linear(lora_b.in_features, lora_b.out_features, bias=lora_b.bias is not None)
+            nn.init.kaiming_uniform_(fresh_a.weight, a=math.sqrt(5))
+            _set_full(lora_a.weight, fresh_a.weight)
+            for param in lora_b.parameters():
+                param.zero_()
+
+
+def _set_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write ``full`` into ``param`` (a DTensor: this rank's shard of it)."""
+    if isinstance(param, DTensor):
+        local = torch.distributed.tensor.distribute_tensor(
+            full.to(device=param.device, dtype=param.dtype), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
 def hf_name(peft_name: str) -> str | None:
     """The HF name of a peft-wrapped parameter, or None for adapter-only tensors (``lora_*``,
     the untrained ``original_module`` copy of a trained head)."""

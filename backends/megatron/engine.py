@@ -229,6 +229,12 @@ class MegatronEngine(BaseEngine):
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer]) if self.optimizer is not None else []
         return [opt.optimizer for opt in chained]
 
+    def _reset_adapters(self, seed: int) -> None:
+        for adapter in self.adapters:
+            adapter.reset(seed)
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()  # the fp32 mains (mixed precision) follow the new adapters
+
     def _grad_buffers(self) -> list[torch.Tensor]:
         # megatron DDP accumulates into main_grad views of its grad buffers, not .grad
         return [p.main_grad for p in self._trainable_parameters() if getattr(p, "main_grad", None) is not None]

@@ -212,18 +212,15 @@ class LinearAdapter(nn.Module):
         self.scale = lora.alpha / lora.rank
         self.dropout = lora.dropout
         self.enabled = True
-        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        self.rank = lora.rank
         self.A, self.B = nn.ParameterList(), nn.ParameterList()
-        for part in parts:
-            full_a = torch.empty(lora.rank, part.cols, dtype=torch.float32)
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(part.hf_module.encode()))
-            nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=gen)
+        for part, local_a in zip(parts, self._draw(seed), strict=True):
             if column:
-                a = nn.Parameter(full_a.to(device=device, dtype=dtype))
+                a = nn.Parameter(local_a.to(device=device, dtype=dtype))
                 b = nn.Parameter(torch.zeros(len(part.positions), lora.rank, dtype=dtype, device=device))
                 set_tensor_model_parallel_attributes(b, True, 0, 1)
             else:
-                a = nn.Parameter(full_a.chunk(tp, dim=1)[tp_rank].clone().to(device=device, dtype=dtype))
+                a = nn.Parameter(local_a.to(device=device, dtype=dtype))
                 b = nn.Parameter(torch.zeros(part.rows, lora.rank, dtype=dtype, device=device))
                 set_tensor_model_parallel_attributes(a, True, 1, 1)
             self.A.append(a)
@@ -233,6 +230,25 @@ class LinearAdapter(nn.Module):
             self.register_buffer("positions", torch.tensor(positions, device=device), persistent=False)
             # (decided once: checking it per forward would sync a GPU every call)
             self.in_order = positions == list(range(out_local))
+
+    def _draw(self, seed: int) -> list[torch.Tensor]:
+        """Each part's initial ``A`` on this TP rank (fp32, CPU): kaiming-uniform from a generator
+        seeded by ``seed`` and the HF projection's name, so every layout draws the same full A."""
+        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        out = []
+        for part in self.parts:
+            full_a = torch.empty(self.rank, part.cols, dtype=torch.float32)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(part.hf_module.encode()))
+            nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=gen)
+            out.append(full_a if self.column else full_a.chunk(tp, dim=1)[tp_rank].clone())
+        return out
+
+    @torch.no_grad()
+    def reset(self, seed: int) -> None:
+        """The adapters as an engine built with ``seed`` draws them (``A`` drawn, ``B`` zero)."""
+        for a, b, local_a in zip(self.A, self.B, self._draw(seed), strict=True):
+            a.copy_(local_a)
+            b.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output for the linear's input ``x`` (``[s, b, in_local]``): this rank's

@@ -708,7 +708,7 @@ def lora(env: Env) -> str:
 
 @check("run_swap")
 def run_swap(env: Env) -> str:
-    """run_state / load_run_state: two runs taking turns on one engine (with LoRA when the backend supports it), one of them swapped out with gradients pending, each give bit for bit the losses, grad norms and weights of a fresh engine serving that run alone; a state of another layout is refused, changing nothing."""
+    """run_state / load_run_state: two runs taking turns on one engine (with LoRA when the backend supports it: the second's adapters drawn for another seed by reset_adapters), one swapped out with gradients pending, each give bit for bit the losses, grad norms and weights of a fresh engine serving that run alone; a state of another layout is refused, changing nothing."""
     from engine_api.registry import get_engine_class
 
     settings = ("model.lora.rank=4", "model.lora.alpha=8") if get_engine_class(env.strategy).supports_lora else ()
@@ -740,6 +740,8 @@ def run_swap(env: Env) -> str:
     got_a = [window(shared, a), pending(shared, a)]
     state_a = shared.run_state()
     shared.load_run_state(fresh)
+    if settings:  # run B starts from the adapters an engine built with seed 7 draws
+        shared.reset_adapters(7)
     got_b = [window(shared, b), window(shared, b)]
     state_b = shared.run_state()
     shared.load_run_state(state_a)
@@ -752,7 +754,7 @@ def run_swap(env: Env) -> str:
         ("run A", got_a, weights_a, lambda e: [window(e, a), pending(e, a), finish(e), window(e, a)]),
         ("run B", got_b, weights_b, lambda e: [window(e, b), window(e, b), window(e, b)]),
     ):
-        alone = new_engine(env, *settings, mode="sum")
+        alone = new_engine(env, *settings, *(("seed=7",) if settings and name == "run B" else ()), mode="sum")
         want = calls(alone)
         got, want = plain(got), plain(want)
         if got != want:
@@ -768,7 +770,8 @@ def run_swap(env: Env) -> str:
             same("a refused load_run_state", {"w": read(other)}, {"w": before})
         else:
             raise CheckFailed("load_run_state took a rank-4 run's state into a rank-2 engine")
-    return f"2 runs interleaved == each alone, bit for bit ({'adapters' if settings else 'full weights'}); another layout refused"
+    what = "adapters; the second drawn for seed 7 by reset_adapters" if settings else "full weights"
+    return f"2 runs interleaved == each alone, bit for bit ({what}); another layout refused"
 
 
 def _lora_steps(env: Env, engine) -> str:
