@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "serve":
         from tinker_server.__main__ import main as serve
 
-        config = Path(__file__).resolve().parents[2] / "configs" / "tinker_tiny.yaml"
+        config = Path(__file__).resolve().parents[1] / "configs" / "tinker_tiny.yaml"
         serve(
             [
                 "--config",

@@ -31,8 +31,9 @@ def server(tmp_path_factory):
         "configs/tinker_tiny.yaml",
         [f"server.aliases=[{demo.NAME}={model}]", f"server.state_dir={tmp_path_factory.mktemp('state')}", "server.max_runs=8"],
     )
-    with running_server(cfg.server_settings(), EngineFactory(None, cfg.alias_table(), cfg.run_settings())) as url:
-        yield url, model
+    factory = EngineFactory(None, cfg.alias_table(), cfg.run_settings())
+    with running_server(cfg.server_settings(), factory) as url:
+        yield url, model, factory
 
 
 def _metrics(log_path: Path) -> list[dict]:
@@ -40,7 +41,7 @@ def _metrics(log_path: Path) -> list[dict]:
 
 
 def test_sl_loop_trains_and_the_nll_goes_down(server, tmp_path):
-    url, model = server
+    url, model, _ = server
     log = tmp_path / "sl"
     demo.run_sl_loop(url, model, str(log), batch_size=2, learning_rate=0.01, lora_rank=4, save_every=4)
     nll = [m["train_mean_nll"] for m in _metrics(log) if "train_mean_nll" in m]
@@ -51,7 +52,7 @@ def test_sl_loop_trains_and_the_nll_goes_down(server, tmp_path):
 
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
 def test_rl_loop_samples_scores_and_trains(server, tmp_path, loss_fn):
-    url, model = server
+    url, model, _ = server
     scored: list[float] = []
 
     def reward(response: str, answer: str) -> float:
@@ -68,3 +69,39 @@ def test_rl_loop_samples_scores_and_trains(server, tmp_path, loss_fn):
     assert len(steps) == 2
     assert len(scored) == 2 * 2 * 4  # every sampled sequence was scored
     assert any(s > 0 for s in scored) and any("grad_norm:mean" in m for m in steps)  # variance -> a training step ran
+
+
+def test_two_sl_loops_at_once_on_one_engine_each_train_as_alone(server, tmp_path):
+    """Two cookbook sl_loops (other learning rates) against the server at the same time: their runs
+    share one engine (the same base, rank and targets), their calls interleave on it, and each
+    logs exactly the NLLs it logs when it runs alone."""
+    import threading
+
+    from tinker_cookbook.recipes import sl_loop
+
+    url, model, factory = server
+    rates = (0.01, 0.02)
+
+    def config(lr: float, where: str):
+        return sl_loop.Config(
+            base_url=url, log_path=str(tmp_path / where), model_name=demo.NAME, batch_size=2, learning_rate=lr, lora_rank=4, save_every=0
+        )
+
+    def nll(where: str) -> list[float]:
+        return [m["train_mean_nll"] for m in _metrics(tmp_path / where) if "train_mean_nll" in m]
+
+    demo.register_tokenizer(model)
+    with demo._api_key(), demo.local_dataset(demo.sl_rows()), demo.closing_service_clients():
+        for lr in rates:
+            sl_loop.main(config(lr, f"alone-{lr}"))
+        threads = [threading.Thread(target=sl_loop.main, args=(config(lr, f"together-{lr}"),)) for lr in rates]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    together = factory.created[-2:]
+    assert together[0].shared is together[1].shared  # one engine served both
+    for lr in rates:
+        assert len(nll(f"together-{lr}")) == 8
+        assert nll(f"together-{lr}") == nll(f"alone-{lr}"), lr
+    assert nll("alone-0.01") != nll("alone-0.02")

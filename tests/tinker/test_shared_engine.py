@@ -1,0 +1,192 @@
+"""Many training runs on one engine (issue 55): the Tinker server's runs of one base model, LoRA
+rank and targets share an engine (``tinker_server.runs.SharedEngine``), each run's adapters,
+gradients, AdamW state, step and RNG swapped in for its calls.
+
+* Interleaved, three runs (two seeds, one of them other than the engine's; calls of different
+  runs alternating, one run swapped out with gradients pending, two losses) give, call for call,
+  bit for bit the losses, log-probs, grad norms, samples and final adapters of a dedicated
+  engine serving each run alone (``engine.share=false``), on FSDP and on megatron.
+* Run A's forward_backward + optim_step leaves run B's whole state (adapters, gradients, AdamW
+  moments and step, engine step) and B's seeded samples bit-identical.
+* A run saved, the server's factory closed and a new one built: each run resumes and steps
+  exactly as it would have.
+* Refusals: an engine past ``engine.max_engines`` (naming the rank and what is served), a
+  closed run's calls, a run state of another layout; every other run untouched.
+
+Each backend runs in a spawned process (megatron's CPU compat layer stays out of the test
+process); the comparisons are made here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.launch import run_distributed
+from tests.support.tinker import ADAM, ALPHA, RANK, datums, plain
+from tests.support.user_data import build_model_dir
+from tinker_server.config import load_server_config
+from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, UserError
+from tinker_server.runs import EngineFactory
+
+pytestmark = pytest.mark.slow
+
+RUNS = {"a": LoraIn(rank=RANK, seed=1), "b": LoraIn(rank=RANK, seed=2), "c": LoraIn(rank=RANK, seed=1)}
+# (run, call, datum seed or loss): runs alternate; "b" is swapped out with gradients pending twice.
+CALLS = [
+    ("a", "fb", 11, "cross_entropy"),
+    ("b", "fb", 12, "importance_sampling"),
+    ("a", "step", 0, ""),
+    ("c", "fb", 13, "cross_entropy"),
+    ("b", "fb", 14, "cross_entropy"),
+    ("c", "step", 0, ""),
+    ("b", "step", 0, ""),
+    ("a", "fb", 15, "ppo"),
+    ("c", "sample", 3, ""),
+    ("a", "step", 0, ""),
+    ("b", "sample", 4, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    build_model_dir(models / "tiny", family="llama")
+    return models
+
+
+def _factory(models: str, strategy: str, *extra: str) -> EngineFactory:
+    over = [f"server.model_root={models}", f"tinker.lora_alpha={ALPHA}", f"engine.strategy={strategy}", *extra]
+    cfg = load_server_config("configs/tinker_tiny.yaml", over)
+    return EngineFactory(cfg.server.model_root, {}, cfg.run_settings())
+
+
+def _call(run, call: str, seed: int, loss: str):
+    if call == "fb":
+        out = run.forward_backward(plain(datums(seed, n=3, loss=loss)), loss, None, False)
+        return out.metrics["loss:sum"], [o["logprobs"] for o in out.outputs]
+    if call == "step":
+        return run.optim_step(AdamIn(**ADAM))
+    seqs = run.sampler(None).sample([1, 2, 3], 2, SampleParamsIn(max_tokens=4, seed=seed), False).sequences
+    return [(s.tokens, s.logprobs) for s in seqs]
+
+
+def _adapters(run) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in run.engine.export_adapter_weights()}
+
+
+def interleaved_and_alone(rank, world, models, strategy) -> dict:
+    """CALLS on one shared engine, then each run's calls alone on engines of their own."""
+    shared = _factory(models, strategy)
+    runs = {name: shared.create_run("tiny", lora) for name, lora in RUNS.items()}
+    got = {name: [] for name in RUNS}
+    for name, call, seed, loss in CALLS:
+        got[name].append(_call(runs[name], call, seed, loss))
+    out = {"engines": len(shared.engines), "got": got, "got_adapters": {n: _adapters(r) for n, r in runs.items()}}
+    # Run A's step leaves run B untouched: its whole state and its samples.
+    b = runs["b"]
+    before, sample_before = b.engine.run_state(), _call(b, "sample", 5, "")
+    _call(runs["a"], "fb", 16, "cross_entropy")
+    _call(runs["a"], "step", 0, "")
+    after, sample_after = b.engine.run_state(), _call(b, "sample", 5, "")
+    out["b_state"] = (before, after)
+    out["b_samples"] = (sample_before, sample_after)
+    # Refusals leave the runs as they were.
+    kept = _adapters(runs["c"])
+    out["refusals"] = []
+    for what in (
+        lambda: shared.create_run("tiny", LoraIn(rank=RANK + 4, seed=0)),  # a second engine: allowed (max_engines 2)
+        lambda: shared.create_run("tiny", LoraIn(rank=RANK + 2, seed=0)),  # a third: refused
+    ):
+        try:
+            what()
+        except UserError as exc:
+            out["refusals"].append(str(exc))
+    closed = runs["a"]
+    closed.close()
+    try:
+        _call(closed, "step", 0, "")
+    except UserError as exc:
+        out["refusals"].append(str(exc))
+    out["c_kept"] = (kept, _adapters(runs["c"]))
+    shared.close()
+    alone = _factory(models, strategy, "engine.share=false", "engine.max_engines=3")
+    want = {}
+    for name, lora in RUNS.items():
+        run = alone.create_run("tiny", lora)
+        want[name] = [_call(run, call, seed, loss) for n, call, seed, loss in CALLS if n == name]
+        out.setdefault("want_adapters", {})[name] = _adapters(run)
+        run.close()
+    out["want"] = want
+    alone.close()
+    return out
+
+
+def _same(got, want, what: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), what
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), what
+        for k in want:
+            _same(got[k], want[k], f"{what}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same(g, w, f"{what}[{i}]")
+    else:
+        assert got == want, (what, got, want)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "megatron"])
+def test_runs_interleaved_on_one_engine_equal_each_run_alone(models, strategy):
+    out = run_distributed(interleaved_and_alone, 1, str(models), strategy)[0]
+    assert out["engines"] == 1  # three runs, two seeds: one engine
+    for name in RUNS:
+        _same(out["got"][name], out["want"][name], f"run {name}'s calls")
+        _same(out["got_adapters"][name], out["want_adapters"][name], f"run {name}'s adapters")
+    before, after = out["b_state"]
+    _same(after.params, before.params, "run B's adapters")
+    _same(after.grads, before.grads, "run B's gradients")
+    _same(after.optim, before.optim, "run B's AdamW state")
+    assert after.scalars["global_step"] == before.scalars["global_step"] == 1
+    _same(out["b_samples"][1], out["b_samples"][0], "run B's seeded samples")
+    [third, closed] = out["refusals"]
+    assert "engine.max_engines = 2" in third and f"rank {RANK + 2}" in third and f"rank {RANK}" in third, third
+    assert "unloaded" in closed, closed
+    _same(out["c_kept"][1], out["c_kept"][0], "run C after the refusals")
+
+
+def save_and_resume(rank, world, models, strategy, state_dir) -> dict:
+    """Two runs step on a shared engine and save; a new factory (a restarted server) loads both
+    into new runs sharing its engine, which step on, against the uninterrupted runs."""
+    from pathlib import Path
+
+    first = _factory(models, strategy)
+    runs = [first.create_run("tiny", LoraIn(rank=RANK, seed=s)) for s in (1, 2)]
+    for i, run in enumerate(runs):
+        _call(run, "fb", 20 + i, "cross_entropy")
+        _call(run, "step", 0, "")
+        run.save_state(Path(state_dir) / f"run{i}", with_optimizer=True)
+    for i, run in enumerate(runs):  # the uninterrupted continuation
+        _call(run, "fb", 30 + i, "cross_entropy")
+        _call(run, "step", 0, "")
+    want = [_adapters(run) for run in runs]
+    first.close()
+    restarted = _factory(models, strategy)
+    resumed = [restarted.create_run("tiny", LoraIn(rank=RANK, seed=0)) for _ in runs]
+    for i, run in enumerate(resumed):
+        run.load_state(Path(state_dir) / f"run{i}", with_optimizer=True)
+    for i, run in enumerate(resumed):
+        _call(run, "fb", 30 + i, "cross_entropy")
+        _call(run, "step", 0, "")
+    got = [_adapters(run) for run in resumed]
+    engines = len(restarted.engines)
+    restarted.close()
+    return {"got": got, "want": want, "engines": engines}
+
+
+def test_each_run_resumes_exactly_after_a_restart(models, tmp_path):
+    out = run_distributed(save_and_resume, 1, str(models), "fsdp", str(tmp_path))[0]
+    assert out["engines"] == 1
+    for i, (got, want) in enumerate(zip(out["got"], out["want"], strict=True)):
+        _same(got, want, f"run {i} resumed")
