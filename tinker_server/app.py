@@ -86,7 +86,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from tinker_server import wire
+from tinker_server import tenants, wire
 from tinker_server.checkpoints import (
     CheckpointRef,
     CheckpointStore,
@@ -127,6 +127,7 @@ class _Session:
     finished: str | None = None  # the reason, once finished
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    owner: str = field(default_factory=tenants.current)  # its tenant (tinker_server.tenants)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class _Model:
     closed: str | None = None  # the reason, once closed
     last_request: float = field(default_factory=time.time)
     snapshots: collections.deque = field(default_factory=collections.deque)  # sampling session ids
+    owner: str = ""  # its session's tenant
 
 
 @dataclass
@@ -152,6 +154,7 @@ class _SamplerSession:
     sampler: Sampler | None = None  # loaded on the worker, on first use (base / path) or at save (snapshot)
     gone: str | None = None  # why it can no longer sample
     clients: int = 0
+    owner: str = field(default_factory=tenants.current)
 
 
 class TinkerServer:
@@ -190,7 +193,7 @@ class TinkerServer:
     def session(self, session_id: object, field_name: str = "session_id") -> _Session:
         check_session_id(session_id, field_name)
         found = self.sessions.get(session_id)  # type: ignore[arg-type]
-        if found is None:
+        if found is None or not tenants.visible(found.owner):  # another tenant's session is unknown to this one
             raise HttpError(404, f"{field_name}: unknown session {session_id!r} (create one with ServiceClient)")
         if found.finished:
             raise UserError(f"{field_name}: session {session_id!r} is finished ({found.finished}); create a new ServiceClient")
@@ -200,7 +203,7 @@ class TinkerServer:
     def model(self, model_id: object, field_name: str = "model_id") -> _Model:
         check_model_id(model_id, field_name)
         found = self.models.get(model_id)  # type: ignore[arg-type]
-        if found is None:
+        if found is None or not tenants.visible(found.owner):
             raise HttpError(404, f"{field_name}: unknown model {model_id!r} on this server")
         if found.closed:
             raise UserError(f"{field_name}: model {model_id!r} is closed ({found.closed})")
@@ -375,10 +378,11 @@ class TinkerServer:
 class _Guard:
     """ASGI middleware: the API key, and the body size limit (counted as the body arrives)."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_body: int):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body: int, tenants_on: bool = True):
         self.app = app
         self.api_keys = set(api_keys)
         self.max_body = max_body
+        self.tenants_on = tenants_on
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -401,7 +405,11 @@ class _Guard:
                 raise BodyTooLarge()
             return message
 
-        return await self.app(scope, counted, send)
+        token = tenants.enter(tenants.tag_of(headers.get("x-api-key"), self.api_keys, self.tenants_on))
+        try:
+            return await self.app(scope, counted, send)
+        finally:
+            tenants.leave(token)
 
 
 def _too_large(limit: int) -> dict:
@@ -510,7 +518,7 @@ def build_app(settings: ServerSettings, factory: RunFactory) -> FastAPI:
 
     app = FastAPI(title="Enginekit Tinker server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tinker = server
-    app.add_middleware(_Guard, api_keys=tuple(settings.api_keys), max_body=settings.max_body_bytes)
+    app.add_middleware(_Guard, api_keys=tuple(settings.api_keys), max_body=settings.max_body_bytes, tenants_on=settings.tenants)
 
     @app.exception_handler(UserError)
     async def _user_error(_request: Request, e: UserError):
@@ -598,7 +606,7 @@ def _add_service_routes(app: FastAPI, server: TinkerServer) -> None:
     async def heartbeat(request: Request):
         req = wire.parse(wire.SessionIdIn, await _json(request, "session_heartbeat"), "session_heartbeat")
         session = server.sessions.get(req.session_id)
-        if session is None:
+        if session is None or not tenants.visible(session.owner):
             raise HttpError(404, f"session_id: unknown session {req.session_id!r}")
         if session.finished:
             raise HttpError(410, f"session_id: session {req.session_id!r} is finished ({session.finished})")
@@ -610,7 +618,7 @@ def _add_service_routes(app: FastAPI, server: TinkerServer) -> None:
         data = await _json(request, "finish")
         check_session_id(session_id, "session_id")
         session = server.sessions.get(session_id)
-        if session is None:
+        if session is None or not tenants.visible(session.owner):
             raise HttpError(404, f"session_id: unknown session {session_id!r}")
         reason = data.get("reason")
         status = reason.get("type", "finished") if isinstance(reason, dict) else "finished"
@@ -619,13 +627,13 @@ def _add_service_routes(app: FastAPI, server: TinkerServer) -> None:
 
     @app.get("/api/v1/sessions")
     async def list_sessions(limit: int = 20, offset: int = 0):
-        ids = [s.id for s in server.sessions.values() if not s.finished]
+        ids = [s.id for s in server.sessions.values() if not s.finished and tenants.visible(s.owner)]
         return {"sessions": ids[offset : offset + limit]}
 
     @app.get("/api/v1/sessions/{session_id}")
     async def get_session(session_id: str):
         session = server.sessions.get(session_id)
-        if session is None:
+        if session is None or not tenants.visible(session.owner):
             raise HttpError(404, f"session_id: unknown session {session_id!r}")
         return {
             "training_run_ids": session.models,
@@ -773,7 +781,9 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
                 raise UserError(f"sampling_session_seq_id: {req.sampling_session_seq_id} was already used in this session")
 
             def snapshot() -> Outcome:
-                entry = _SamplerSession(sid, model.session_id, model.base_model, model_id=model.id, sampler=model.run.sampler(None))
+                entry = _SamplerSession(
+                    sid, model.session_id, model.base_model, model_id=model.id, sampler=model.run.sampler(None), owner=model.owner
+                )
                 server.add_snapshot(model, entry)
                 return Outcome.json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
 
@@ -818,7 +828,7 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
 def _register_model(server: TinkerServer, session: _Session, model_id: str, base_model: str, lora: LoraIn, user_metadata) -> _Model:
     with server.lock:
         server.check_capacity()
-        model = _Model(model_id, session.id, base_model, lora, user_metadata)
+        model = _Model(model_id, session.id, base_model, lora, user_metadata, owner=session.owner)
         server.models[model_id] = model
         session.models.append(model_id)
     server.worker.open(model_id, ordered=True)
@@ -831,7 +841,7 @@ def _start_run(server: TinkerServer, model: _Model, load: Callable[[TrainingRun]
         model.run = server.factory.create_run(model.base_model, model.lora)
         if load is not None:
             load(model.run)
-        server.store.write_run(model.id, model.base_model, model.lora, model.user_metadata)
+        server.store.write_run(model.id, model.base_model, model.lora, model.user_metadata, owner=model.owner)
     except BaseException:
         server.close_model(model, "its creation failed")
         raise
@@ -874,6 +884,7 @@ def _save(store: CheckpointStore, ref: CheckpointRef, model: _Model, overwrite: 
 
 def _training_checkpoint(store: CheckpointStore, path: str) -> tuple[CheckpointRef, dict]:
     ref = parse_tinker_path(path, "path")
+    store.check_owned(ref, "path")
     if ref.kind != "weights":
         raise UserError(
             f"path: {path} holds sampler weights; loading a training state needs a save_state checkpoint (tinker://.../weights/...)"
@@ -944,6 +955,7 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
         """A (new) sampling session for a base model or a sampler checkpoint path."""
         if model_path is not None:
             ref = parse_tinker_path(model_path, "model_path")
+            store.check_owned(ref, "model_path")
             if ref.kind != "sampler_weights":
                 raise UserError(
                     f"model_path: {model_path} is a training state; sample from save_weights_for_sampler weights (tinker://.../sampler_weights/...)"
@@ -976,7 +988,7 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
 
     def sampler_entry(sid: object) -> _SamplerSession:
         entry = server.samplers.get(sid) if isinstance(sid, str) else None
-        if entry is None:
+        if entry is None or not tenants.visible(entry.owner):
             raise HttpError(404, f"sampling_session_id: unknown sampler {sid!r} on this server")
         if entry.session_id is not None:
             server.session(entry.session_id, "sampling_session_id")
@@ -1011,7 +1023,7 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
             entry = sampler_entry(req.sampling_session_id)
         else:
             # Sampling without a session: one shared sampler per base model or path.
-            key = f"direct:{req.model_path or req.base_model}"
+            key = f"direct:{tenants.current()}:{req.model_path or req.base_model}"
             entry = server.samplers.get(key) or register(await resolve(None, key, req.base_model, req.model_path))
         if entry.gone:
             raise UserError(f"sampling_session_id: {entry.id} can no longer sample: {entry.gone}")
@@ -1041,7 +1053,7 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
         }
 
     def run_json(model_id: str) -> dict:
-        record = store.read_run(model_id)
+        record = store.owned_run(model_id)
         if record is None:
             raise HttpError(404, f"training_run_id: unknown training run {model_id!r} on this server")
         checkpoints = store.list(model_id)
@@ -1065,7 +1077,7 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
 
     @app.get("/api/v1/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0):
-        ids = store.list_runs()
+        ids = [m for m in store.list_runs() if store.owned_run(m) is not None]
         return {
             "training_runs": [run_json(m) for m in ids[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
@@ -1078,22 +1090,29 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str):
         check_model_id(model_id, "training_run_id")
+        if store.owned_run(model_id) is None and store.read_run(model_id) is not None:
+            raise HttpError(404, f"training_run_id: unknown training run {model_id!r} on this server")
         return {"checkpoints": [checkpoint_json(r, m) for r, m in store.list(model_id)]}
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(model_id: str, kind: str, name: str):
-        store.delete(parse_tinker_path(f"tinker://{model_id}/{kind}/{name}", "checkpoint_id"))
+        ref = parse_tinker_path(f"tinker://{model_id}/{kind}/{name}", "checkpoint_id")
+        store.check_owned(ref, "checkpoint_id")
+        store.delete(ref)
         return {}
 
     @app.get("/api/v1/checkpoints")
     async def all_checkpoints(limit: int = 100, offset: int = 0):
-        found = [checkpoint_json(r, m) for model_id in store.list_runs() for r, m in store.list(model_id)]
+        owned = [m for m in store.list_runs() if store.owned_run(m) is not None]
+        found = [checkpoint_json(r, m) for model_id in owned for r, m in store.list(model_id)]
         return {"checkpoints": found[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request):
         req = wire.parse(wire.WeightsInfoIn, await _json(request, "weights_info"), "weights_info")
-        meta = store.read(parse_tinker_path(req.tinker_path, "tinker_path"), "tinker_path")
+        ref = parse_tinker_path(req.tinker_path, "tinker_path")
+        store.check_owned(ref, "tinker_path")
+        meta = store.read(ref, "tinker_path")
         lora = meta["lora"]
         return {
             "base_model": meta["base_model"],

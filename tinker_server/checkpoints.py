@@ -25,6 +25,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tinker_server import tenants
 from tinker_server.contract import LoraIn, UserError
 
 META_FILE = "tinker_checkpoint.json"
@@ -132,11 +133,12 @@ class CheckpointStore:
         return self._inside(self.root / ref.model_id / ref.kind / ref.name)
 
     # ------------------------------------------------------------------ runs
-    def write_run(self, model_id: str, base_model: str, lora: LoraIn, user_metadata: dict | None) -> None:
-        """Record a training run (so listings and weights-info answer after the run is gone)."""
+    def write_run(self, model_id: str, base_model: str, lora: LoraIn, user_metadata: dict | None, owner: str = "") -> None:
+        """Record a training run (so listings and weights-info answer after the run is gone);
+        ``owner``: its tenant's tag (``tinker_server.tenants``; "" when keys are not separated)."""
         directory = self.run_dir(model_id)
         directory.mkdir(parents=True, exist_ok=True)
-        record = {"format": FORMAT, "model_id": model_id, "base_model": base_model, "lora": lora_to_json(lora)}
+        record = {"format": FORMAT, "model_id": model_id, "base_model": base_model, "lora": lora_to_json(lora), "owner": owner}
         record.update(created=time.time(), user_metadata=_str_dict(user_metadata))
         _write_json(directory / RUN_FILE, record)
 
@@ -149,7 +151,21 @@ class CheckpointStore:
         if not isinstance(record.get("base_model"), str):
             raise ValueError(f"{path}: no 'base_model'")
         record["lora"] = lora_from_json(record.get("lora"), str(path))
+        if not isinstance(record.get("owner", ""), str):
+            raise ValueError(f"{path}: 'owner' is not a string")
         return record
+
+    def owned_run(self, model_id: str) -> dict | None:
+        """The run record of ``model_id`` if the current tenant may see it, else ``None`` (as if
+        there were none)."""
+        record = self.read_run(model_id)
+        return record if record is not None and tenants.visible(record.get("owner")) else None
+
+    def check_owned(self, ref: CheckpointRef, field: str) -> None:
+        """A :class:`UserError` naming ``field``, as for a missing checkpoint, when ``ref``'s run
+        belongs to another tenant."""
+        if not tenants.visible((self.read_run(ref.model_id) or {}).get("owner")):
+            raise UserError(f"{field}: checkpoint {ref.tinker_path} does not exist on this server")
 
     def list_runs(self) -> list[str]:
         """Model ids with a run record, oldest first."""

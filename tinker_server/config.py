@@ -34,6 +34,9 @@ class ServerSection:
         max_sample_tokens: the most tokens one sample may generate (``max_tokens``; also bounded by
             the model's positions less the prompt).
         max_num_samples: the most sequences one sample request may ask for (``num_samples``).
+        tenants: with two or more ``api_keys``, each key owns the sessions, runs, futures,
+            samplers and checkpoints it creates, and another key finds none of them
+            (``tinker_server.tenants``); false: every key reaches everything.
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +51,7 @@ class ServerSection:
     session_timeout_s: float = 60.0
     max_sample_tokens: int = 8192
     max_num_samples: int = 256
+    tenants: bool = True
 
     def _problems(self) -> list[str]:
         out = []
@@ -178,6 +182,7 @@ class TinkerServerConfig:
             session_timeout_s=s.session_timeout_s,
             max_sample_tokens=s.max_sample_tokens,
             max_num_samples=s.max_num_samples,
+            tenants=s.tenants,
         )
 
     def run_settings(self) -> RunSettings:

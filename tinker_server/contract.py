@@ -160,4 +160,5 @@ class ServerSettings:
     session_timeout_s: float = 60.0
     max_sample_tokens: int = 8192
     max_num_samples: int = 256
+    tenants: bool = True
     extra: dict = field(default_factory=dict)

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tinker_server import tenants
 from tinker_server.contract import UserError
 from tinker_server.wire import error_body
 
@@ -71,6 +72,7 @@ class _Entry:
     outcome: Outcome | None = None
     done_at: float = 0.0
     handed_out_at: float | None = None
+    owner: str = ""  # the tenant that made the request (tinker_server.tenants)
 
 
 class FuturesTable:
@@ -86,8 +88,8 @@ class FuturesTable:
         self._ids = itertools.count(1)
 
     def create(self) -> str:
-        """A new pending future (call on the event loop)."""
-        entry = _Entry(asyncio.get_running_loop())
+        """A new pending future (call on the event loop), owned by the request's tenant."""
+        entry = _Entry(asyncio.get_running_loop(), owner=tenants.current())
         with self._lock:
             self._expire()
             request_id = f"{self._prefix}-{next(self._ids)}"
@@ -114,13 +116,17 @@ class FuturesTable:
             return entry is not None and entry.outcome is not None
 
     def known(self, request_id: str) -> bool:
+        """Whether the request exists for the current tenant (another tenant's is unknown to it)."""
         with self._lock:
-            return request_id in self._entries
+            entry = self._entries.get(request_id)
+            return entry is not None and tenants.visible(entry.owner)
 
     async def wait(self, request_id: str, timeout: float) -> Outcome | None:
         """The result, waiting up to ``timeout`` s; ``None`` if still pending; ``KeyError`` if unknown."""
         with self._lock:
             entry = self._entries[request_id]
+        if not tenants.visible(entry.owner):
+            raise KeyError(request_id)  # another tenant's: unknown to this one
         if entry.outcome is None:
             try:
                 await asyncio.wait_for(entry.event.wait(), timeout)

@@ -667,3 +667,69 @@ def test_a_silent_client_frees_its_run_after_session_timeout(tmp_path):
 def test_every_training_side_call_ran_on_one_worker_thread(server):
     threads = {tid for _, _, _, tid in server.factory.log}
     assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+# ---------------------------------------------------------------------------------- tenants
+def test_each_key_owns_its_runs_futures_samplers_and_checkpoints(tmp_path):
+    """Two keys on one server (``server.tenants``, on): key B finds nothing of key A's (sessions,
+    runs, futures, samplers, checkpoints), each request answered as for an id that does not
+    exist, and A's run is untouched by B's tries; after a restart too (the owner is recorded on
+    disk, as a tag); with ``tenants=false`` B reaches A's checkpoint."""
+    other = "tml-other"
+    factory = FakeFactory()
+    settings = ServerSettings(api_keys=(KEY, other), state_dir=tmp_path / "state", max_runs=4)
+    with running_server(settings, factory) as url:
+        a = tinker.ServiceClient(base_url=url, api_key=KEY)
+        b = tinker.ServiceClient(base_url=url, api_key=other)
+        client = a.create_lora_training_client(MODEL, rank=4).result()
+        run = factory.runs[-1]
+        client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        state = client.save_state("a1").result().path
+        sampler_path = client.save_weights_for_sampler("s-a").result().path
+        mine = b.create_lora_training_client(MODEL, rank=4).result()  # B's own run works alongside
+        with pytest.raises(tinker.BadRequestError) as e:
+            b.create_training_client_from_state_with_optimizer(state).result()
+        user_error(e, state, "does not exist")
+        with pytest.raises(tinker.BadRequestError) as e:
+            b.create_sampling_client(model_path=sampler_path).result()
+        user_error(e, sampler_path, "does not exist")
+        rest_b = tinker.RestClient(base_url=url, api_key=other)
+        assert client.model_id not in [r.training_run_id for r in rest_b.list_training_runs(limit=100).result().training_runs]
+        assert mine.model_id in [r.training_run_id for r in rest_b.list_training_runs(limit=100).result().training_runs]
+        assert all(client.model_id not in c.tinker_path for c in rest_b.list_user_checkpoints().result().checkpoints)
+        with (
+            httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": other}) as http_b,
+            httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}) as http_a,
+        ):
+            raw_error(http_b.get(f"/training_runs/{client.model_id}"), 404, "unknown training run")
+            raw_error(http_b.get(f"/training_runs/{client.model_id}/checkpoints"), 404, "unknown training run")
+            raw_error(http_b.delete(f"/training_runs/{client.model_id}/checkpoints/weights/a1"), 400, "does not exist")
+            raw_error(http_b.post("/weights_info", json={"tinker_path": state}), 400, "does not exist")
+            adam = {"model_id": client.model_id, "seq_id": 99, "adam_params": {"learning_rate": 1.0}}
+            raw_error(http_b.post("/optim_step", json=adam), 404, "unknown model")
+            raw_error(http_b.post("/unload_model", json={"model_id": client.model_id}), 404, "unknown model")
+            session_a = client.model_id.split(":")[0]
+            raw_error(http_b.post("/session_heartbeat", json={"session_id": session_a}), 404, "unknown session")
+            assert session_a not in http_b.get("/sessions", params={"limit": 1000}).json()["sessions"]
+            raw_error(http_b.get(f"/sessions/{session_a}"), 404, "unknown session")
+            prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
+            asked = http_a.post("/asample", json={"base_model": MODEL, "prompt": prompt, "sampling_params": {"max_tokens": 1}}).json()
+            raw_error(http_b.post("/retrieve_future", json={"request_id": asked["request_id"]}), 410, "unknown or expired")
+            raw_error(http_b.post("/cancel_future", json={"request_id": asked["request_id"]}), 404, "unknown or expired")
+            assert http_a.post("/retrieve_future", json={"request_id": asked["request_id"]}).status_code == 200
+        assert (run.step, run.closed) == (1, False)  # A's run as it was
+        assert client.save_state("a2").result().path.endswith("/a2")  # and A goes on
+        a.close("success").result()
+        b.close("success").result()
+    with running_server(settings, FakeFactory()) as url:  # restarted: the owner is on disk (run.json), not only in memory
+        b = tinker.ServiceClient(base_url=url, api_key=other)
+        with pytest.raises(tinker.BadRequestError) as e:
+            b.create_training_client_from_state(state).result()
+        user_error(e, "does not exist")
+        b.close("success").result()
+    assert KEY not in (tmp_path / "state" / client.model_id / "run.json").read_text()  # a tag, never the key
+    shared = ServerSettings(api_keys=(KEY, other), state_dir=tmp_path / "state", max_runs=4, tenants=False)
+    with running_server(shared, FakeFactory()) as url:
+        b = tinker.ServiceClient(base_url=url, api_key=other)
+        b.create_training_client_from_state_with_optimizer(state).result()  # tenants off: every key reaches every run
+        b.close("success").result()
