@@ -10,6 +10,10 @@ single worker thread in :mod:`~tinker_server.futures`, checkpoints on disk in
 Endpoints (all under ``/api/v1``; every one but ``healthz`` needs an ``X-API-Key`` in
 ``settings.api_keys``, any key when that is empty):
 
+Tenants (``tinker_server.tenants``): with two or more keys, each key owns the sessions it creates
+and everything under them (runs, futures, samplers, checkpoints); another key's ids are answered
+as unknown, and listings leave them out (``settings.tenants`` false: shared).
+
 Client setup and sessions
     ``POST client/config``               feature flags: API-key auth (no JWT), plain httpx, client-side custom
                                          losses, per-request futures; ``settings.extra["client_config"]`` overrides
@@ -34,7 +38,8 @@ Training (each a future, executed in the model's ``seq_id`` order)
     ``POST load_weights``                into a model (``model_id`` + ``seq_id``, optimizer or not), or
                                          create-from-state (``session_id`` + ``model_seq_id``): a new run with
                                          the checkpoint's base model and LoRA config, then the load
-    ``POST unload_model``                closes a run (frees one of ``settings.max_runs``)
+    ``POST unload_model``                closes a run (frees one of ``settings.max_runs``; runs share engines:
+                                         ``tinker_server.runs.SharedEngine``)
 Sampling
     ``POST create_sampling_session``     from ``base_model`` or a ``sampler_weights`` path (the last
                                          ``loaded_samplers`` paths used stay loaded, default 4; others reload)
