@@ -83,7 +83,9 @@ def main(argv=None) -> Report:
         build_tiny_model(root / "m", family="llama", vocab_size=VOCAB, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                          intermediate_size=512, max_position_embeddings=256)  # fmt: skip
         # engine.share=false: the direct run gets an engine of its own (a shared one would swap between the two)
-        cfg = load_server_config(None, [f"server.model_root={root}", f"server.state_dir={tmp}/state", "server.max_runs=4", "engine.share=false"])
+        cfg = load_server_config(
+            None, [f"server.model_root={root}", f"server.state_dir={tmp}/state", "server.max_runs=4", "engine.share=false"]
+        )
         factory = EngineFactory(cfg.server.model_root, {}, cfg.run_settings())
         with running_server(cfg.server_settings(), factory) as url:
             service = tinker.ServiceClient(base_url=url, api_key=KEY)

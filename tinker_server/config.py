@@ -100,8 +100,7 @@ class EngineSection:
         ray_address: null starts a local Ray instance; ``auto`` or ``HOST:PORT`` joins a cluster.
         share: runs on the same base model with the same LoRA rank, target modules and seed share
             one engine (the base weights once; each run's adapters and optimizer state swapped in
-            for its calls); false: one engine per run. In process only (``ranks`` 1): a run on
-            Ray workers has its own worker group.
+            for its calls; on Ray workers every rank swaps its shards); false: one engine per run.
         max_engines: engines held at once (one per base model and LoRA signature while shared);
             a create_model that needs one more is refused naming what is served.
     """

@@ -72,7 +72,8 @@ class RunSettings:
         cpus_per_rank: CPUs each Ray worker reserves (fractions allowed; also its torch threads).
         ray_address: null starts a local Ray instance (stopped with the server); ``auto`` or
             ``HOST:PORT`` joins a running cluster.
-        share: runs of one :class:`Signature` share one in-process engine (:class:`SharedEngine`).
+        share: runs of one :class:`Signature` share one engine (:class:`SharedEngine` in process,
+            :class:`RayEngine` on Ray workers).
         max_engines: engines held at once (shared or not); past it create_model is refused.
     """
 
@@ -550,42 +551,89 @@ def snapshot(pool: _RolloutPool, base_model: str, weights: dict[str, torch.Tenso
     return Snapshot(pool, weights)
 
 
-def worker_run(base_model: str, model_dir: str, lora: dict, settings: dict) -> EngineRun:
-    """The host object of one Ray worker of a :class:`RayEngineRun` (``posttrain.placement``):
-    this rank's part of the run's engine, joined to the worker group's world."""
-    lora_in = LoraIn(**lora)
-    shared = SharedEngine(signature(base_model, model_dir, lora_in), run_seed(lora_in), model_dir, RunSettings(**settings))
-    return EngineRun(base_model, shared, lora_in, None)
+class WorkerHost:
+    """The host object of each Ray worker of a :class:`RayEngine` (``posttrain.placement``): this
+    rank's part of the shared engine, built with the first run, and the runs on it by id."""
+
+    def __init__(self, base_model: str, model_dir: str, settings: dict) -> None:
+        self.base_model, self.model_dir, self.settings = base_model, model_dir, RunSettings(**settings)
+        self.shared: SharedEngine | None = None
+        self.runs: dict[int, EngineRun] = {}
+
+    def add_run(self, run_id: int, lora: dict) -> None:
+        lora_in = LoraIn(**lora)
+        if self.shared is None:
+            sig = signature(self.base_model, self.model_dir, lora_in)
+            self.shared = SharedEngine(sig, run_seed(lora_in), self.model_dir, self.settings)
+        self.runs[run_id] = EngineRun(self.base_model, self.shared, lora_in, None)
+
+    def call(self, run_id: int, method: str, *args):
+        return getattr(self.runs[run_id], method)(*args)
+
+    def close_run(self, run_id: int) -> None:
+        run = self.runs.pop(run_id, None)
+        if run is not None:
+            run.close()
+
+    def close(self) -> None:
+        for run_id in list(self.runs):
+            self.close_run(run_id)
 
 
-class RayEngineRun:
-    """A training run whose engine spans ``settings.ranks`` data-parallel ranks, each a Ray worker
-    (``posttrain.placement``: the pool, the workers' ``torch.distributed`` world, calls fanned out
-    to every rank, a dead worker named and the group torn down). The server is the single
-    controller: every call runs :class:`EngineRun`'s method on all ranks, each taking its DP shard
-    of the datums (padded to a multiple of the DP size with datums that count 0) and gathering the
-    outputs back in order; rank 0's result is returned. Samplers are the merged weights rank 0
-    exports, served by the server's rollout engine as for an in-process run."""
+class RayEngine:
+    """One :class:`Signature`'s engine spanning ``settings.ranks`` data-parallel ranks, each a Ray
+    worker (``posttrain.placement``: the pool, the workers' ``torch.distributed`` world, calls
+    fanned out to every rank, a dead worker named and the group torn down), shared by its runs as
+    a :class:`SharedEngine` is in process: each rank holds a ``SharedEngine`` and swaps the runs'
+    states (:class:`WorkerHost`). The server is the single controller."""
 
-    def __init__(self, base_model: str, model_dir: str, lora: LoraIn, settings: RunSettings, pool: _RolloutPool) -> None:
+    def __init__(self, sig: Signature, model_dir: str, settings: RunSettings) -> None:
         from dataclasses import asdict
 
         from posttrain.placement.cluster import RayCluster
         from posttrain.placement.config import PlacementConfig
 
-        self.sig = signature(base_model, model_dir, lora)  # refused here, before any worker starts
-        self.base_model, self.lora, self.pool, self.closed = base_model, lora, pool, False
+        self.signature, self.runs, self.next_id, self.closed = sig, 0, 0, False
         placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
         try:
             self.group = self.cluster.spawn("run")
-            self.cluster.build(self.group, "tinker_server.runs:worker_run", base_model, model_dir, asdict(lora), asdict(settings))
+            self.cluster.build(self.group, "tinker_server.runs:WorkerHost", sig.base_model, model_dir, asdict(settings))
         except BaseException:
             self.cluster.close(graceful=False)
             raise
 
+    def call(self, path: str, *args):
+        return self.cluster.call(self.group, path, *args)
+
+    def leave(self) -> None:
+        """A run closed; the workers stop with the last one."""
+        self.runs -= 1
+        if self.runs == 0:
+            self.closed = True
+            self.cluster.close()
+
+
+class RayEngineRun:
+    """A training run on a :class:`RayEngine`: every call runs :class:`EngineRun`'s method on all
+    ranks, each taking its DP shard of the datums (padded to a multiple of the DP size with datums
+    that count 0) and gathering the outputs back in order; rank 0's result is returned. Samplers
+    are the merged weights rank 0 exports, served by the server's rollout engine as for an
+    in-process run."""
+
+    def __init__(self, base_model: str, engine: RayEngine, lora: LoraIn, pool: _RolloutPool) -> None:
+        from dataclasses import asdict
+
+        self.base_model, self.lora, self.pool, self.engine, self.closed = base_model, lora, pool, engine, False
+        self.id = engine.next_id
+        engine.next_id += 1
+        engine.call("add_run", self.id, asdict(lora))
+        engine.runs += 1
+
     def _call(self, method: str, *args):
-        return self.cluster.call(self.group, method, *args)
+        if self.closed:
+            raise UserError("this training run was unloaded; fix: create a new one (create_model) or load_state a checkpoint into one")
+        return self.engine.call("call", self.id, method, *args)
 
     def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
         return self._call("forward_backward", datums, loss_fn, loss_fn_config, forward_only)
@@ -608,7 +656,13 @@ class RayEngineRun:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.cluster.close()
+            if not self.engine.closed:
+                self.engine.call("close_run", self.id)
+                self.engine.leave()
+
+
+def _closed(engine: SharedEngine | RayEngine) -> bool:
+    return engine.closed if isinstance(engine, RayEngine) else engine.engine is None
 
 
 class EngineFactory:
@@ -643,8 +697,7 @@ class EngineFactory:
         self.pools: dict[str, _RolloutPool] = {}
         #: every run built, in order (tests reach a served run's engine through it)
         self.created: list[EngineRun | RayEngineRun] = []
-        self.engines: list[SharedEngine] = []  # the in-process engines held
-        self.ray_runs: list[RayEngineRun] = []  # runs on worker groups of their own
+        self.engines: list[SharedEngine | RayEngine] = []  # the engines held (in process, or Ray worker groups)
 
     def served_models(self) -> list[str]:
         return sorted(self.models)
@@ -664,25 +717,24 @@ class EngineFactory:
         is held and ``share`` is on, else on a new engine (refused past ``max_engines``)."""
         model_dir = self._dir(base_model)
         sig = signature(base_model, model_dir, lora)
-        self.engines = [e for e in self.engines if e.engine is not None]  # closed ones leave
-        self.ray_runs = [r for r in self.ray_runs if not r.closed]
+        self.engines = [e for e in self.engines if not _closed(e)]  # closed ones leave
         shared = next((e for e in self.engines if e.signature == sig), None) if self.settings.share else None
         if shared is None:
-            held = len(self.engines) + len(self.ray_runs)
-            if held >= self.settings.max_engines:
-                served = sorted({e.signature.describe() for e in self.engines} | {r.sig.describe() for r in self.ray_runs})
+            if len(self.engines) >= self.settings.max_engines:
+                served = sorted({e.signature.describe() for e in self.engines})
                 raise UserError(
                     f"create_model: {sig.describe()} needs an engine of its own and the server holds engine.max_engines = "
                     f"{self.settings.max_engines} ({'; '.join(served)}); fix: create the run with the rank and toggles of a "
                     "served engine, unload the runs of one, or start the server with a larger engine.max_engines"
                 )
-        if self.settings.ranks > 1:
-            run = RayEngineRun(base_model, model_dir, lora, self.settings, self._pool(base_model))
-            self.ray_runs.append(run)
-        else:
-            if shared is None:
+            if self.settings.ranks > 1:
+                shared = RayEngine(sig, model_dir, self.settings)
+            else:
                 shared = SharedEngine(sig, run_seed(lora), model_dir, self.settings)
-                self.engines.append(shared)
+            self.engines.append(shared)
+        if self.settings.ranks > 1:
+            run = RayEngineRun(base_model, shared, lora, self._pool(base_model))
+        else:
             run = EngineRun(base_model, shared, lora, self._pool(base_model))
         self.created.append(run)
         return run

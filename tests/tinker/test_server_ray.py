@@ -7,7 +7,8 @@ Against a 1-rank ``EngineRun`` of the same backend in a spawned process (megatro
 stays out of the test process): the same losses, log-probs and trained weights after three steps
 (per-layout tolerances at ``LAYOUTS``: float noise of another reduction order), for an odd number of
 datums (at DP=2 the server pads the shards with datums that count 0: dro would see them otherwise),
-so which datums share a rank changes nothing. On megatron (whose runs cannot share the test
+so which datums share a rank changes nothing, while a second run (another seed) takes turns with
+it on the same two workers (the runs share the engine). On megatron (whose runs cannot share the test
 process) then every other call on the 2-rank run: a forward, save_state and a resume with the
 optimizer that continues exactly, a weights-only resume (AdamW restarted), seeded samples, and
 compute_logprobs equal to the forward.
@@ -110,9 +111,15 @@ def test_two_ray_ranks_behind_the_server_equal_one_rank_in_process(served, monke
     client = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0).result()
     # megatron's CPU compat layer must stay out of the test process: its reference runs in a spawned one
     want = direct_steps(0, 1, str(models), strategy) if strategy == "fsdp" else run_distributed(direct_steps, 1, str(models), strategy)[0]
+    # A second run of another seed shares the two workers (engine.share): its calls come between
+    # the first run's forward_backward and optim_step, so the first is swapped out with gradients
+    # pending on both ranks, and must still equal the reference, which ran alone.
+    other = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=1).result()
     for step, loss in enumerate(LOSSES):
         data = datums(60 + step, n=5, loss=loss)
         got = client.forward_backward(data, loss).result()
+        other.forward_backward(datums(80 + step, n=3), "cross_entropy").result()
+        other.optim_step(types.AdamParams(**ADAM)).result()
         client.optim_step(types.AdamParams(**ADAM)).result()
         want_loss, want_logprobs = want["steps"][step]
         assert math.isclose(got.metrics["loss:sum"], want_loss, rel_tol=loss_tol), (step, got.metrics, want_loss)
