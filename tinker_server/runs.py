@@ -378,9 +378,23 @@ class SharedEngine:
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
         self.initial = self.engine.run_state()  # every new run starts from it
+        # A run's state on the host while another is resident: adapters, AdamW's two moments and
+        # (between forward_backward and optim_step) gradients: about 4x the adapters.
+        self.run_bytes = 4 * self.initial.nbytes()
         self.resident: EngineRun | None = None
         self.runs = 0
         self.swaps = 0
+
+    def admit(self, lora: LoraIn) -> None:
+        """Refuse a new run when the host has no room for its state (``UserError`` naming the
+        sizes): memory, not a count of engines, bounds the runs an engine serves."""
+        available = _available_host_bytes()
+        if available is not None and available < 2 * self.run_bytes:  # (a margin for the swap's copies)
+            raise UserError(
+                f"create_model: a run on {self.signature.describe()} (rank {lora.rank}) keeps about "
+                f"{self.run_bytes / 2**20:.0f} MB of host memory while another run is resident, and this machine has "
+                f"{available / 2**20:.0f} MB available; fix: unload runs (unload_model, or finish sessions), or lower server.max_runs"
+            )
 
     def use(self, run: EngineRun):
         """The engine with ``run``'s state in it (swapping the resident run's out first)."""
@@ -661,6 +675,18 @@ class RayEngineRun:
                 self.engine.leave()
 
 
+def _available_host_bytes() -> int | None:
+    """The host memory available now (Linux ``MemAvailable``); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _closed(engine: SharedEngine | RayEngine) -> bool:
     return engine.closed if isinstance(engine, RayEngine) else engine.engine is None
 
@@ -735,6 +761,8 @@ class EngineFactory:
         if self.settings.ranks > 1:
             run = RayEngineRun(base_model, shared, lora, self._pool(base_model))
         else:
+            if shared.runs:  # the engine's first run needs no room beyond the engine itself
+                shared.admit(lora)
             run = EngineRun(base_model, shared, lora, self._pool(base_model))
         self.created.append(run)
         return run

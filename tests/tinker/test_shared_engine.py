@@ -190,3 +190,23 @@ def test_each_run_resumes_exactly_after_a_restart(models, tmp_path):
     assert out["engines"] == 1
     for i, (got, want) in enumerate(zip(out["got"], out["want"], strict=True)):
         _same(got, want, f"run {i} resumed")
+
+
+def test_a_run_past_the_host_memory_is_refused_and_the_others_go_on(models, monkeypatch):
+    """Memory, not only a count, bounds the runs of an engine: a run whose state (about 4x its
+    adapters) does not fit the host's available memory is refused naming both sizes; the run
+    already served is untouched and goes on."""
+    from tinker_server import runs as runs_module
+
+    factory = _factory(str(models), "fsdp")
+    first = factory.create_run("tiny", RUNS["a"])
+    _call(first, "fb", 11, "cross_entropy")
+    before = _adapters(first)
+    monkeypatch.setattr(runs_module, "_available_host_bytes", lambda: 1024)
+    with pytest.raises(UserError, match="MB of host memory") as err:
+        factory.create_run("tiny", RUNS["b"])
+    assert "0 MB available" in str(err.value) and "unload" in str(err.value)
+    _same(_adapters(first), before, "the served run after the refusal")
+    _call(first, "step", 0, "")  # its pending gradients were kept
+    first.close()
+    factory.close()
