@@ -320,7 +320,8 @@ def _check_rank(base_model: str, model_dir: str, lora: LoraIn) -> None:
 class Signature:
     """What runs must agree on to share one engine: the base model and the LoRA rank and target
     modules the engine's adapters have (the seed need not: a run of another seed starts from the
-    adapters ``BaseEngine.reset_adapters`` draws for it, those of an engine built with it)."""
+    adapters ``BaseEngine.reset_adapters`` draws for it, those of an engine built with it; on a
+    backend without ``_reset_adapters`` the engine serves its build seed only)."""
 
     base_model: str
     rank: int
@@ -357,6 +358,7 @@ class SharedEngine:
 
     def __init__(self, sig: Signature, seed: int, model_dir: str, settings: RunSettings) -> None:
         from engine_api import build_engine, load_config
+        from engine_api.base import BaseEngine
 
         overrides = [
             f"strategy={settings.strategy}",
@@ -374,6 +376,9 @@ class SharedEngine:
         ]
         self.signature, self.seed = sig, seed
         self.engine = build_engine(load_config(None, overrides))
+        # a backend that cannot draw adapters for another seed (a plug-in without _reset_adapters)
+        # serves runs of its build seed only; runs of other seeds get engines of their own
+        self.can_reseed = type(self.engine)._reset_adapters is not BaseEngine._reset_adapters
         self.engine.init_model()
         with self.engine.train_mode():
             self.engine.optimizer_zero_grad()
@@ -608,6 +613,7 @@ class RayEngine:
         from posttrain.placement.config import PlacementConfig
 
         self.signature, self.runs, self.next_id, self.closed = sig, 0, 0, False
+        self.seed, self.can_reseed = None, True  # known once the first run has built the engine on the workers
         placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
         try:
@@ -642,6 +648,8 @@ class RayEngineRun:
         self.id = engine.next_id
         engine.next_id += 1
         engine.call("add_run", self.id, asdict(lora))
+        if engine.seed is None:  # the first run built the workers' engine
+            engine.seed, engine.can_reseed = run_seed(lora), bool(engine.call("shared.can_reseed"))
         engine.runs += 1
 
     def _call(self, method: str, *args):
@@ -744,7 +752,9 @@ class EngineFactory:
         model_dir = self._dir(base_model)
         sig = signature(base_model, model_dir, lora)
         self.engines = [e for e in self.engines if not _closed(e)]  # closed ones leave
-        shared = next((e for e in self.engines if e.signature == sig), None) if self.settings.share else None
+        seed = run_seed(lora)
+        fits = [e for e in self.engines if e.signature == sig and (e.can_reseed or e.seed == seed)]
+        shared = fits[0] if fits and self.settings.share else None
         if shared is None:
             if len(self.engines) >= self.settings.max_engines:
                 served = sorted({e.signature.describe() for e in self.engines})

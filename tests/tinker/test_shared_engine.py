@@ -210,3 +210,19 @@ def test_a_run_past_the_host_memory_is_refused_and_the_others_go_on(models, monk
     _call(first, "step", 0, "")  # its pending gradients were kept
     first.close()
     factory.close()
+
+
+def test_a_backend_that_cannot_reseed_serves_other_seeds_on_engines_of_their_own(models):
+    """A plug-in backend without ``_reset_adapters`` cannot draw another seed's adapters: a run of
+    another seed gets an engine of its own (never the build seed's adapters), a run of the build
+    seed still shares."""
+    factory = _factory(str(models), "fsdp", "engine.max_engines=3")
+    first = factory.create_run("tiny", RUNS["a"])
+    factory.engines[0].can_reseed = False  # as for such a backend
+    other_seed = factory.create_run("tiny", RUNS["b"])
+    same_seed = factory.create_run("tiny", RUNS["c"])
+    assert other_seed.shared is not first.shared and same_seed.shared is first.shared
+    assert other_seed.shared.seed == RUNS["b"].seed
+    for run in (first, other_seed, same_seed):
+        run.close()
+    factory.close()
