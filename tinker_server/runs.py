@@ -350,7 +350,8 @@ class SharedEngine:
     the AdamW state, the step and the RNG streams (``BaseEngine.run_state``). One run is resident
     at a time: a call of another run takes the resident's state out to host memory (pinned on a
     GPU) and puts the caller's in (:meth:`use`), so each run computes exactly what it would on an
-    engine of its own. Calls are serialized by the server's one worker thread, in arrival order.
+    engine of its own. Calls are serialized by the server's one worker thread, the runs taking
+    turns round-robin (``tinker_server.futures.OrderedWorker``).
     A new run starts from the engine's state at build with its adapters drawn for its seed;
     assumption: its RNG streams start from the engine's (they drive dropout only, and a Tinker
     LoRA run has none unless the base model's config asks for it).

@@ -226,3 +226,32 @@ def test_a_backend_that_cannot_reseed_serves_other_seeds_on_engines_of_their_own
     for run in (first, other_seed, same_seed):
         run.close()
     factory.close()
+
+
+def test_runs_take_turns_on_the_worker_so_none_is_starved():
+    """The server's one worker thread serves the runs' queues round-robin (each run's calls in its
+    seq order): a run with many calls queued does not hold back a call of another run that arrives
+    after them; it runs second."""
+    import threading
+
+    from tinker_server.futures import OrderedWorker
+
+    worker = OrderedWorker()
+    gate, ran = threading.Event(), []
+    try:
+        for key in ("gate", "a", "b"):
+            worker.open(key, ordered=True)
+        worker.submit("gate", 0, gate.wait, lambda _m: None)  # holds the thread while the calls queue up
+        for seq in range(6):
+            worker.submit("a", seq, lambda seq=seq: ran.append(f"a{seq}"), lambda _m: None)
+        worker.submit("b", 0, lambda: ran.append("b0"), lambda _m: None)
+        gate.set()
+        done = worker.call(lambda: None)
+        done.result(timeout=30)
+        for _ in range(100):
+            if len(ran) == 7:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        worker.stop()
+    assert ran[:2] == ["a0", "b0"] and [r for r in ran if r.startswith("a")] == [f"a{i}" for i in range(6)], ran
