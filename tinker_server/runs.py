@@ -2,9 +2,12 @@
 samplers that serve its weights through the rollout contract (``tinker_server/contract.py``
 is the interface the HTTP layer calls).
 
-A run is an engine built from the base model's HF directory with ``model.lora`` (rank, alpha and
-the modules the Tinker toggles select), ``loss_agg_mode=sum`` (every Tinker loss is a token sum)
-and no deferred normalization. Tinker's call pattern maps onto the engine contract directly:
+A run trains on an engine built from the base model's HF directory with ``model.lora`` (rank,
+alpha and the modules the Tinker toggles select), ``loss_agg_mode=sum`` (every Tinker loss is a
+token sum) and no deferred normalization. Runs of one base model, rank and target modules share
+that engine (:class:`SharedEngine`; :class:`RayEngine` on Ray workers): each run's adapters,
+gradients, AdamW state, step and RNG are swapped in for its calls through the engine contract's
+``run_state`` / ``load_run_state``. Tinker's call pattern maps onto the engine contract directly:
 
 * ``forward_backward(datums, loss_fn)``: one ``forward_backward_step`` of the datums with
   ``target_ids`` (scored without a shift, ``engine_api.logprobs``) and the datum loss
@@ -389,7 +392,7 @@ class SharedEngine:
         self.run_bytes = 4 * self.initial.nbytes()
         self.resident: EngineRun | None = None
         self.runs = 0
-        self.swaps = 0
+        self.swaps = 0  # how often a run's state was put in (a measure of interleaving)
 
     def admit(self, lora: LoraIn) -> None:
         """Refuse a new run when the host has no room for its state (``UserError`` naming the
@@ -431,8 +434,9 @@ class SharedEngine:
 
 
 class EngineRun:
-    """A training run (``contract.TrainingRun``) on a :class:`SharedEngine` (its own when the
-    server builds one per run: ``worker_run``)."""
+    """A training run (``contract.TrainingRun``) on a :class:`SharedEngine` (in the server's
+    process, or one rank's part on a Ray worker: :class:`WorkerHost`); every engine call goes
+    through :attr:`engine`, which swaps this run's state in first."""
 
     def __init__(self, base_model: str, shared: SharedEngine, lora: LoraIn, pool: _RolloutPool | None) -> None:
         self.base_model, self.lora, self.pool, self.shared = base_model, lora, pool, shared
