@@ -415,6 +415,23 @@ class BaseRollout(abc.ABC):
         self._load_adapter(dict(adapter), dict(lora), version)
         self._version = version
 
+    def unload_adapter(self, version: int) -> None:
+        """Serve the engine's weights without an adapter from now on (after ``load_adapter``:
+        the base weights, or what ``sync_weights`` loaded since); samples carry ``version``. A
+        backend may keep earlier adapters cached, so loading one again is cheap (vLLM: up to
+        ``max_loras`` resident). No-op for the adapter state when none is loaded.
+
+        Raises:
+            NotImplementedError: the backend serves no adapters (``supports_lora`` False).
+        """
+        if not self.supports_lora:
+            raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters; nothing to unload")
+        self._require_serving("unload_adapter")
+        if isinstance(version, bool) or not isinstance(version, int) or version < self._version:
+            raise ValueError(f"version = {version!r}: must be an int >= the current weight version {self._version}; fix: count syncs up")
+        self._unload_adapter()
+        self._version = version
+
     def prompt_log_probs(self, prompts: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
         """Per prompt, ``log p(prompt[i] | prompt[:i])`` for every ``i >= 1`` (``[len - 1]`` float32,
         temperature 1) under the weights served now: how well the policy predicts a given text
@@ -481,6 +498,10 @@ class BaseRollout(abc.ABC):
         """Load a complete, checked set of weights (HF names) into the engine."""
 
     def _load_adapter(self, adapter: dict[str, torch.Tensor], lora: dict[str, Any], version: int) -> None:
+        raise NotImplementedError
+
+    def _unload_adapter(self) -> None:
+        """Stop applying the current adapter (a backend with ``supports_lora``)."""
         raise NotImplementedError
 
     def _prompt_log_probs(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -134,13 +134,25 @@ class RolloutSection:
     Attributes:
         backend: ``rollout.backend`` (hf or vllm).
         max_tokens: a sample's length when the request names none.
+        lora_rank: > 0: a run's sampling snapshot (``save_weights_and_get_sampling_client``) is
+            its LoRA adapter, served on the base weights by the rollout engine's LoRA (vllm:
+            several resident, ``max_loras``), for runs of rank up to this; 0: merged weights.
+        max_loras: adapters the rollout engine keeps resident (vllm's ``max_loras``; with
+            ``lora_rank`` > 0); switching between them costs no reload.
     """
 
     backend: str = "hf"
     max_tokens: int = 64
+    lora_rank: int = 0
+    max_loras: int = 4
 
     def _problems(self) -> list[str]:
-        return [f"max_tokens = {self.max_tokens}: must be >= 1; fix: e.g. 64"] if self.max_tokens < 1 else []
+        out = [f"max_tokens = {self.max_tokens}: must be >= 1; fix: e.g. 64"] if self.max_tokens < 1 else []
+        if self.lora_rank < 0:
+            out.append(f"lora_rank = {self.lora_rank}: must be >= 0; fix: 0 (merged snapshots) or the largest run rank served")
+        if self.max_loras < 1:
+            out.append(f"max_loras = {self.max_loras}: must be >= 1; fix: e.g. 4")
+        return out
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,8 @@ class TinkerServerConfig:
             strategy=self.engine.strategy,
             engine_overrides=tuple(self.engine.settings),
             rollout_backend=self.rollout.backend,
+            rollout_lora_rank=self.rollout.lora_rank,
+            rollout_max_loras=self.rollout.max_loras,
             lora_alpha=self.tinker.lora_alpha,
             max_tokens=self.rollout.max_tokens,
             ranks=self.engine.ranks,

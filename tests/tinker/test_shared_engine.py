@@ -255,3 +255,70 @@ def test_runs_take_turns_on_the_worker_so_none_is_starved():
     finally:
         worker.stop()
     assert ran[:2] == ["a0", "b0"] and [r for r in ran if r.startswith("a")] == [f"a{i}" for i in range(6)], ran
+
+
+def vllm_adapter_samplers(rank, world, models) -> dict:
+    """Two runs' sampling snapshots as adapters on one vLLM engine (``rollout.lora_rank``), served
+    alternately, against the same runs' merged weights synced into it."""
+    import os
+
+    from tinker_server.runs import snapshot
+
+    factory = _factory(models, "fsdp", "rollout.backend=vllm", f"rollout.lora_rank={RANK}", "rollout.max_loras=2")
+    # two runs of the projections, and one that also adapts lm_head (served merged)
+    loras = [LoraIn(rank=RANK, seed=1, train_unembed=False), LoraIn(rank=RANK, seed=2, train_unembed=False), LoraIn(rank=RANK, seed=3)]
+    runs = [factory.create_run("tiny", lora) for lora in loras]
+    for i, run in enumerate(runs):
+        _call(run, "fb", 40 + i, "cross_entropy")
+        _call(run, "step", 0, "")
+    unembed = runs.pop()
+    got = {"unembed_kind": unembed.sampler(None).adapter is None}
+    snaps = [run.sampler(None) for run in runs]
+    merged = [snapshot(factory._pool("tiny"), "tiny", run.merged_weights(), None) for run in runs]
+    params = SampleParamsIn(max_tokens=6, seed=3)
+
+    def draw(snap):
+        out = snap.sample([4, 5, 6], 2, params, True)
+        return [(s.tokens, s.logprobs) for s in out.sequences], out.prompt_logprobs
+
+    got |= {"adapter": [draw(s) for s in (*snaps, *snaps)], "merged": [draw(s) for s in merged]}
+    got["kinds"] = [s.adapter is not None for s in snaps]
+    got["written"] = len(os.listdir(factory._pool("tiny").engine._lora_dir))
+    got["base_again"] = draw(factory.base_sampler("tiny"))  # an adapter snapshot, then the base
+    got["base"] = draw(snapshot(factory._pool("tiny"), "tiny", {k: v.clone() for k, v in factory._pool("tiny").base.items()}, None))
+    for run in (*runs, unembed):
+        run.close()
+    factory.close()
+    return got
+
+
+def test_vllm_serves_each_runs_sampler_as_an_adapter_on_one_engine(models, tmp_path):
+    """``rollout.lora_rank``: each run's sampling snapshot is its adapter on the base weights
+    (vLLM's LoRA, ``max_loras`` resident): the same tokens as the run's merged weights synced
+    into the engine, log-probs (sampled and prompt) within vLLM's float noise (1e-4; measured 2e-7:
+    vLLM's LoRA on lm_head was 0.17 off, so runs adapting lm_head sample merged); switching back
+    to a run's adapter reuses it (no second write, the same seeded samples); the base sampler after
+    an adapter samples the base."""
+    vllm_models = tmp_path / "models"
+    build_model_dir(vllm_models / "tiny", family="llama", head_dim=32)  # vLLM's CPU attention needs >= 32
+    out = run_distributed(vllm_adapter_samplers, 1, str(vllm_models))[0]
+    assert out["kinds"] == [True, True] and out["written"] == 2
+    assert out["unembed_kind"]  # a run adapting lm_head samples merged weights (vLLM's head LoRA differs)
+    adapter, merged = out["adapter"], out["merged"]
+    _same(adapter[2], adapter[0], "run A's adapter served again")
+    _same(adapter[3], adapter[1], "run B's adapter served again")
+    for i in range(2):
+        (seqs, prompt), (want_seqs, want_prompt) = adapter[i], merged[i]
+        assert [s[0] for s in seqs] == [s[0] for s in want_seqs], i
+        gaps = [abs(a - b) for (_, lp), (_, wlp) in zip(seqs, want_seqs, strict=True) for a, b in zip(lp, wlp, strict=True)]
+        gaps += [abs(a - b) for a, b in zip(prompt[1:], want_prompt[1:], strict=True)]
+        assert max(gaps) <= 1e-4, (i, max(gaps))
+    assert adapter[0][0] != adapter[1][0]  # the two runs' adapters differ
+    _same(out["base_again"], out["base"], "the base sampler after an adapter")
+
+
+def test_adapter_samplers_on_a_rollout_backend_without_lora_are_refused_at_start(models):
+    with pytest.raises(
+        ValueError, match=r"rollout.lora_rank = 8: the 'hf' rollout backend serves no LoRA adapters; fix: rollout.backend=vllm"
+    ):
+        _factory(str(models), "fsdp", "rollout.lora_rank=8")
