@@ -105,3 +105,44 @@ def test_two_sl_loops_at_once_on_one_engine_each_train_as_alone(server, tmp_path
         assert len(nll(f"together-{lr}")) == 8
         assert nll(f"together-{lr}") == nll(f"alone-{lr}"), lr
     assert nll("alone-0.01") != nll("alone-0.02")
+
+
+def test_two_rl_loops_at_once_on_one_engine_both_sample_score_and_train(server, tmp_path):
+    """Two cookbook rl_loops against the server at the same time, their runs on one engine: each
+    samples, scores and steps as it does alone. (The SDK sends unseeded sampling requests, so an
+    rl_loop's numbers vary run to run even alone; exactness under interleaving is held by the
+    seeded sampling of tests/tinker/test_shared_engine.py.)"""
+    import threading
+
+    from tinker_cookbook.recipes import rl_loop
+
+    url, model, factory = server
+    demo.register_tokenizer(model)
+    settings = {"batch_size": 2, "group_size": 4, "max_tokens": 12, "lora_rank": 4, "save_every": 0, "max_steps": 2}
+    configs = [rl_loop.Config(base_url=url, log_path=str(tmp_path / f"rl{i}"), model_name=demo.NAME, **settings) for i in range(2)]
+    for cfg in configs:  # the loss the server computes (the recipe's default needs Tinker's stability records)
+        object.__setattr__(cfg, "loss_fn", "importance_sampling")
+    real, errors = rl_loop.get_reward, []
+
+    def run(cfg) -> None:
+        try:
+            rl_loop.main(cfg)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    rl_loop.get_reward = demo.digit_reward
+    try:
+        with demo._api_key(), demo.local_dataset(demo.rl_rows()), demo.closing_service_clients():
+            threads = [threading.Thread(target=run, args=(cfg,)) for cfg in configs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+    finally:
+        rl_loop.get_reward = real
+    assert not errors, errors
+    together = factory.created[-2:]
+    assert together[0].shared is together[1].shared
+    for i in range(2):
+        steps = [m for m in _metrics(tmp_path / f"rl{i}") if "reward/total" in m]
+        assert len(steps) == 2 and any("grad_norm:mean" in m for m in steps), steps
