@@ -429,7 +429,6 @@ class SharedEngine:
         self.run_bytes = 4 * self.initial.nbytes()
         self.resident: EngineRun | None = None
         self.runs = 0
-        self.swaps = 0  # how often a run's state was put in (a measure of interleaving)
 
     def admit(self, lora: LoraIn) -> None:
         """Refuse a new run when the host has no room for its state (``UserError`` naming the
@@ -455,7 +454,6 @@ class SharedEngine:
                 if run.seed != self.seed:
                     self.engine.reset_adapters(run.seed)
             run.state, self.resident = None, run
-            self.swaps += 1
         return self.engine
 
     def leave(self, run: EngineRun) -> bool:
@@ -466,8 +464,15 @@ class SharedEngine:
         self.runs -= 1
         return self.runs == 0
 
+    @property
+    def closed(self) -> bool:
+        return self.engine is None
+
     def close(self) -> None:
         self.engine = self.initial = None
+
+
+_UNLOADED = "this training run was unloaded; fix: create a new one (create_model) or load_state a checkpoint into one"
 
 
 class EngineRun:
@@ -488,7 +493,7 @@ class EngineRun:
     def engine(self):
         """The shared engine, holding this run's adapters and optimizer state."""
         if self.closed:
-            raise UserError("this training run was unloaded; fix: create a new one (create_model) or load_state a checkpoint into one")
+            raise UserError(_UNLOADED)
         return self.shared.use(self)
 
     # ------------------------------------------------------------------ training
@@ -705,7 +710,7 @@ class RayEngineRun:
 
     def _call(self, method: str, *args):
         if self.closed:
-            raise UserError("this training run was unloaded; fix: create a new one (create_model) or load_state a checkpoint into one")
+            raise UserError(_UNLOADED)
         return self.engine.call("call", self.id, method, *args)
 
     def forward_backward(self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict | None, forward_only: bool) -> ForwardBackwardOut:
@@ -746,10 +751,6 @@ def _available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def _closed(engine: SharedEngine | RayEngine) -> bool:
-    return engine.closed if isinstance(engine, RayEngine) else engine.engine is None
 
 
 class EngineFactory:
@@ -812,7 +813,7 @@ class EngineFactory:
         is held and ``share`` is on, else on a new engine (refused past ``max_engines``)."""
         model_dir = self._dir(base_model)
         sig = signature(base_model, model_dir, lora)
-        self.engines = [e for e in self.engines if not _closed(e)]  # closed ones leave
+        self.engines = [e for e in self.engines if not e.closed]  # closed ones leave
         seed = run_seed(lora)
         fits = [e for e in self.engines if e.signature == sig and (e.can_reseed or e.seed == seed)]
         shared = fits[0] if fits and self.settings.share else None

@@ -37,6 +37,7 @@ from posttrain.agents.env import StepResult, ToolEnv, Turn
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
 from posttrain.agents.trajectory import Trajectory, message_list
 from posttrain.rewards import _fenced, _Timeout, compute_rewards, load_callable
+from posttrain.trainer_utils import warn
 from roles.rollout import pack_samples, unpack_samples
 
 
@@ -279,8 +280,6 @@ class AgentLoop:
         why = _on_rank0(replay)
         if why is None:
             return run
-        from posttrain.trainer_utils import warn
-
         warn(
             [
                 f"trainer.resume: a batch of trajectories paused at a checkpoint (turn {saved.turn}) does not replay: {why}; the "

@@ -169,7 +169,7 @@ class Pipeline:
                     "run's own data settings"
                 )
             if p.agent_run is not None:  # trajectories paused between turns: rebuilt by replaying their kept turns
-                p.agent_run = self.agent.replay(p.agent_run, self._metas(p.step)) if self.agent is not None else None
+                p.agent_run = self.agent.replay(p.agent_run, self._metas(p.step))  # (multi_turn is in the settings)
             self.pending[p.step] = p
         self.cursor = max([start, *(b + 1 for b in self.pending)])
         ahead = min(start - 1 + self.k, self.last) + 1  # what an uninterrupted run of this length has admitted by now

@@ -8,10 +8,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-import tinker_server as _server
-
-_MODULES = ("app", "checkpoints", "config", "contract", "demo", "futures", "loss_checks", "runs", "wire")
+_MODULES = ("app", "checkpoints", "config", "contract", "demo", "futures", "loss_checks", "runs", "tenants", "wire")
 for _name in _MODULES:
     sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"tinker_server.{_name}")
-
-__doc__ = f"{__doc__}\n\n{_server.__doc__}"

@@ -237,7 +237,7 @@ def test_runs_take_turns_on_the_worker_so_none_is_starved():
     from tinker_server.futures import OrderedWorker
 
     worker = OrderedWorker()
-    gate, ran = threading.Event(), []
+    gate, finished, ran = threading.Event(), threading.Event(), []
     try:
         for key in ("gate", "a", "b"):
             worker.open(key, ordered=True)
@@ -245,13 +245,9 @@ def test_runs_take_turns_on_the_worker_so_none_is_starved():
         for seq in range(6):
             worker.submit("a", seq, lambda seq=seq: ran.append(f"a{seq}"), lambda _m: None)
         worker.submit("b", 0, lambda: ran.append("b0"), lambda _m: None)
+        worker.submit("a", 6, finished.set, lambda _m: None)  # a's last call: everything before it has run
         gate.set()
-        done = worker.call(lambda: None)
-        done.result(timeout=30)
-        for _ in range(100):
-            if len(ran) == 7:
-                break
-            threading.Event().wait(0.05)
+        assert finished.wait(30)
     finally:
         worker.stop()
     assert ran[:2] == ["a0", "b0"] and [r for r in ran if r.startswith("a")] == [f"a{i}" for i in range(6)], ran
