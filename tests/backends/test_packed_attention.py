@@ -4,7 +4,9 @@ CPU: the doc-masked kernel (``sdpa_doc_mask``), and ``varlen``'s adapter over a 
 torch's CUDA-only kernel, on one packed row equal each sequence run alone through HF's own sdpa (log-probs and every parameter's gradient, fp32, 1e-5: summation
 order only) on Llama (GQA, untied) and Qwen2 (GQA, qkv bias, tied); its boundaries come from
 the batch's ``cu_seqlens``, so a perturbed earlier sequence leaves a later one bit-identical
-even when the positions do not restart; the automatic choice (CUDA mocked) and its refusals.
+even when the positions do not restart; one-token sequences keep their own boundaries (in the
+kernels and through the FSDP engine's packed rows, against its padded micro-batches and HF); the
+automatic choice (CUDA mocked) and its refusals.
 GPU (``gpu`` mark): torch's ``varlen_attn`` kernel against per-sequence SDPA in bf16.
 """
 
@@ -20,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Mistral
 import backends.fsdp.attention as attn
 from engine_api import build_engine, load_config
 from engine_api.batch import pack
-from tests.support.hf_utils import make_model, make_test_batch
+from tests.support.hf_utils import engine_for, hf_log_probs, make_model, make_one_token_batch, make_test_batch, max_abs_diff
 
 TOL = 1e-5
 
@@ -68,24 +70,42 @@ def kernel(request, monkeypatch):
     attn.register_packed_kernels()  # the real kernel again
 
 
-def test_packed_kernel_equals_per_sequence_attention(family_dir, kernel):
-    seqs = list(make_test_batch()["input_ids"].unbind())
+@pytest.mark.parametrize("make", [make_test_batch, make_one_token_batch], ids=["lengths", "one-token"])
+def test_packed_kernel_equals_per_sequence_attention(family_dir, kernel, make):
+    seqs = list(make()["input_ids"].unbind())
     weights = [torch.linspace(-1, 1, len(s) - 1) for s in seqs]  # a loss that weighs every log-prob
     alone = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation="sdpa")
     want = [_log_probs(alone(s[None]).logits[0], s) for s in seqs]
     sum((lp * w).sum() for lp, w in zip(want, weights, strict=True)).backward()
     model = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32, attn_implementation=kernel)
-    packed = pack(make_test_batch()["input_ids"])
+    packed = pack(make()["input_ids"])
     pos = packed.position_ids[None]
     logits = model(input_ids=packed.input_ids[None], position_ids=pos, use_cache=False, **attn.packing_kwargs(pos)).logits[0]
     cu = packed.cu_seqlens.tolist()
     got = [_log_probs(logits[a:b], packed.input_ids[a:b]) for a, b in zip(cu[:-1], cu[1:], strict=True)]
     sum((lp * w).sum() for lp, w in zip(got, weights, strict=True)).backward()
-    assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)) <= TOL
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True) if a.numel()) <= TOL
     got_g, want_g = _grads(model), _grads(alone)
     assert set(got_g) == set(want_g)
     for name, g in want_g.items():
         torch.testing.assert_close(got_g[name], g, rtol=TOL, atol=TOL, msg=name)
+
+
+def test_one_token_sequences_keep_their_boundaries_in_the_engine(family_dir):
+    """Packed log-probs (the tiny batch in one row) of a batch with one-token sequences (first,
+    side by side, last) equal the padded micro-batches' and HF's per sequence (1e-5, fp32
+    summation order): a one-token sequence merged with the next one (a boundary dropped in
+    ``cu_seqlens_of`` / the document mask) moves the next sequence's log-probs by about 0.1
+    (measured)."""
+    batch = make_one_token_batch()
+    got = {}
+    for packed in (True, False):
+        engine = engine_for(family_dir, f"use_remove_padding={packed}")
+        assert engine.remove_padding is packed and engine.model.config._attn_implementation == attn.DOC_MASK
+        with engine.eval_mode():
+            got[packed] = engine.infer_batch(batch)["log_probs"]
+    assert max_abs_diff(got[True], list(got[False].unbind())) <= TOL
+    assert max_abs_diff(got[True], hf_log_probs(family_dir, batch)) <= TOL
 
 
 def test_sequences_never_attend_across_boundaries():

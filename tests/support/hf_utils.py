@@ -31,6 +31,9 @@ VARIANTS = {
 EPS = 1e-3
 LENGTHS = (5, 9, 3, 12, 7, 4)
 RESPONSE = (3, 5, 2, 4, 6, 3)
+# Length-1 sequences first, between longer ones, side by side and last: where packed-row
+# boundaries read from positions can slip (a lone position 0 followed by another 0 never "drops").
+ONE_TOKEN_LENGTHS = (1, 6, 1, 1, 9, 4, 1)
 
 
 def make_model(path, family: str, seed: int = 0, num_layers: int = 2, pad_token_id: int | None = None) -> str:
@@ -61,6 +64,12 @@ def make_model(path, family: str, seed: int = 0, num_layers: int = 2, pad_token_
 def make_test_batch(seed: int = 0, **meta):
     """The backend tests' batch: 6 sequences of :data:`LENGTHS` (see the conformance fixtures)."""
     return fixtures.make_test_batch(seed, LENGTHS, RESPONSE, VOCAB, **meta)
+
+
+def make_one_token_batch(seed: int = 0, **meta):
+    """A batch of :data:`ONE_TOKEN_LENGTHS`: four one-token sequences (no loss tokens) among
+    three longer ones (the last ``n // 2`` tokens in the loss)."""
+    return fixtures.make_test_batch(seed, ONE_TOKEN_LENGTHS, tuple(n // 2 for n in ONE_TOKEN_LENGTHS), VOCAB, **meta)
 
 
 def make_pad_batch(seed: int = 0):
