@@ -26,7 +26,7 @@ from transformers import AutoConfig
 from backends.fsdp import checkpoint as ckpt
 from backends.fsdp.export import bucketed_full_tensors
 from backends.fsdp.forward import hf_forward, packed_rows_exact
-from backends.fsdp.lm_head import chunked_head_exact, chunked_head_problem
+from backends.fsdp.lm_head import PROBE_MISMATCH, chunked_head_exact, chunked_head_problem
 from backends.fsdp.lora import (
     adapter_weights,
     adapters_off,
@@ -151,7 +151,7 @@ class FSDPEngine(BaseEngine):
                 self.chunked_head = chunked_head_exact(self.model, self.vocab_size, self.device, half=half)
                 self._forward_ran = True
                 self._reset_fsdp_iteration()
-                why = None if self.chunked_head else "the model transforms the logits after its head"
+                why = None if self.chunked_head else PROBE_MISMATCH
             if why is not None:
                 note_once(f"[enginekit] {model.config.model_type}: log-probs from full logits ({why})")
 

@@ -13,8 +13,9 @@ backward of that forward's outputs; computing in the head keeps both as FSDP exp
 every gradient flows through the one output tensor.
 
 Where it applies (:func:`chunked_head_problem`): an ``lm`` head that is a plain
-``nn.Linear`` (a LoRA-wrapped head runs the plain path), and a model that hands the head's
-output back unchanged as its logits. Families that transform the logits after the head
+``nn.Linear``, with or without a bias (the chunks add it; a LoRA-wrapped head, a head of another
+class and a model without one run the plain path, each named), and a model that hands the
+head's output back unchanged as its logits. Families that transform the logits after the head
 (Gemma-2's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's
 ``logits_scaling``) would transform the columns instead; :func:`chunked_head_exact` compares
 the two paths once on a tiny probe, and a model that fails it runs the plain path.
@@ -23,20 +24,53 @@ the two paths once on a tiny probe, and a model that fails it runs the plain pat
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn as nn
 
 from engine_api.kit import HeadRequest, lm_token_outputs, make_batch, pack
 
+#: why a model whose head :func:`chunked_head_problem` accepts still runs the plain path
+PROBE_MISMATCH = (
+    "a probe's log-probs from the chunks differ from full logits': the model changes the head's output after it "
+    "(e.g. a scale or a soft-cap)"
+)
+
 
 def chunked_head_problem(model: nn.Module) -> str | None:
-    """Why the chunked head cannot serve ``model`` (None when it can)."""
+    """Why the chunked head cannot serve ``model`` (None when it can), naming what it found. A
+    bias is no reason: the chunks compute ``hidden @ weight.T + bias`` (``HeadRequest.columns``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return "the model has no output head (get_output_embeddings() is None)"
+    wrapped = _adapter_wrapper(head)
+    if wrapped is not None:
+        return wrapped
     if type(head) is not nn.Linear:
-        return f"the output head is {type(head).__name__}, not a plain Linear (e.g. LoRA on lm_head)"
+        name = f"{type(head).__module__}.{type(head).__qualname__}"
+        kind = "a subclass of torch.nn.Linear" if isinstance(head, nn.Linear) else "not a torch.nn.Linear"
+        return f"the output head is {name}, {kind}: its forward may compute more than the chunks' hidden @ weight.T + bias"
     if getattr(model.config, "final_logit_softcapping", None) is not None:
         return f"final_logit_softcapping = {model.config.final_logit_softcapping} transforms the logits after the head"
+    return None
+
+
+def _adapter_wrapper(head: nn.Module) -> str | None:
+    """What peft wrapped the head in (None: nothing): its output is no longer the base weight's."""
+    if "peft" not in sys.modules:  # nothing was wrapped without peft (and no import for the check)
+        return None
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    name = f"{type(head).__module__}.{type(head).__qualname__}"
+    if isinstance(head, LoraLayer):
+        return (
+            f"the output head carries LoRA adapters ({name}): its output adds the adapters' path, which the chunks, "
+            "computed from the base weight alone, would leave out"
+        )
+    if isinstance(head, ModulesToSaveWrapper):
+        return f"the output head is a trained copy of lm_head ({name}), which the chunks do not read"
     return None
 
 
