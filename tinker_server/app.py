@@ -10,9 +10,15 @@ single worker thread in :mod:`~tinker_server.futures`, checkpoints on disk in
 Endpoints (all under ``/api/v1``; every one but ``healthz`` needs an ``X-API-Key`` in
 ``settings.api_keys``, any key when that is empty):
 
-Tenants (``tinker_server.tenants``): with two or more keys, each key owns the sessions it creates
-and everything under them (runs, futures, samplers, checkpoints); another key's ids are answered
-as unknown, and listings leave them out (``settings.tenants`` false: shared).
+Tenants (``tinker_server.tenants``): each key owns the sessions it creates and everything under
+them (runs, futures, samplers, checkpoints; the key's tag is recorded always); with two or more
+keys another key's ids are answered as unknown, and listings leave them out (``settings.tenants``
+false: shared). Every key has its own limits (``settings.max_runs_per_key``,
+``settings.max_sampling_sessions_per_key``) and the worker serves the keys round-robin.
+
+Logging (python ``logging``, logger ``tinker_server.app``): one INFO line per run created and per
+run ended, naming the run and its owner's tag (never the key); each call's queue wait and run time
+at DEBUG.
 
 Client setup and sessions
     ``POST client/config``               feature flags: API-key auth (no JWT), plain httpx, client-side custom
@@ -25,7 +31,8 @@ Client setup and sessions
     ``GET  sessions``, ``GET sessions/{id}``   live sessions, a session's training runs and samplers
     ``GET  healthz``, ``GET get_server_capabilities``   health; ``factory.served_models()``
     ``POST telemetry``                   accepted and dropped; ``POST cancel_future``: a call not started never
-                                         runs (its future fails as cancelled); a started one finishes
+                                         runs (its future fails as cancelled); a started (or finished) one is
+                                         refused as a user error, and its future keeps its real outcome
 Training (each a future, executed in the model's ``seq_id`` order)
     ``POST create_model``                a LoRA run (``factory.create_run``); id ``{session_id}:train:{n}``
     ``POST get_info``                    base model, LoRA rank (answered at once, no future)
@@ -160,6 +167,7 @@ class _SamplerSession:
     gone: str | None = None  # why it can no longer sample
     clients: int = 0
     owner: str = field(default_factory=tenants.current)
+    counted: bool = False  # opened by create_sampling_session: counts against max_sampling_sessions_per_key
 
 
 class TinkerServer:
@@ -168,7 +176,9 @@ class TinkerServer:
     def __init__(self, settings: ServerSettings, factory: RunFactory):
         self.settings = settings
         self.factory = factory
-        self.store = CheckpointStore(settings.state_dir)
+        ownerless = tenants.owner_tag(settings.ownerless_runs_owner) if settings.ownerless_runs_owner else ""
+        self.store = CheckpointStore(settings.state_dir, ownerless_owner=ownerless)
+        self.store.clean_staging()  # what a killed server's saves left (before any save of this one runs)
         self.futures = FuturesTable()
         self.worker = OrderedWorker()
         self.lock = threading.Lock()
@@ -216,30 +226,65 @@ class TinkerServer:
         found.last_request = time.time()
         return found
 
-    def live_runs(self) -> int:
-        return sum(1 for m in self.models.values() if not m.closed)
+    def live_runs(self, owner: str | None = None) -> int:
+        """Runs not closed (of ``owner``'s key only, when given)."""
+        return sum(1 for m in self.models.values() if not m.closed and (owner is None or m.owner == owner))
 
     def check_capacity(self) -> None:
+        """Refuse a new run past ``max_runs`` (the server's) or ``max_runs_per_key`` (this key's)."""
+        freeing = (
+            "finish a session (ServiceClient.close()) or unload a model (unload_model) to free one; the session of a client "
+            f"that stopped without close() (no heartbeat) is finished and its runs freed {self.session_timeout_s:g} s after "
+            "its last heartbeat (server.session_timeout_s)"
+        )
         if self.live_runs() >= self.settings.max_runs:
             raise UserError(
-                f"create_model: this server already holds max_runs={self.settings.max_runs} training runs; "
-                "finish a session (ServiceClient.close()) or unload a model (unload_model) to free one, "
-                "or start the server with a larger server.max_runs; the session of a client that stopped without close() "
-                f"(no heartbeat) is finished and its runs freed {self.session_timeout_s:g} s after its last heartbeat "
-                "(server.session_timeout_s)"
+                f"create_model: this server already holds max_runs={self.settings.max_runs} training runs; {freeing}; "
+                "or start the server with a larger server.max_runs"
+            )
+        per_key = self.settings.max_runs_per_key
+        if self.live_runs(tenants.current()) >= per_key:
+            raise UserError(
+                f"create_model: this API key already holds server.max_runs_per_key={per_key} training runs (the runs one key "
+                f"may hold, so that one key cannot fill the server's max_runs={self.settings.max_runs}); {freeing}; or start "
+                "the server with a larger server.max_runs_per_key"
+            )
+
+    def check_sampling_sessions(self) -> None:
+        """Refuse a new sampling session past this key's ``max_sampling_sessions_per_key``."""
+        mine = tenants.current()
+        held = sum(1 for e in self.samplers.values() if e.owner == mine and e.counted and e.gone is None)
+        limit = self.settings.max_sampling_sessions_per_key
+        if held >= limit:
+            raise UserError(
+                f"create_sampling_session: this API key already holds server.max_sampling_sessions_per_key={limit} sampling "
+                "sessions; they are freed when their ServiceClient session finishes (ServiceClient.close()); fix: reuse a "
+                "sampling client, close the sessions you are done with, or start the server with a larger "
+                "server.max_sampling_sessions_per_key"
             )
 
     def submit(self, key: str, seq: int | None, work: Callable[[], Outcome], what: str, **extra) -> dict:
         """Queue ``work`` on the worker; the answer the SDK expects (``UntypedAPIFuture``)."""
         request_id = self.futures.create()
+        owner, queued = tenants.current(), time.perf_counter()
 
         def job() -> None:
-            if self.futures.is_done(request_id):
+            if not self.futures.start(request_id):
                 return  # cancelled (cancel_future) before it started
+            began = time.perf_counter()
             try:
                 outcome = work()
             except Exception as e:  # noqa: BLE001 - every failure becomes a failed future
                 outcome = outcome_of_exception(e, what)
+            # (logged before the future completes: a client that has its answer finds the line written)
+            log.debug(
+                "%s of %s (owner %s): ran %.3f s after waiting %.3f s in the queue",
+                what,
+                key,
+                owner or "none",
+                time.perf_counter() - began,
+                began - queued,
+            )
             self.futures.complete(request_id, outcome)
 
         def fail(message: str) -> None:
@@ -286,6 +331,7 @@ class TinkerServer:
             model.closed = model.closed or reason
             snapshots = list(model.snapshots)
         if not already:
+            log.info("run %s ended (%s); owner %s", model.id, reason, model.owner or "none")
             self.worker.close(model.id, f"model {model.id} was closed ({reason})")
             for sid in snapshots:
                 self.drop_sampler(sid, f"its training run {model.id} was closed ({reason})")
@@ -374,7 +420,7 @@ class TinkerServer:
             evicted = []
             while len(model.snapshots) > self.snapshots_per_model:
                 evicted.append(model.snapshots.popleft())
-        self.worker.open(entry.id, ordered=False)
+        self.worker.open(entry.id, ordered=False, owner=entry.owner)
         for sid in evicted:
             self.drop_sampler(sid, f"more than {self.snapshots_per_model} newer snapshots of {model.id} were taken since")
 
@@ -387,7 +433,7 @@ class _Guard:
         self.app = app
         self.api_keys = set(api_keys)
         self.max_body = max_body
-        self.tenants_on = tenants_on
+        self.enforced = tenants.enforced(self.api_keys, tenants_on)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -410,7 +456,7 @@ class _Guard:
                 raise BodyTooLarge()
             return message
 
-        token = tenants.enter(tenants.tag_of(headers.get("x-api-key"), self.api_keys, self.tenants_on))
+        token = tenants.enter(tenants.tag_of(headers.get("x-api-key")), self.enforced)
         try:
             return await self.app(scope, counted, send)
         finally:
@@ -596,8 +642,18 @@ def _add_service_routes(app: FastAPI, server: TinkerServer) -> None:
         req = wire.parse(wire.RequestIdIn, await _json(request, "cancel_future"), "cancel_future")
         if not server.futures.known(req.request_id):
             raise HttpError(404, f"request_id: {req.request_id!r} is unknown or expired on this server")
-        # A call not started yet never runs (its future fails as cancelled); a started one finishes.
-        server.futures.complete(req.request_id, Outcome.failed(f"request {req.request_id} was cancelled by the client", "user"))
+        # A call not started yet never runs (its future fails as cancelled). A started one cannot be
+        # undone (its gradients are in the run): refused, and its future keeps the real outcome.
+        answer = server.futures.cancel(req.request_id, Outcome.failed(f"request {req.request_id} was cancelled by the client", "user"))
+        if answer == "unknown":
+            raise HttpError(404, f"request_id: {req.request_id!r} is unknown or expired on this server")
+        if answer != "cancelled":
+            now = "has already started" if answer == "started" else "has already finished"
+            raise UserError(
+                f"cancel_future: request {req.request_id} {now} and cannot be cancelled: a started call runs to its end and "
+                "keeps its effect (a forward_backward's gradients reach the next optim_step); its future holds its real "
+                "outcome; fix: retrieve it with retrieve_future instead of sending the call again"
+            )
         return {}
 
     @app.post("/api/v1/create_session")
@@ -807,7 +863,7 @@ def _add_training_routes(app: FastAPI, server: TinkerServer) -> None:
     async def unload_model(request: Request):
         req = wire.parse(wire.ModelIdIn, await _json(request, "unload_model"), "unload_model")
         model = server.model(req.model_id)
-        request_id = server.futures.create()
+        request_id = server.futures.create(started=True)  # the close is under way at once: not cancellable
         closing = server.close_model(model, "unloaded by the client")
 
         def done(future: concurrent.futures.Future) -> None:
@@ -836,7 +892,7 @@ def _register_model(server: TinkerServer, session: _Session, model_id: str, base
         model = _Model(model_id, session.id, base_model, lora, user_metadata, owner=session.owner)
         server.models[model_id] = model
         session.models.append(model_id)
-    server.worker.open(model_id, ordered=True)
+    server.worker.open(model_id, ordered=True, owner=model.owner)
     return model
 
 
@@ -850,6 +906,7 @@ def _start_run(server: TinkerServer, model: _Model, load: Callable[[TrainingRun]
     except BaseException:
         server.close_model(model, "its creation failed")
         raise
+    log.info("run %s created: %s, LoRA rank %d; owner %s", model.id, model.base_model, model.lora.rank, model.owner or "none")
     if model.closed:  # closed while being created: the close job may already have run
         server.close_run(model)
 
@@ -906,6 +963,14 @@ async def _load_into(server: TinkerServer, data: dict) -> dict:
                 f"path: {req.path} is a checkpoint of {meta['base_model']} with LoRA rank {meta['lora'].rank}; "
                 f"model {model.id} is {model.base_model} with rank {model.lora.rank}"
             )
+        theirs, ours = _targets(meta["lora"]), _targets(model.lora)
+        if theirs != ours:
+            # Adapters on other layers: the engine's checkpoint would not fit this run's adapters.
+            raise UserError(
+                f"path: {req.path} holds adapters on {theirs}; model {model.id} adapts {ours}; the adapters of one cannot "
+                "load into the other; fix: create_training_client_from_state(path) (a new run with the checkpoint's LoRA "
+                "targets), or load a checkpoint saved by a run created with the same train_attn / train_mlp / train_unembed"
+            )
         directory = server.store.directory(ref)
 
         def work() -> Outcome:
@@ -915,6 +980,17 @@ async def _load_into(server: TinkerServer, data: dict) -> dict:
         return work
 
     return await server.sequenced(data.get("model_id"), data.get("seq_id"), "load_weights", prepare)
+
+
+def _targets(lora: LoraIn) -> str:
+    """The layers a run's adapters are on, by its toggles (the modules each selects: runs.lora_modules)."""
+    toggles = (
+        ("train_attn", lora.train_attn, "the attention projections"),
+        ("train_mlp", lora.train_mlp, "the MLP projections"),
+        ("train_unembed", lora.train_unembed, "lm_head"),
+    )
+    on = " and ".join(what for _, flag, what in toggles if flag) or "no layer"
+    return f"{on} ({', '.join(f'{name}={flag}' for name, flag, _ in toggles)})"
 
 
 async def _create_from_state(server: TinkerServer, data: dict) -> dict:
@@ -979,7 +1055,7 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
             existing = server.samplers.setdefault(entry.id, entry)
             if existing is entry and entry.session_id is not None:
                 server.sessions[entry.session_id].samplers.append(entry.id)
-        server.worker.open(existing.id, ordered=False)
+        server.worker.open(existing.id, ordered=False, owner=existing.owner)
         return existing
 
     @app.post("/api/v1/create_sampling_session")
@@ -988,7 +1064,12 @@ def _add_sampling_routes(app: FastAPI, server: TinkerServer) -> None:
         session = server.session(req.session_id)
         sid = f"{session.id}:sample:{req.sampling_session_seq_id}"
         if sid not in server.samplers:
-            register(await resolve(session.id, sid, req.base_model, req.model_path))
+            server.check_sampling_sessions()
+            entry = await resolve(session.id, sid, req.base_model, req.model_path)
+            if sid not in server.samplers:  # (no await from here on: the check and the registration are one step)
+                server.check_sampling_sessions()  # again: another request of this key may have opened one meanwhile
+                entry.counted = True
+                register(entry)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def sampler_entry(sid: object) -> _SamplerSession:
@@ -1057,8 +1138,8 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
             "expires_at": _iso(meta.get("expires_at")),
         }
 
-    def run_json(model_id: str) -> dict:
-        record = store.owned_run(model_id)
+    def run_json(model_id: str, record: dict | None = None) -> dict:
+        record = record or store.owned_run(model_id)
         if record is None:
             raise HttpError(404, f"training_run_id: unknown training run {model_id!r} on this server")
         checkpoints = store.list(model_id)
@@ -1082,10 +1163,10 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
 
     @app.get("/api/v1/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0):
-        ids = [m for m in store.list_runs() if store.owned_run(m) is not None]
+        runs = store.visible_runs()  # (a damaged or ownerless record is skipped, logged)
         return {
-            "training_runs": [run_json(m) for m in ids[offset : offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)},
+            "training_runs": [run_json(m, record) for m, record in runs[offset : offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
         }
 
     @app.get("/api/v1/training_runs/{model_id}")
@@ -1095,9 +1176,13 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str):
         check_model_id(model_id, "training_run_id")
-        if store.owned_run(model_id) is None and store.read_run(model_id) is not None:
+        found = store.list(model_id)
+        if store.read_run(model_id) is None:
+            if found and tenants.is_enforced():
+                store.refuse_ownerless(model_id, "training_run_id")  # checkpoints whose run record is gone
+        elif store.owned_run(model_id) is None:
             raise HttpError(404, f"training_run_id: unknown training run {model_id!r} on this server")
-        return {"checkpoints": [checkpoint_json(r, m) for r, m in store.list(model_id)]}
+        return {"checkpoints": [checkpoint_json(r, m) for r, m in found]}
 
     @app.delete("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(model_id: str, kind: str, name: str):
@@ -1108,8 +1193,7 @@ def _add_rest_routes(app: FastAPI, server: TinkerServer) -> None:
 
     @app.get("/api/v1/checkpoints")
     async def all_checkpoints(limit: int = 100, offset: int = 0):
-        owned = [m for m in store.list_runs() if store.owned_run(m) is not None]
-        found = [checkpoint_json(r, m) for model_id in owned for r, m in store.list(model_id)]
+        found = [checkpoint_json(r, m) for model_id, _ in store.visible_runs() for r, m in store.list(model_id)]
         return {"checkpoints": found[offset : offset + limit], "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
     @app.post("/api/v1/weights_info")
@@ -1134,5 +1218,13 @@ def serve(settings: ServerSettings, factory: RunFactory) -> None:
     """Run the server with uvicorn on ``settings.host:settings.port`` until interrupted."""
     import uvicorn
 
+    # The run and call lines of tinker_server's loggers (server.log_level), on stderr beside uvicorn's.
+    logger = logging.getLogger("tinker_server")
+    logger.setLevel(settings.log_level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
     # No access log: the SDK long-polls retrieve_future continuously.
     uvicorn.run(build_app(settings, factory), host=settings.host, port=settings.port, log_level="info", access_log=False)

@@ -8,6 +8,12 @@ Layout::
     .../<name>/tinker_checkpoint.json                   written last: a directory without it is
                                                         an incomplete save and is never served
 
+A save is written into a hidden staging sibling (``.<name>.saving-<hex>``) and swapped into place
+(an overwritten checkpoint is moved aside to ``.<name>.replaced-<hex>`` until the new one is in
+place). A server killed mid-save leaves such siblings behind: :meth:`CheckpointStore.clean_staging`
+removes them when the server starts (and puts back a moved-aside checkpoint whose replacement never
+arrived).
+
 A path names ``tinker://<model_id>/<weights|sampler_weights>/<name>``. Model ids and names are
 checked against strict patterns before any path is built, and every directory is checked to lie
 under ``state_dir`` after resolution, so no request can reach outside it. Metadata is plain JSON,
@@ -17,6 +23,7 @@ read with ``json.loads`` and checked field by field (nothing is unpickled or eva
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,6 +44,10 @@ KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment ->
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}:train:[0-9]{1,9}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+# What CheckpointStore.begin / commit leave beside a checkpoint while a save is in flight.
+_STAGING = re.compile(r"^\.(?P<name>[A-Za-z0-9_][A-Za-z0-9._-]{0,127})\.(?P<what>saving|replaced)-[0-9a-f]{8}$")
+
+log = logging.getLogger(__name__)
 
 
 def check_session_id(session_id: object, field: str) -> str:
@@ -114,10 +125,15 @@ def lora_from_json(data: object, where: str) -> LoraIn:
 
 
 class CheckpointStore:
-    """The checkpoints and run records under one root directory."""
+    """The checkpoints and run records under one root directory.
 
-    def __init__(self, root: Path):
+    ``ownerless_owner``: the owner tag that run records without an owner belong to
+    (``server.ownerless_runs_owner``; "": none, so with tenants enforced they belong to no key)."""
+
+    def __init__(self, root: Path, ownerless_owner: str = ""):
         self.root = Path(root).resolve()
+        self.ownerless_owner = ownerless_owner
+        self._warned: set[tuple[str, str]] = set()
 
     def _inside(self, path: Path) -> Path:
         resolved = path.resolve()
@@ -133,9 +149,10 @@ class CheckpointStore:
         return self._inside(self.root / ref.model_id / ref.kind / ref.name)
 
     # ------------------------------------------------------------------ runs
-    def write_run(self, model_id: str, base_model: str, lora: LoraIn, user_metadata: dict | None, owner: str = "") -> None:
+    def write_run(self, model_id: str, base_model: str, lora: LoraIn, user_metadata: dict | None, owner: str) -> None:
         """Record a training run (so listings and weights-info answer after the run is gone);
-        ``owner``: its tenant's tag (``tinker_server.tenants``; "" when keys are not separated)."""
+        ``owner``: the tag of the key that created it (``tinker_server.tenants``), recorded whether
+        or not tenants are enforced now."""
         directory = self.run_dir(model_id)
         directory.mkdir(parents=True, exist_ok=True)
         record = {"format": FORMAT, "model_id": model_id, "base_model": base_model, "lora": lora_to_json(lora), "owner": owner}
@@ -155,16 +172,39 @@ class CheckpointStore:
             raise ValueError(f"{path}: 'owner' is not a string")
         return record
 
-    def owned_run(self, model_id: str) -> dict | None:
+    def owner(self, record: dict) -> str:
+        """The owner tag of a run record: its own, or ``ownerless_owner`` for a record without one."""
+        return record.get("owner") or self.ownerless_owner
+
+    def refuse_ownerless(self, model_id: str, field: str) -> None:
+        """With tenants enforced, a run record without an owner belongs to no key: refused by name."""
+        raise UserError(
+            f"{field}: training run {model_id} has a run record without an owner ({self.root / model_id / RUN_FILE}: "
+            "written by a server before owners were always recorded); with several API keys such a record belongs to no key "
+            "until the operator assigns it; fix: the server's operator sets server.ownerless_runs_owner to the API key it "
+            "belongs to"
+        )
+
+    def owned_run(self, model_id: str, field: str = "training_run_id") -> dict | None:
         """The run record of ``model_id`` if the current tenant may see it, else ``None`` (as if
-        there were none)."""
+        there were none). A record without an owner, with tenants enforced and no
+        ``ownerless_owner``: a :class:`UserError` naming ``field`` and the setting."""
         record = self.read_run(model_id)
-        return record if record is not None and tenants.visible(record.get("owner")) else None
+        if record is None:
+            return None
+        owner = self.owner(record)
+        if not owner and tenants.is_enforced():
+            self.refuse_ownerless(model_id, field)
+        return record if tenants.visible(owner) else None
 
     def check_owned(self, ref: CheckpointRef, field: str) -> None:
         """A :class:`UserError` naming ``field``, as for a missing checkpoint, when ``ref``'s run
-        belongs to another tenant."""
-        if not tenants.visible((self.read_run(ref.model_id) or {}).get("owner")):
+        belongs to another tenant (or, refused by name, to no key: :meth:`owned_run`)."""
+        if self.read_run(ref.model_id) is None:
+            if tenants.is_enforced() and (self.directory(ref) / META_FILE).is_file():
+                self.refuse_ownerless(ref.model_id, field)  # a checkpoint whose run record is gone
+            return  # nothing there: the caller's read says it does not exist
+        if self.owned_run(ref.model_id, field) is None:
             raise UserError(f"{field}: checkpoint {ref.tinker_path} does not exist on this server")
 
     def list_runs(self) -> list[str]:
@@ -173,6 +213,89 @@ class CheckpointStore:
             return []
         found = [p for p in self.root.iterdir() if _MODEL_ID.fullmatch(p.name) and (p / RUN_FILE).is_file()]
         return [p.name for p in sorted(found, key=lambda p: (p / RUN_FILE).stat().st_mtime)]
+
+    def visible_runs(self) -> list[tuple[str, dict]]:
+        """``(model_id, record)`` of every run record the current tenant may see, oldest first.
+        A damaged record (not JSON, fields missing) or, with tenants enforced, one without an
+        owner is skipped and logged once, naming its file: one bad file does not deny every
+        tenant's listing."""
+        out = []
+        for model_id in self.list_runs():
+            path = self.root / model_id / RUN_FILE
+            try:
+                record = self.read_run(model_id)
+            except (ValueError, OSError) as exc:  # (JSON and Unicode decode errors are ValueErrors)
+                self._warn_once(path, "damaged", "skipping the damaged run record %s in listings (%s: %s)", path, type(exc).__name__, exc)
+                continue
+            if record is None:
+                continue
+            owner = self.owner(record)
+            if not owner and tenants.is_enforced():
+                self._warn_once(
+                    path,
+                    "ownerless",
+                    "the run record %s has no owner (written by an older server): it belongs to no API key and is left out of "
+                    "listings; fix: set server.ownerless_runs_owner to the API key it belongs to",
+                    path,
+                )
+                continue
+            if tenants.visible(owner):
+                out.append((model_id, record))
+        return out
+
+    def _warn_once(self, path: Path, kind: str, message: str, *args) -> None:
+        """Log ``message`` once per file and state (listings are polled: no warning per poll)."""
+        try:
+            stamp = str(path.stat().st_mtime_ns)
+        except OSError:
+            stamp = ""
+        key = (f"{path}:{stamp}", kind)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def clean_staging(self) -> list[Path]:
+        """Remove what saves interrupted by a killed server left under the root (call at start,
+        before any save runs; one server per ``state_dir``): staging directories
+        (``.<name>.saving-<hex>``) are deleted; a moved-aside checkpoint (``.<name>.replaced-<hex>``)
+        is put back when its replacement never arrived, and deleted when the replacement is in
+        place, complete. Nothing else is touched: committed checkpoints and anything not named as
+        the store names its siblings stay, and symbolic links are neither followed nor removed
+        (a link named like a staging directory is logged and left). Returns the paths removed or
+        put back."""
+        done: list[Path] = []
+        if not self.root.is_dir():
+            return done
+        for run_dir in self.root.iterdir():
+            if run_dir.is_symlink() or not _MODEL_ID.fullmatch(run_dir.name) or not run_dir.is_dir():
+                continue
+            for kind in KINDS:
+                base = run_dir / kind
+                if base.is_symlink() or not base.is_dir():
+                    continue
+                for entry in base.iterdir():
+                    match = _STAGING.fullmatch(entry.name)
+                    if match is None:
+                        continue
+                    if entry.is_symlink() or not entry.is_dir():
+                        log.warning("left %s alone: named like a staging directory but not a directory of this server's", entry)
+                        continue
+                    self._inside(entry)
+                    final = base / match["name"]
+                    if match["what"] == "saving":
+                        shutil.rmtree(entry)
+                        log.info("removed %s: the staging directory of a save that never finished", entry)
+                    elif not os.path.lexists(final) and (entry / META_FILE).is_file():
+                        os.replace(entry, final)
+                        log.info("put back %s: moved aside for an overwrite that never finished", final)
+                    elif not final.is_symlink() and (final / META_FILE).is_file():
+                        shutil.rmtree(entry)
+                        log.info("removed %s: the checkpoint an overwrite replaced (the new one is in place)", entry)
+                    else:
+                        log.warning("left %s alone: its checkpoint %s is in a state no interrupted save leaves", entry, final)
+                        continue
+                    done.append(entry)
+        return done
 
     # ------------------------------------------------------------------ checkpoints
     def begin(self, ref: CheckpointRef, overwrite: bool) -> Path:
@@ -247,7 +370,8 @@ class CheckpointStore:
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def list(self, model_id: str) -> list[tuple[CheckpointRef, dict]]:
-        """Complete checkpoints of ``model_id``, oldest first."""
+        """Complete checkpoints of ``model_id``, oldest first (one with damaged metadata is
+        skipped and logged once, naming its file)."""
         found = []
         for kind in KINDS:
             base = self.run_dir(model_id) / kind
@@ -256,7 +380,18 @@ class CheckpointStore:
             for entry in base.iterdir():
                 if _NAME.fullmatch(entry.name) and (entry / META_FILE).is_file():
                     ref = CheckpointRef(model_id, kind, entry.name)
-                    found.append((ref, self.read(ref, "path")))
+                    try:
+                        found.append((ref, self.read(ref, "path")))
+                    except (ValueError, OSError) as exc:
+                        path = entry / META_FILE
+                        self._warn_once(
+                            path,
+                            "damaged",
+                            "skipping the damaged checkpoint metadata %s in listings (%s: %s)",
+                            path,
+                            type(exc).__name__,
+                            exc,
+                        )
         return sorted(found, key=lambda item: item[1].get("created", 0.0))
 
     def delete(self, ref: CheckpointRef) -> None:

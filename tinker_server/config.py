@@ -8,8 +8,11 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tinker_server import tenants
 from tinker_server.contract import ServerSettings
 from tinker_server.runs import RunSettings
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,20 @@ class ServerSection:
         max_num_samples: the most sequences one sample request may ask for (``num_samples``).
         tenants: with two or more ``api_keys``, each key owns the sessions, runs, futures,
             samplers and checkpoints it creates, and another key finds none of them
-            (``tinker_server.tenants``); false: every key reaches everything.
+            (``tinker_server.tenants``); false: every key reaches everything. The creating key's
+            tag is recorded either way, so turning this on later separates what each key made.
+        max_runs_per_key: training runs one API key holds at once (within ``max_runs``), so one
+            key cannot take every run of the server.
+        max_sampling_sessions_per_key: sampling sessions (``create_sampling_session``) one API key
+            holds open at once; a session's are freed when its ServiceClient session finishes
+            (snapshot samplers are bounded per run instead: the newest 4 of each run).
+        ownerless_runs_owner: the API key (``tml-...``) or owner tag (``k-`` + 16 hex digits) that
+            run records without an owner (``run.json`` of a server before issue 60) belong to;
+            null: with tenants enforced such records belong to no key (left out of listings,
+            refused by name), never to every key.
+        log_level: the level of the ``tinker_server`` loggers when served (``python -m
+            tinker_server``): ``info`` logs a line per run created and ended, ``debug`` also
+            each call's timing.
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +68,10 @@ class ServerSection:
     max_sample_tokens: int = 8192
     max_num_samples: int = 256
     tenants: bool = True
+    max_runs_per_key: int = 8
+    max_sampling_sessions_per_key: int = 256
+    ownerless_runs_owner: str | None = None
+    log_level: str = "info"
 
     def _problems(self) -> list[str]:
         out = []
@@ -84,6 +104,21 @@ class ServerSection:
             out.append(f"max_num_samples = {self.max_num_samples}: must be >= 1; fix: e.g. 256")
         if not self.poll_timeout_s > 0:
             out.append(f"poll_timeout_s = {self.poll_timeout_s}: must be > 0; fix: e.g. 30")
+        if self.max_runs_per_key < 1:
+            out.append(f"max_runs_per_key = {self.max_runs_per_key}: must be >= 1; fix: e.g. 8")
+        if self.max_sampling_sessions_per_key < 1:
+            out.append(f"max_sampling_sessions_per_key = {self.max_sampling_sessions_per_key}: must be >= 1; fix: e.g. 256")
+        owner = self.ownerless_runs_owner
+        if owner is not None:
+            if not (owner.startswith("tml-") or tenants.TAG.fullmatch(owner)):
+                out.append(
+                    f"ownerless_runs_owner = {owner!r}: neither an API key (tml-...) nor an owner tag (k- and 16 hex digits); "
+                    "fix: the key that older run records belong to, e.g. tml-local"
+                )
+            elif owner.startswith("tml-") and self.api_keys and owner not in self.api_keys:
+                out.append("ownerless_runs_owner: that key is not one of api_keys, so nobody could reach those runs; fix: one of api_keys")
+        if self.log_level.lower() not in LOG_LEVELS:
+            out.append(f"log_level = {self.log_level!r}: not a level; fix: one of {', '.join(LOG_LEVELS)}")
         return out
 
 
@@ -194,6 +229,10 @@ class TinkerServerConfig:
             max_sample_tokens=s.max_sample_tokens,
             max_num_samples=s.max_num_samples,
             tenants=s.tenants,
+            max_runs_per_key=s.max_runs_per_key,
+            max_sampling_sessions_per_key=s.max_sampling_sessions_per_key,
+            ownerless_runs_owner=s.ownerless_runs_owner,
+            log_level=s.log_level.lower(),
         )
 
     def run_settings(self) -> RunSettings:

@@ -161,4 +161,8 @@ class ServerSettings:
     max_sample_tokens: int = 8192
     max_num_samples: int = 256
     tenants: bool = True
+    max_runs_per_key: int = 8
+    max_sampling_sessions_per_key: int = 256
+    ownerless_runs_owner: str | None = None
+    log_level: str = "info"
     extra: dict = field(default_factory=dict)

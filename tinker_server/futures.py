@@ -8,13 +8,20 @@ so one is dropped ``grace_s`` after it was first handed out (the SDK may poll ag
 dropped connection) and an uncollected one after ``keep_s``; a poll for an id that is not (or no
 longer) in the table is answered as expired.
 
+A future is pending, then started (its work is running), then done. ``cancel_future`` cancels a
+pending one only (:meth:`FuturesTable.cancel`): the work of a started call runs to its end and
+keeps its effect (a ``forward_backward``'s gradients reach the next ``optim_step``), so its future
+keeps the call's real outcome instead of claiming a cancel that did not happen.
+
 **Execution.** All calls into the training side (``TrainingRun``, ``Sampler``, ``RunFactory``) run
 on one thread, :class:`OrderedWorker`: the engines share the process, its CUDA context and its
 ``torch.distributed`` state, and are not written to be called concurrently. Work is queued per
 key: a model's queue runs its jobs strictly in ``seq_id`` order (job ``n`` waits until ``n - 1``
 ran; the SDK sends the chunks of one ``forward_backward`` concurrently, the first one last), other
-queues (a sampling session, control work) are FIFO. The worker takes one runnable job from each
-queue in turn, so models and samplers interleave fairly.
+queues (a sampling session, control work) are FIFO. Each queue belongs to a tenant (the owner tag
+of its API key, ``tinker_server.tenants``). The worker serves the tenants round-robin, and within
+a tenant its queues round-robin, one runnable job per turn: a tenant with many queues (runs,
+sampling sessions) holds another tenant's call back by at most one call, however many it opens.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class _Entry:
     done_at: float = 0.0
     handed_out_at: float | None = None
     owner: str = ""  # the tenant that made the request (tinker_server.tenants)
+    started: bool = False  # its work began (it can no longer be cancelled)
 
 
 class FuturesTable:
@@ -87,9 +95,10 @@ class FuturesTable:
         self._prefix = uuid.uuid4().hex[:8]  # ids of an earlier server process never match
         self._ids = itertools.count(1)
 
-    def create(self) -> str:
-        """A new pending future (call on the event loop), owned by the request's tenant."""
-        entry = _Entry(asyncio.get_running_loop(), owner=tenants.current())
+    def create(self, started: bool = False) -> str:
+        """A new pending future (call on the event loop), owned by the request's tenant;
+        ``started``: its work is already under way (it cannot be cancelled)."""
+        entry = _Entry(asyncio.get_running_loop(), owner=tenants.current(), started=started)
         with self._lock:
             self._expire()
             request_id = f"{self._prefix}-{next(self._ids)}"
@@ -109,11 +118,35 @@ class FuturesTable:
         except RuntimeError:  # the loop is closed: the server is shutting down, nobody waits
             pass
 
-    def is_done(self, request_id: str) -> bool:
-        """Whether the request has its outcome (done, failed or cancelled)."""
+    def start(self, request_id: str) -> bool:
+        """Mark the request's work as begun; False (do not run it) when it was cancelled, or is
+        unknown. Atomic with :meth:`cancel`: a call is either cancelled or run, never both."""
         with self._lock:
             entry = self._entries.get(request_id)
-            return entry is not None and entry.outcome is not None
+            if entry is None or entry.outcome is not None:
+                return False
+            entry.started = True
+            return True
+
+    def cancel(self, request_id: str, outcome: Outcome) -> str:
+        """Cancel a pending request (its outcome becomes ``outcome``; its work never runs).
+        Returns ``"cancelled"``, or why not: ``"started"`` (its work is running or ran: the
+        outcome stays the work's own), ``"done"``, ``"unknown"``."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return "unknown"
+            if entry.outcome is not None:
+                return "done"
+            if entry.started:
+                return "started"
+            entry.outcome = outcome
+            entry.done_at = time.monotonic()
+        try:
+            entry.loop.call_soon_threadsafe(entry.event.set)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+        return "cancelled"
 
     def known(self, request_id: str) -> bool:
         """Whether the request exists for the current tenant (another tenant's is unknown to it)."""
@@ -161,6 +194,7 @@ Job = Callable[[], None]
 @dataclass
 class _Queue:
     ordered: bool
+    owner: str = ""  # its tenant's tag: the worker's turns go to tenants first
     next_seq: int = 0
     held: dict[int, tuple[Job, Callable[[str], None]]] = field(default_factory=dict)  # seq -> (job, fail)
     fifo: collections.deque = field(default_factory=collections.deque)  # (job, fail)
@@ -183,18 +217,23 @@ class OrderedWorker:
     def __init__(self, name: str = "tinker-worker"):
         self._cond = threading.Condition()
         self._queues: dict[str, _Queue] = {}
-        self._turns: collections.deque[str] = collections.deque()  # round-robin order of keys
+        # round-robin order of the tenants, and of each tenant's queue keys
+        self._tenants: collections.deque[str] = collections.deque()
+        self._turns: dict[str, collections.deque[str]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ queues
-    def open(self, key: str, ordered: bool) -> None:
-        """Create the queue ``key`` (ordered: jobs run in seq order from 0)."""
+    def open(self, key: str, ordered: bool, owner: str = "") -> None:
+        """Create the queue ``key`` (ordered: jobs run in seq order from 0) of tenant ``owner``."""
         with self._cond:
             if key not in self._queues:
-                self._queues[key] = _Queue(ordered=ordered)
-                self._turns.append(key)
+                self._queues[key] = _Queue(ordered=ordered, owner=owner)
+                if owner not in self._turns:
+                    self._turns[owner] = collections.deque()
+                    self._tenants.append(owner)
+                self._turns[owner].append(key)
 
     def is_open(self, key: str) -> bool:
         with self._cond:
@@ -238,7 +277,11 @@ class OrderedWorker:
             queue = self._queues.pop(key, None)
             if queue is None:
                 return
-            self._turns.remove(key)
+            keys = self._turns[queue.owner]
+            keys.remove(key)
+            if not keys:  # the tenant's last queue: it leaves the rotation
+                del self._turns[queue.owner]
+                self._tenants.remove(queue.owner)
             waiting = [fail for _, fail in queue.held.values()] + [fail for _, fail in queue.fifo]
         for fail in waiting:
             fail(reason)
@@ -254,7 +297,7 @@ class OrderedWorker:
                 except Exception as e:  # noqa: BLE001 - handed to the waiter
                     future.set_exception(e)
 
-        self.open("__control__", ordered=False)
+        self.open("__control__", ordered=False, owner="__control__")  # a tenant of its own: never waits behind a busy key
         self.submit("__control__", None, job, lambda msg: future.set_exception(QueueClosed(msg)))
         return future
 
@@ -267,12 +310,17 @@ class OrderedWorker:
 
     # ------------------------------------------------------------------ the thread
     def _next(self):
-        for _ in range(len(self._turns)):
-            key = self._turns[0]
-            self._turns.rotate(-1)
-            item = self._queues[key].pop_runnable()
-            if item is not None:
-                return item
+        # Tenants first, then that tenant's queues: each rotation moves past what was just served.
+        for _ in range(len(self._tenants)):
+            tenant = self._tenants[0]
+            self._tenants.rotate(-1)
+            keys = self._turns[tenant]
+            for _ in range(len(keys)):
+                key = keys[0]
+                keys.rotate(-1)
+                item = self._queues[key].pop_runnable()
+                if item is not None:
+                    return item
         return None
 
     def _loop(self) -> None:

@@ -43,8 +43,7 @@ class FakeSampler:
         self.factory, self.step, self.source = factory, step, source
 
     def sample(self, prompt: list[int], num_samples: int, params: SampleParamsIn, prompt_logprobs: bool) -> SampleOut:
-        if self.factory.hold is not None:
-            self.factory.hold.wait(10)
+        self.factory.wait_for_hold()
         self.factory.record(
             "sample", self.source, prompt=list(prompt), num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
         )
@@ -78,6 +77,7 @@ class FakeRun:
     def forward_backward(
         self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict[str, float] | None, forward_only: bool
     ) -> ForwardBackwardOut:
+        self.factory.wait_for_hold()
         self._record("forward_backward", loss_fn=loss_fn, config=loss_fn_config, forward_only=forward_only, n=len(datums))
         self.datums.extend(datums)
         outputs, total = [], 0.0
@@ -132,7 +132,13 @@ class FakeFactory:
         self.log: list[tuple[str, object, dict, int]] = []
         self.closed = False
         self.fail_saves = False  # save_state writes part of a checkpoint, then fails (a full disk)
-        self.hold: threading.Event | None = None  # set: sample() waits for it (keeps the worker busy)
+        self.hold: threading.Event | None = None  # set: sample() and forward_backward() wait for it (keep the worker busy)
+        self.entered = threading.Event()  # set when a call starts waiting for `hold` (the worker is in the call)
+
+    def wait_for_hold(self) -> None:
+        if self.hold is not None:
+            self.entered.set()
+            self.hold.wait(10)
 
     def record(self, name: str, source: object, **detail) -> None:
         self.log.append((name, source, detail, threading.get_ident()))

@@ -8,6 +8,11 @@ requests, that nothing reached it. Raw ``httpx`` requests cover what the SDK wou
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import shutil
 import threading
 import time
 import warnings
@@ -27,6 +32,8 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.support.tinker import KEY, running_server
 from tests.tinker.fake_run import MODEL, OTHER, VOCAB, FakeFactory, FakeRun, fake_logprob
+from tinker_server import tenants
+from tinker_server.checkpoints import META_FILE, CheckpointRef, CheckpointStore
 from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, ServerSettings
 
 MAX_RUNS = 8
@@ -733,3 +740,234 @@ def test_each_key_owns_its_runs_futures_samplers_and_checkpoints(tmp_path):
         b = tinker.ServiceClient(base_url=url, api_key=other)
         b.create_training_client_from_state_with_optimizer(state).result()  # tenants off: every key reaches every run
         b.close("success").result()
+
+
+# ---------------------------------------------------------------------------------- issue 60
+OTHER_KEY = "tml-other"
+
+
+def _run_ids(url: str, key: str) -> set[str]:
+    rest = tinker.RestClient(base_url=url, api_key=key)
+    return {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+
+
+def test_the_creating_key_owns_its_runs_whatever_the_server_had(tmp_path, caplog):
+    """A run created while the server had one key is recorded as that key's (its tag in run.json):
+    once a second key is added, that key cannot list, load or delete it. A run record of the older
+    ownerless format belongs to no key (left out of listings, its checkpoints refused naming
+    server.ownerless_runs_owner) until the operator assigns it with that setting. A damaged
+    run.json is skipped in every key's listing and logged naming the file."""
+    state = tmp_path / "state"
+    with running_server(ServerSettings(api_keys=(KEY,), state_dir=state), FakeFactory()) as url:
+        a = tinker.ServiceClient(base_url=url, api_key=KEY)
+        client = a.create_lora_training_client(MODEL, rank=4).result()
+        path = client.save_state("one-key").result().path
+        a.close("success").result()
+    record = json.loads((state / client.model_id / "run.json").read_text())
+    assert record["owner"] == tenants.tag_of(KEY) and KEY not in json.dumps(record)
+    legacy = "legacy0000:train:0"  # a record as a server before issue 60 wrote it: no owner
+    shutil.copytree(state / client.model_id, state / legacy)
+    (state / legacy / "run.json").write_text(json.dumps({k: v for k, v in record.items() if k != "owner"} | {"model_id": legacy}))
+    legacy_path = f"tinker://{legacy}/weights/one-key"
+    damaged = state / "damaged000:train:0" / "run.json"
+    damaged.parent.mkdir()
+    damaged.write_text("{not json")
+    caplog.set_level(logging.WARNING, logger="tinker_server")
+    with running_server(ServerSettings(api_keys=(KEY, OTHER_KEY), state_dir=state), FakeFactory()) as url:
+        assert _run_ids(url, OTHER_KEY) == set()  # (a listing despite the damaged record)
+        assert _run_ids(url, KEY) == {client.model_id}
+        a = tinker.ServiceClient(base_url=url, api_key=KEY)
+        b = tinker.ServiceClient(base_url=url, api_key=OTHER_KEY)
+        with pytest.raises(tinker.BadRequestError) as e:
+            b.create_training_client_from_state(path).result()
+        user_error(e, "does not exist")
+        with httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": OTHER_KEY}) as http_b:
+            raw_error(http_b.delete(f"/training_runs/{client.model_id}/checkpoints/weights/one-key"), 400, "does not exist")
+        for service in (a, b):
+            with pytest.raises(tinker.BadRequestError) as e:
+                service.create_training_client_from_state(legacy_path).result()
+            user_error(e, legacy, "without an owner", "server.ownerless_runs_owner")
+        a.create_training_client_from_state(path).result()  # the key's own run loads
+        a.close("success").result()
+        b.close("success").result()
+    assert (state / client.model_id / "weights" / "one-key" / META_FILE).is_file()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(str(damaged) in m for m in warned), warned
+    assert any(legacy in m and "server.ownerless_runs_owner" in m for m in warned), warned
+    assigned = ServerSettings(api_keys=(KEY, OTHER_KEY), state_dir=state, ownerless_runs_owner=KEY)
+    with running_server(assigned, FakeFactory()) as url:
+        assert {client.model_id, legacy} <= _run_ids(url, KEY) and not _run_ids(url, OTHER_KEY)
+        b = tinker.ServiceClient(base_url=url, api_key=OTHER_KEY)
+        with pytest.raises(tinker.BadRequestError) as e:
+            b.create_training_client_from_state(legacy_path).result()
+        user_error(e, "does not exist")
+        b.close("success").result()
+        a = tinker.ServiceClient(base_url=url, api_key=KEY)
+        a.create_training_client_from_state(legacy_path).result()
+        a.close("success").result()
+
+
+def test_cancel_future_refuses_a_started_call_which_keeps_its_outcome(service, server, http):
+    """cancel_future of a forward_backward the worker is running is refused as a user error (its
+    gradients are in the run and reach the next optim_step) and its future keeps the call's real
+    result; the call queued behind it, cancelled, never runs; a finished call's cancel is refused."""
+    client = service.create_lora_training_client(MODEL, rank=1).result()  # driven by raw requests
+    run = server.factory.runs[-1]
+    proto = {"Content-Type": "application/x-protobuf"}
+    started_data, queued_data = batch(1, 30), batch(1, 80)
+    server.factory.hold, server.factory.entered = threading.Event(), threading.Event()
+    try:
+        started = http.post("/forward_backward", content=_fb_request(client.model_id, 1, started_data), headers=proto).json()
+        assert server.factory.entered.wait(10)  # the worker is inside the call
+        queued = http.post("/forward_backward", content=_fb_request(client.model_id, 2, queued_data), headers=proto).json()
+        refused = http.post("/cancel_future", json={"request_id": started["request_id"]})
+        raw_error(refused, 400, "already started", "cannot be cancelled", "next optim_step", "retrieve_future")
+        assert http.post("/cancel_future", json={"request_id": queued["request_id"]}).status_code == 200
+    finally:
+        server.factory.hold.set()
+        server.factory.hold = None
+    result = http.post("/retrieve_future", json={"request_id": started["request_id"]})
+    assert result.headers["content-type"] == "application/x-protobuf", result.text
+    check_output(deserialize_forward_backward_output(result.content), started_data, step=0)
+    cancelled = http.post("/retrieve_future", json={"request_id": queued["request_id"]}).json()
+    assert cancelled == {"error": f"request {queued['request_id']} was cancelled by the client", "category": "user"}
+    raw_error(http.post("/cancel_future", json={"request_id": started["request_id"]}), 400, "already finished")
+    step = http.post("/optim_step", json={"model_id": client.model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}}).json()
+    assert http.post("/retrieve_future", json={"request_id": step["request_id"]}).status_code == 200
+    assert [c[0] for c in run.calls] == ["forward_backward", "optim_step"]
+    assert [int(d.tokens[0]) for d in run.datums] == [30]  # the started call trained; the cancelled one never ran
+    http.post("/unload_model", json={"model_id": client.model_id})
+
+
+def test_each_key_has_its_own_limits_and_a_fair_turn(tmp_path):
+    """Two keys. Key A opens 12 sampling sessions and queues a sample in each while the worker is
+    busy, key B one: B's runs right after the call the worker was in, not after A's 11 others (the
+    worker serves keys round-robin, then each key's queues). A's 13th sampling session and 3rd run
+    are refused naming server.max_sampling_sessions_per_key / server.max_runs_per_key, while B
+    still opens and creates; A's runs are untouched by the refusals."""
+    factory = FakeFactory()
+    settings = ServerSettings(
+        api_keys=(KEY, OTHER_KEY), state_dir=tmp_path, max_runs=8, max_runs_per_key=2, max_sampling_sessions_per_key=12
+    )
+    with (
+        running_server(settings, factory) as url,
+        httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30) as http_a,
+        httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30) as http_b,
+    ):
+        session = {h: h.post("/create_session", json={}).json()["session_id"] for h in (http_a, http_b)}
+
+        def open_sampler(h: httpx.Client, seq: int) -> httpx.Response:
+            return h.post("/create_sampling_session", json={"session_id": session[h], "sampling_session_seq_id": seq, "base_model": MODEL})
+
+        def sample(h: httpx.Client, sid: str, token: int) -> str:
+            body = {"sampling_session_id": sid, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [token]}]}, "sampling_params": {"max_tokens": 1}}  # fmt: skip
+            return h.post("/asample", json=body).json()["request_id"]
+
+        mine = [open_sampler(http_a, i).json()["sampling_session_id"] for i in range(12)]
+        raw_error(open_sampler(http_a, 12), 400, "server.max_sampling_sessions_per_key=12", "fix")
+        theirs = open_sampler(http_b, 0).json()["sampling_session_id"]
+        factory.hold = threading.Event()
+        try:
+            asked = [(http_a, sample(http_a, mine[0], 100))]
+            assert factory.entered.wait(10)  # the worker is in A's first sample
+            asked += [(http_a, sample(http_a, sid, 100 + i)) for i, sid in enumerate(mine[1:], 1)]
+            asked.append((http_b, sample(http_b, theirs, 999)))
+        finally:
+            factory.hold.set()
+            factory.hold = None
+        for h, request_id in asked:
+            assert h.post("/retrieve_future", json={"request_id": request_id}).status_code == 200
+        order = [c[2]["prompt"][0] for c in factory.log if c[0] == "sample"]
+        assert len(order) == 13 and order.index(999) == 1, order
+
+        def create(h: httpx.Client, seq: int) -> httpx.Response:
+            body = {"session_id": session[h], "model_seq_id": seq, "base_model": MODEL, "lora_config": {"rank": 1}}
+            answer = h.post("/create_model", json=body)
+            if answer.status_code == 200:
+                assert h.post("/retrieve_future", json={"request_id": answer.json()["request_id"]}).status_code == 200
+            return answer
+
+        assert [create(http_a, i).status_code for i in range(2)] == [200, 200]
+        a_runs = list(factory.live)
+        raw_error(create(http_a, 2), 400, "server.max_runs_per_key=2", "unload")
+        assert create(http_b, 0).status_code == 200
+        assert len(factory.runs) == 3 and all(r.calls == [] and not r.closed for r in a_runs)
+        for h in (http_a, http_b):
+            h.post(f"/sessions/{session[h]}/finish", json={})
+
+
+def test_loading_a_checkpoint_of_other_lora_targets_is_a_user_error(service, trainer, server):
+    """load_state of a checkpoint whose adapters are on other layers (a run made with
+    train_unembed=False) into a run adapting attention, MLP and lm_head: a user error naming both
+    target sets and the fix, before anything reaches the run."""
+    client, run = trainer
+    narrow = service.create_lora_training_client(MODEL, rank=run.lora.rank, train_unembed=False).result()
+    path = narrow.save_state("narrow").result().path
+    calls = list(run.calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(tinker.BadRequestError) as e:
+            client.load_state(path).result()
+    user_error(
+        e,
+        "the attention projections and the MLP projections (train_attn=True, train_mlp=True, train_unembed=False)",
+        "the attention projections and the MLP projections and lm_head (train_attn=True, train_mlp=True, train_unembed=True)",
+        "fix: create_training_client_from_state",
+    )
+    assert run.calls == calls
+    httpx.post(f"{server.url}/api/v1/unload_model", json={"model_id": narrow.model_id}, headers={"X-API-Key": KEY})
+
+
+def test_a_save_cut_short_by_a_killed_server_is_cleaned_at_start(tmp_path):
+    """What a server SIGKILLed mid-save leaves under its state_dir, settled when the next one
+    starts: a staging directory removed, a checkpoint moved aside for an overwrite whose
+    replacement never arrived put back, one whose replacement is in place removed. Committed
+    checkpoints stay; symbolic links (a link named like a staging directory, a linked run
+    directory) are neither followed nor removed, and what they point to outside is untouched."""
+    state, outside = tmp_path / "state", tmp_path / "outside"
+    store = CheckpointStore(state)
+    model_id, lora = "killed0000:train:0", LoraIn(rank=4)
+    store.write_run(model_id, MODEL, lora, None, owner=tenants.tag_of(KEY))
+
+    def committed(name: str) -> Path:  # a complete checkpoint, saved as the server saves
+        ref = CheckpointRef(model_id, "weights", name)
+        staging = store.begin(ref, False)
+        (staging / "fake_state.json").write_text(json.dumps({"step": 0, "lora_rank": 4, "adam": []}))
+        store.commit(ref, staging, MODEL, lora, with_optimizer=True, user_metadata=None, ttl_seconds=None)
+        return store.directory(ref)
+
+    keep, moved = committed("keep"), committed("moved")
+    weights = keep.parent
+    cut = store.begin(CheckpointRef(model_id, "weights", "cut"), False)  # killed while writing
+    (cut / "partial").write_text("half a checkpoint")
+    os.replace(moved, weights / ".moved.replaced-0123abcd")  # killed between the two renames of an overwrite
+    shutil.copytree(keep, weights / ".keep.replaced-89abcdef")  # killed after the swap, before the old one went
+    (outside / "weights" / ".x.saving-00000000").mkdir(parents=True)
+    (outside / "precious").write_text("not the server's")
+    (weights / ".evil.saving-deadbeef").symlink_to(outside, target_is_directory=True)
+    (state / "linked0000:train:0").symlink_to(outside, target_is_directory=True)
+    with running_server(ServerSettings(api_keys=(KEY,), state_dir=state), FakeFactory()) as url:
+        listed = httpx.get(f"{url}/api/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": KEY}).json()
+    assert sorted(c["checkpoint_id"] for c in listed["checkpoints"]) == ["weights/keep", "weights/moved"]
+    assert sorted(p.name for p in weights.iterdir()) == [".evil.saving-deadbeef", "keep", "moved"]
+    assert (moved / META_FILE).is_file() and (keep / META_FILE).is_file()
+    assert (outside / "precious").read_text() == "not the server's" and (outside / "weights" / ".x.saving-00000000").is_dir()
+
+
+def test_runs_and_calls_are_logged_with_the_owner_tag_never_the_key(service, server, http, caplog):
+    """One INFO line per run created and per run ended, naming the run and its key's owner tag;
+    each call's timing at DEBUG (loggers under tinker_server); the key itself in no line."""
+    caplog.set_level(logging.DEBUG, logger="tinker_server")
+    client = service.create_lora_training_client(MODEL, rank=1).result()
+    client.forward_backward(batch(1, 5), "cross_entropy").result()
+    unload = http.post("/unload_model", json={"model_id": client.model_id}).json()
+    assert http.post("/retrieve_future", json={"request_id": unload["request_id"]}).status_code == 200
+    tag = tenants.tag_of(KEY)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("tinker_server")]
+    created = [m for level, m in lines if level == logging.INFO and f"run {client.model_id} created" in m]
+    ended = [m for level, m in lines if level == logging.INFO and f"run {client.model_id} ended" in m]
+    assert len(created) == 1 and tag in created[0] and MODEL in created[0], lines
+    assert len(ended) == 1 and tag in ended[0] and "unloaded by the client" in ended[0], lines
+    timed = [m for level, m in lines if level == logging.DEBUG and m.startswith(f"forward_backward of {client.model_id}")]
+    assert len(timed) == 1 and tag in timed[0] and re.search(r"ran \d+\.\d{3} s after waiting \d+\.\d{3} s", timed[0]), lines
+    assert not [m for _, m in lines if KEY in m]
