@@ -304,11 +304,21 @@ class _RolloutPool:
                 "with the base model's tokenizer"
             )
         max_tokens = params.max_tokens or self.settings.max_tokens
+        if self.max_positions is not None and len(prompt) >= self.max_positions:
+            # No max_tokens fits: the prompt alone fills every position (a sample needs one more).
+            raise UserError(
+                f"prompt: too long: its {len(prompt)} tokens alone fill the model's {self.max_positions} positions "
+                f"(max_position_embeddings), leaving none to sample into; fix: shorten the prompt to at most "
+                + (
+                    f"{self.max_positions - max_tokens} tokens (for max_tokens = {max_tokens})"
+                    if max_tokens < self.max_positions
+                    else f"{self.max_positions - 1} tokens and lower max_tokens (now {max_tokens}) below {self.max_positions}"
+                )
+            )
         if self.max_positions is not None and len(prompt) + max_tokens > self.max_positions:
             raise UserError(
                 f"sampling_params.max_tokens = {max_tokens}: the prompt's {len(prompt)} tokens + max_tokens exceed the model's "
                 f"{self.max_positions} positions (max_position_embeddings); fix: max_tokens <= {self.max_positions - len(prompt)}"
-                + ("" if len(prompt) < self.max_positions else " (shorten the prompt first)")
             )
         sp = SamplingParams(
             n=num_samples,

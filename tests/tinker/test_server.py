@@ -39,7 +39,8 @@ def server(models, tmp_path_factory):
             f"server.api_keys=[{KEY}]",
             f"server.state_dir={tmp_path_factory.mktemp('state')}",
             f"tinker.lora_alpha={ALPHA}",
-            "server.max_runs=16",
+            "server.max_runs=24",  # the module's service holds every run of its tests open
+            "server.max_runs_per_key=24",
         ],
     )
     # the SDK sends at most 4 datums per forward_backward request: a 6-datum call arrives in chunks
@@ -279,12 +280,16 @@ def test_sampling_and_creation_refusals_name_the_limit(server, service, models):
     each a user error naming the field and the fix, never a raw IndexError / SafetensorError."""
     _, factory, cfg = server
     sampler = service.create_sampling_client(base_model="tiny")
+    long_prompt = [3 + i % 18 for i in range(130)]  # longer than the tiny model's 128 positions on its own
     for prompt, params, words in (
         ([3, 999], types.SamplingParams(max_tokens=2), "token id 999 is outside the model's vocabulary"),
-        ([3, 4], types.SamplingParams(max_tokens=200), "max_position_embeddings"),
+        ([3, 4], types.SamplingParams(max_tokens=200), r"max_tokens = 200.*max_position_embeddings.*fix: max_tokens <= 126"),
+        (long_prompt, types.SamplingParams(max_tokens=2), r"prompt: too long: its 130 tokens alone fill the model's 128 positions"),
     ):
-        with pytest.raises(tinker.RequestFailedError, match=words):
+        with pytest.raises(tinker.RequestFailedError, match=words) as e:
             sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+        assert "<= -" not in str(e.value)  # never a negative max_tokens as the fix
+        assert e.value.category == types.RequestErrorCategory.User
     created = len(factory.created)
     with pytest.raises(tinker.RequestFailedError, match=r"lora_config.rank = 1099511627776.*hidden size"):
         service.create_lora_training_client(base_model="tiny", rank=2**40).result()
@@ -301,3 +306,26 @@ def test_sampling_and_creation_refusals_name_the_limit(server, service, models):
                 types.ModelInput.from_ints([3]), 1, types.SamplingParams(max_tokens=1)
             ).result()
         assert e.value.category == types.RequestErrorCategory.User
+
+
+def test_a_checkpoint_of_other_lora_targets_is_refused_as_a_user_error(server, service):
+    """load_state of a checkpoint saved by a run without lm_head's adapter (train_unembed=False)
+    into a run with one: a user error naming both target sets and the fix (not a server error from
+    inside the engine's checkpoint loader); the run is untouched and trains on."""
+    _, factory, _ = server
+    narrow, _ = _new_client(
+        service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=8, train_unembed=False)
+    )
+    path = narrow.save_state("narrow").result().path
+    client, run = _new_client(service, factory, lambda: service.create_lora_training_client(base_model="tiny", rank=RANK, seed=8))
+    before = _adapter(run)
+    with pytest.raises(tinker.BadRequestError) as e:
+        client.load_state(path).result()
+    body = e.value.body
+    assert body["category"] == "user", body
+    for words in ("train_unembed=False", "the MLP projections and lm_head", "train_unembed=True", "fix: create_training_client_from_state"):
+        assert words in body["error"], (words, body)
+    got = _adapter(run)
+    assert all(torch.equal(got[k], before[k]) for k in before)
+    client.forward_backward(datums(71), "cross_entropy").result()
+    assert math.isfinite(client.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"])
