@@ -228,6 +228,54 @@ def test_a_backend_that_cannot_reseed_serves_other_seeds_on_engines_of_their_own
     factory.close()
 
 
+# Each setting differs between the two runs and changes a step: the learning rate, the betas (from
+# the second step on), eps (gradients of the adapters are of its order), weight decay (lora_A is
+# not zero) and clipping (run a's bound is below its gradients' norm, run b clips nothing).
+HPARAMS = {
+    "a": dict(lr=0.02, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.05, clip_grad=0.05),
+    "b": dict(lr=0.005, betas=(0.5, 0.8), eps=1e-6, weight_decay=0.3, clip_grad=None),
+}
+
+
+def _settings_once_then_steps(factory: EngineFactory, names: list[str]) -> dict:
+    """Runs ``names`` on ``factory``: each sets its AdamW settings and clipping once, then they
+    step in turn three times (forward_backward, then the engine's own optimizer_step: no
+    set_optim_hparams before it, so a step uses what the swap put back)."""
+    runs = {name: factory.create_run("tiny", RUNS[name]) for name in names}
+    for name, run in runs.items():
+        run.engine.set_optim_hparams(**HPARAMS[name])
+    norms: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(3):
+        for name, run in runs.items():
+            run.forward_backward(plain(datums(90 + 10 * step + len(norms[name]), n=3)), "cross_entropy", None, False)
+            engine = run.engine
+            with engine.train_mode():
+                norms[name].append(float(engine.optimizer_step()))
+                engine.optimizer_zero_grad()
+    out = {name: (norms[name], _adapters(run)) for name, run in runs.items()}
+    for run in runs.values():
+        run.close()
+    return out
+
+
+def test_a_swap_puts_back_each_runs_optimizer_settings_and_clipping(models):
+    """Two runs on one shared engine with their own AdamW settings (lr, betas, eps, weight decay)
+    and gradient clipping, each set once, stepping in turn: each run's grad norms and adapters
+    equal the same run alone on an engine of its own, bit for bit. A swap that forgot any one of
+    the settings would step a run with the other run's value (shown failing by injecting each)."""
+    shared = _factory(str(models), "fsdp")
+    got = _settings_once_then_steps(shared, ["a", "b"])
+    assert len(shared.engines) == 1
+    shared.close()
+    assert min(got["a"][0]) > HPARAMS["a"]["clip_grad"]  # a's bound clips every step
+    alone = _factory(str(models), "fsdp", "engine.share=false")  # an engine per run: nothing swapped
+    want = _settings_once_then_steps(alone, ["a", "b"])
+    assert len(alone.engines) == 2
+    alone.close()
+    for name in ("a", "b"):
+        _same(got[name], want[name], f"run {name} interleaved vs alone")
+
+
 def test_runs_take_turns_on_the_worker_so_none_is_starved():
     """The server's one worker thread serves the runs' queues round-robin (each run's calls in its
     seq order): a run with many calls queued does not hold back a call of another run that arrives
