@@ -18,7 +18,10 @@ layout):
   ulps; measured <= 1.6e-3). The same bounds hold between megatron's bf16 and fp32 steps;
 * parameter and main dtypes: every model parameter bf16, every trained one with an fp32 main,
   the parameters equal to their mains rounded to bf16 after the step, RoPE's ``inv_freq``
-  fp32, the export fp32.
+  fp32, the export fp32;
+* gradients accumulate (and so reduce over DP: megatron DDP reduces the same buffer) in fp32
+  (``grad_reduce_in_fp32``): eight identical micro-batches add up to one's gradient exactly,
+  which bf16 accumulation misses by its rounding (issue 60).
 """
 
 from __future__ import annotations
@@ -119,6 +122,63 @@ def test_bf16_lora_step_megatron_equals_fsdp(models):
     to megatron's own fp32 step, within the bf16 noise floor FSDP + peft shows on the same model."""
     (r,) = run_distributed(_compare, 1, models["llama"], ["model.lora.rank=4", "model.lora.alpha=8"], timeout=300)
     _assert_parity(r, against="megatron32")
+
+
+ACCUMULATED = 8  # micro-batches: a power of two, so each one's share of the gradient is exact
+
+
+def _accumulated_grads(rank, world, model_dir: str) -> dict:
+    """megatron DDP's gradient buffers (``main_grad``) after one sequence alone and after
+    :data:`ACCUMULATED` copies of it, one per micro-batch (``seq-mean-token-sum``: each copy's
+    loss is 1/8 of the lone one's), before any optimizer step."""
+    from engine_api import make_batch
+    from tests.support.hf_utils import engine_for, make_test_batch
+
+    engine = engine_for(
+        model_dir, "model.dtype=bfloat16", "megatron.layer_spec=local", "micro_batch_size=1", "loss_agg_mode=seq-mean-token-sum",
+        "deferred_normalization=false", strategy="megatron",
+    )  # fmt: skip
+    base = make_test_batch()
+    i = max(range(base.batch_size[0]), key=lambda j: len(base["input_ids"][j]))
+    fields = {k: base[k][i] for k in ("input_ids", "loss_mask", "advantages")}
+
+    def grads(copies: int) -> list[torch.Tensor]:
+        batch = make_batch([fields["input_ids"]] * copies, **{k: [fields[k]] * copies for k in ("loss_mask", "advantages")})
+        engine.optimizer_zero_grad()
+        engine.forward_backward_step(batch)
+        return [g.detach().clone() for g in engine._grad_buffers()]
+
+    with engine.train_mode():
+        one, many = grads(1), grads(ACCUMULATED)
+    return {"one": [g.float() for g in one], "many": [g.float() for g in many], "dtypes": sorted({str(g.dtype) for g in many})}
+
+
+def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x - y).double().pow(2).sum()) for x, y in zip(a, b, strict=True))
+    return (num / sum(float(y.double().pow(2).sum()) for y in b)) ** 0.5
+
+
+def test_bf16_gradients_accumulate_in_fp32(models):
+    """Eight micro-batches of the same sequence, each 1/8 of the lone sequence's loss: every
+    micro-batch's bf16 gradient is the lone one's divided by 8 exactly (a power of two commutes
+    with rounding), and a partial sum of k of them needs at most 3 more significant bits than
+    bf16's 8, so fp32 accumulation returns the lone gradient exactly. Tolerance: relative L2
+    2^-16, far above fp32 rounding (2^-24 per add; measured: 0) and far below bf16's (2^-9 per
+    add): the same sum accumulated in bf16, computed below from the lone gradient, misses it by
+    3.8e-3, and so does the engine with ``grad_reduce_in_fp32=False`` (measured: the same 3.8e-3;
+    megatron DDP then also reduces over DP in bf16, the same buffer)."""
+    (r,) = run_distributed(_accumulated_grads, 1, models["llama"], timeout=300)
+    got = _rel(r["many"], r["one"])
+    assert got <= 2.0**-16, f"gradient of {ACCUMULATED} accumulated micro-batches vs one: relative {got:.2e}"
+    assert r["dtypes"] == ["torch.float32"], r["dtypes"]
+    # The premise: bf16 accumulation of the same shares is visibly off (the check can fail).
+    in_bf16 = []
+    for g in r["one"]:
+        acc = torch.zeros_like(g, dtype=torch.bfloat16)
+        for _ in range(ACCUMULATED):
+            acc += (g / ACCUMULATED).to(torch.bfloat16)
+        in_bf16.append(acc.float())
+    assert _rel(in_bf16, r["one"]) > 2.0**-12
 
 
 def _values(rank, world, model_dir: str) -> dict:
