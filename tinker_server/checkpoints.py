@@ -281,21 +281,29 @@ class CheckpointStore:
                         log.warning("left %s alone: named like a staging directory but not a directory of this server's", entry)
                         continue
                     self._inside(entry)
-                    final = base / match["name"]
-                    if match["what"] == "saving":
-                        shutil.rmtree(entry)
-                        log.info("removed %s: the staging directory of a save that never finished", entry)
-                    elif not os.path.lexists(final) and (entry / META_FILE).is_file():
-                        os.replace(entry, final)
-                        log.info("put back %s: moved aside for an overwrite that never finished", final)
-                    elif not final.is_symlink() and (final / META_FILE).is_file():
-                        shutil.rmtree(entry)
-                        log.info("removed %s: the checkpoint an overwrite replaced (the new one is in place)", entry)
-                    else:
-                        log.warning("left %s alone: its checkpoint %s is in a state no interrupted save leaves", entry, final)
-                        continue
-                    done.append(entry)
+                    try:
+                        if self._settle(entry, base / match["name"], match["what"]):
+                            done.append(entry)
+                    except OSError as exc:  # (a permission, a full disk: the server starts anyway)
+                        log.warning("could not clean up %s (%s: %s); remove it by hand", entry, type(exc).__name__, exc)
         return done
+
+    @staticmethod
+    def _settle(entry: Path, final: Path, what: str) -> bool:
+        """One leftover of :meth:`clean_staging`; whether it was removed or put back."""
+        if what == "saving":
+            shutil.rmtree(entry)
+            log.info("removed %s: the staging directory of a save that never finished", entry)
+        elif not os.path.lexists(final) and (entry / META_FILE).is_file():
+            os.replace(entry, final)
+            log.info("put back %s: moved aside for an overwrite that never finished", final)
+        elif not final.is_symlink() and (final / META_FILE).is_file():
+            shutil.rmtree(entry)
+            log.info("removed %s: the checkpoint an overwrite replaced (the new one is in place)", entry)
+        else:
+            log.warning("left %s alone: its checkpoint %s is in a state no interrupted save leaves", entry, final)
+            return False
+        return True
 
     # ------------------------------------------------------------------ checkpoints
     def begin(self, ref: CheckpointRef, overwrite: bool) -> Path:
