@@ -31,21 +31,18 @@ thread with no limit (for code that needs the main thread, e.g. ``signal.alarm``
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
+import numbers as _numbers
 import os
 import re
-import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine_api.dist import all_reduce, comm_device, is_initialized
+from posttrain.fencing import FencedTimeout, RowFailure, fenced, fenced_each, is_path_spec, load_callable
 
 RewardFn = Callable[..., float]
 
@@ -85,13 +82,9 @@ class RewardConfig:
                 f"function = {self.function!r}: expected 'package.module:function', 'path/to/file.py:function' or one of "
                 f"{', '.join(BUILTINS)}; fix: add ':function_name'"
             ]
-        if _is_path(module) and not os.path.isfile(module):
+        if is_path_spec(module) and not os.path.isfile(module):
             return [f"function = {self.function!r}: file {module!r} does not exist (working directory {os.getcwd()}); fix: give its path"]
         return []
-
-
-def _is_path(module: str) -> bool:
-    return module.endswith(".py") or os.sep in module or "/" in module
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -103,42 +96,6 @@ def load_reward_fn(spec: str) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     return load_callable(spec, "reward.function")
-
-
-def load_callable(spec: str, key: str) -> Callable[..., object]:
-    """The callable ``spec`` names: ``package.module:attr`` (imported) or ``path/to/file.py:attr``
-    (the file loaded as a module under a stable name; the user's own code, named in their
-    config, never anything read from a checkpoint). ``key``: the config key messages name.
-
-    Raises:
-        ValueError: the module, file or attribute cannot be found, or is not callable.
-    """
-    module_name, _, attr = spec.rpartition(":")
-    # A stable, unique module name per file, so pickling and tracebacks name it.
-    name = "enginekit_reward_" + re.sub(r"\W", "_", os.path.abspath(module_name))
-    try:
-        if _is_path(module_name):
-            path = os.path.abspath(module_name)
-            module = sys.modules.get(name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(name, path)
-                if loader_spec is None or loader_spec.loader is None:
-                    raise ImportError(f"not a Python file: {path}")
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except KeyboardInterrupt:
-        sys.modules.pop(name, None)
-        raise
-    except BaseException as exc:  # noqa: BLE001 (user code may raise anything while importing, sys.exit included)
-        sys.modules.pop(name, None)
-        raise ValueError(f"{key} = {spec!r}: cannot load {module_name!r}: {exc!r}; fix: check the module or file") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{key} = {spec!r}: {module_name!r} has no callable {attr!r}; fix: name a function or class defined there")
-    return fn
 
 
 def check_reward_columns(fn: RewardFn, spec: str, columns: set[str]) -> None:
@@ -214,97 +171,11 @@ def compute_rewards(
     return values[2:]
 
 
-def _fenced(fn: Callable[[], object], timeout_s: float | None) -> object:
-    """``fn()``, bounded by ``timeout_s`` seconds when it is not None: it then runs in a daemon
-    thread that is abandoned on timeout (a thread cannot be killed; being a daemon it does not
-    keep the process alive). Whatever ``fn`` raises is re-raised here, in the calling thread.
-
-    Raises:
-        _Timeout: ``fn`` did not return in time.
-    """
-    if timeout_s is None:
-        return fn()
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 (handed to the calling thread, which judges it)
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="enginekit-reward", daemon=True)
-    thread.start()
-    thread.join(timeout_s)  # a Ctrl-C interrupts this wait in the main thread
-    if thread.is_alive():
-        raise _Timeout
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]
-
-
-class _Timeout(Exception):
-    """A fenced call ran past its time limit."""
-
-
-class _RowFailure(Exception):
-    """Call ``index`` of :func:`_fenced_each` raised ``error`` (or timed out: a :class:`_Timeout`)."""
-
-    def __init__(self, index: int, error: BaseException) -> None:
-        super().__init__(index, error)
-        self.index, self.error = index, error
-
-
-def _fenced_each(calls: Sequence[Callable[[], object]], timeout_s: float | None) -> list[object]:
-    """Every ``calls[i]()`` in order, each bounded by ``timeout_s`` seconds (as :func:`_fenced`
-    bounds one), all in one daemon thread: a thread per call cost more than a cheap reward
-    function itself (measured: ~0.2 ms a call, a tenth of a tiny GRPO step). None: in the
-    calling thread, unbounded.
-
-    Raises:
-        _RowFailure: the first call that raised (``KeyboardInterrupt`` included) or ran past
-            ``timeout_s`` (the thread is then abandoned, as :func:`_fenced` does).
-    """
-    results: list[object] = []
-    if timeout_s is None:
-        for i, call in enumerate(calls):
-            try:
-                results.append(call())
-            except BaseException as exc:  # noqa: BLE001 (judged by the caller)
-                raise _RowFailure(i, exc) from exc
-        return results
-    finished = threading.Event()
-    state: dict[str, object] = {"current": (0, time.monotonic())}  # (call index, its start): one assignment, read atomically
-
-    def target() -> None:
-        try:
-            for i, call in enumerate(calls):
-                state["current"] = (i, time.monotonic())
-                try:
-                    results.append(call())
-                except BaseException as exc:  # noqa: BLE001 (handed to the calling thread, which judges it)
-                    state["error"] = _RowFailure(i, exc)
-                    return
-        finally:
-            finished.set()
-
-    threading.Thread(target=target, name="enginekit-reward", daemon=True).start()
-    while True:
-        index, started = state["current"]  # type: ignore[misc]
-        # A Ctrl-C interrupts this wait in the main thread.
-        if finished.wait(max(0.0, started + timeout_s - time.monotonic())):
-            break
-        if state["current"] == (index, started):  # the same call is still running: past its limit
-            raise _RowFailure(index, _Timeout())
-    if "error" in state:
-        raise state["error"]  # type: ignore[misc]
-    return results
-
-
 def _call(fn, name, batched, timeout_s, prompts, responses, columns, sources) -> list[float]:
     fix = "fix: make the function return a finite float for every row"
 
     def failed(exc: BaseException, where: str) -> RewardError:
-        if isinstance(exc, _Timeout):
+        if isinstance(exc, FencedTimeout):
             what = f"did not return within reward.timeout_s = {timeout_s:g} s (the call was abandoned: a thread cannot be stopped)"
             advice = "fix: make it faster, or raise reward.timeout_s (null: no limit)"
         elif isinstance(exc, SystemExit):
@@ -327,7 +198,7 @@ def _call(fn, name, batched, timeout_s, prompts, responses, columns, sources) ->
         lists = {k: [c.get(k) for c in columns] for k in keys}
         try:
             # list() inside the fence: a generator's body runs while it is consumed
-            out = _fenced(lambda: list(fn(list(prompts), list(responses), **lists)), timeout_s)
+            out = fenced(lambda: list(fn(list(prompts), list(responses), **lists)), timeout_s)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 (user code: SystemExit, GeneratorExit, ... are failures too)
@@ -339,21 +210,35 @@ def _call(fn, name, batched, timeout_s, prompts, responses, columns, sources) ->
     else:
         calls = [lambda p=p, r=r, c=c: fn(p, r, **c) for p, r, c in zip(prompts, responses, columns, strict=True)]
         try:
-            out = _fenced_each(calls, timeout_s)
-        except _RowFailure as row:
+            out = fenced_each(calls, timeout_s)
+        except RowFailure as row:
             if isinstance(row.error, KeyboardInterrupt):
                 raise row.error from None
             i = row.index
             raise failed(row.error, f"on row {sources[i]} (sample {i} of this step)") from row.error
     checked = []
     for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):
+        value = as_reward(v)
+        if value is None:
             raise bad(i, f"returned {v!r} ({type(v).__name__}), not a number")
-        v = float(v)
-        if not math.isfinite(v):
-            raise bad(i, f"returned {v}")
-        checked.append(v)
+        if not math.isfinite(value):
+            raise bad(i, f"returned {value}")
+        checked.append(value)
     return checked
+
+
+def as_reward(value: object) -> float | None:
+    """``value`` as a float when it is a real number: a Python or NumPy int / float scalar (any
+    ``numbers.Real``), or a one-element tensor; None for anything else, bools included (a
+    ``True`` reward is more likely a bug than a score). Non-finite values are returned as they
+    are: the caller names them."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":  # NumPy's bool is no Real, but be explicit
+        return None
+    if isinstance(value, _numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+        return float(value)
+    return None
 
 
 # ---------------------------------------------------------------------------------- built-ins

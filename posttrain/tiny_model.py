@@ -15,11 +15,16 @@ experts in every layer: for MoE routing and its replay) round them out.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Written into every model directory built here: a freshly initialised model, which the demo
+# settings (a high learning rate, an entropy bonus) suit; the recipes' warnings about settings
+# that wreck a pretrained model stay quiet for it (:func:`is_built_model`).
+BUILT_MARKER = "enginekit_built_model.json"
 # The tiny MoE: every layer routes each token to the top 2 of 4 experts, renormalised (Qwen3-MoE's
 # norm_topk_prob), each expert half the dense MLP's width.
 MOE_EXPERTS, MOE_TOP_K = 4, 2
@@ -85,7 +90,16 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(str(path))  # safetensors is transformers' default format
+    with open(os.path.join(path, BUILT_MARKER), "w") as f:
+        json.dump({"built_by": "posttrain.tiny_model", "family": family, "seed": seed}, f)
+        f.write("\n")
     return str(path)
+
+
+def is_built_model(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a model directory :func:`build_tiny_model` wrote (randomly
+    initialised, not pretrained); an export of a model trained from one is not."""
+    return path is not None and os.path.isfile(os.path.join(path, BUILT_MARKER))
 
 
 def tiny_config(

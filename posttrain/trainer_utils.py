@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 
@@ -95,16 +96,68 @@ def run_cli(main: Callable[[], object]) -> None:
     """Run a recipe's ``main()`` as a command. A ``ValueError`` (a refused config key, a bad data
     file, a checkpoint of another run: every user error here is one, with the field, the value
     and the fix in its message) ends the command with that message alone on stderr and exit
-    code 2, not a traceback whose last line is the one that matters; ``ENGINEKIT_TRACEBACK=1``
-    shows the traceback as well. Called from ``__main__`` only: in-process callers get the
-    exception."""
+    code 2, not a traceback whose last line is the one that matters. The user's own code failing
+    (``posttrain.fencing.UserCodeError``: an environment that raised, say) ends it with exit code
+    1, its summary and the frame of the user's file where it was raised, not the library's
+    frames around it. ``ENGINEKIT_TRACEBACK=1`` shows the whole traceback as well. Called from
+    ``__main__`` only: in-process callers get the exception."""
+    from posttrain.fencing import UserCodeError
+
+    whole = os.environ.get("ENGINEKIT_TRACEBACK", "") not in ("", "0")
     try:
         main()
     except ValueError as exc:
-        if os.environ.get("ENGINEKIT_TRACEBACK", "") not in ("", "0"):
+        if whole:
             raise
         print(f"error: {exc}\n(ENGINEKIT_TRACEBACK=1 shows where it was raised)", file=sys.stderr)
         raise SystemExit(2) from None
+    except UserCodeError as exc:
+        if whole:
+            raise
+        where = f"\n{exc.user_frame}" if exc.user_frame else ""
+        print(f"error: {exc}{where}\n(ENGINEKIT_TRACEBACK=1 shows the whole traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def guard_fresh_run(output_dir: str, resume: bool, overwrite: bool, rank0: bool) -> None:
+    """A fresh run (``trainer.resume=false``) never writes over another run: an ``output_dir``
+    whose ``checkpoints/`` holds a checkpoint (a ``global_step_*`` directory or a ``latest``
+    pointer, of any role) is refused before anything is written, naming the ways out. With
+    ``trainer.overwrite=true`` the old run's checkpoints are deleted first (rank 0; the others
+    wait), so the new run never mixes with them.
+
+    Raises:
+        ValueError: the directory holds checkpoints and ``overwrite`` is false.
+    """
+    ckpt = os.path.join(output_dir, "checkpoints")
+    if resume or not _holds_checkpoints(ckpt):
+        return
+    if not overwrite:
+        raise ValueError(
+            f"trainer.resume = false, but trainer.output_dir = {output_dir!r} holds another run's checkpoints ({ckpt}): a fresh run "
+            "there would overwrite its checkpoints, metrics and data order, and it could no longer resume; nothing was written; fix: "
+            "trainer.resume=true to continue it, another trainer.output_dir for a new run, or trainer.overwrite=true to delete "
+            "the old run's checkpoints and start over"
+        )
+    if rank0:
+        shutil.rmtree(ckpt)
+        print(f"trainer.overwrite: deleted the earlier run's checkpoints in {ckpt}", file=sys.stderr, flush=True)
+    from engine_api.dist import is_initialized
+
+    if is_initialized():
+        import torch.distributed as dist
+
+        dist.barrier()  # nobody writes into checkpoints/ before rank 0 has emptied it
+
+
+def _holds_checkpoints(ckpt: str) -> bool:
+    """Whether ``ckpt`` (or a role's directory in it) holds a checkpoint or a ``latest`` pointer."""
+    if not os.path.isdir(ckpt):
+        return False
+    for root in [ckpt, *(os.path.join(ckpt, d) for d in sorted(os.listdir(ckpt)))]:
+        if os.path.isdir(root) and any(n == "latest" or n.startswith("global_step_") for n in os.listdir(root)):
+            return True
+    return False
 
 
 def quiet_console() -> None:

@@ -78,8 +78,13 @@ class TrainerConfig:
             verifies (one that fails verification is skipped with a loud message; none
             verifying is an error). The metrics file is cut back to the resumed step and the
             replayed steps appended, so it stays one line per step; the data of each step is
-            the same as in an uninterrupted run.
-        progress_bar: show a tqdm bar on rank 0.
+            the same as in an uninterrupted run. false: a fresh run, refused in an
+            ``output_dir`` that holds another run's checkpoints (``overwrite``).
+        overwrite: with ``resume: false`` in an ``output_dir`` that holds checkpoints, delete
+            them and start over (false: refuse, naming the ways out; a fresh run never writes
+            over another run's checkpoints, metrics and data order).
+        progress_bar: show a tqdm bar on rank 0 when stderr is a terminal (a bar redrawn in a
+            log file is noise: redirected, the console lines alone are written).
         max_consecutive_skips: stop with an error after this many consecutive steps whose
             optimizer step was skipped (non-finite loss or gradients); 0: never stop.
         val_every: score the validation data every this many steps (0: only at the end).
@@ -112,6 +117,7 @@ class TrainerConfig:
     metrics_file: str = "metrics.jsonl"
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     progress_bar: bool = True
     max_consecutive_skips: int = 3
     val_every: int = 0
@@ -219,13 +225,12 @@ def with_model_path(cfg):
 
 # ---------------------------------------------------------------------------------- console
 def progress_bar(tc: TrainerConfig, start: int, rank0: bool, desc: str):
-    """The tqdm bar of a run (rank 0 with ``trainer.progress_bar``; disabled otherwise, its
-    calls then do nothing). On stderr, so stdout holds only the log lines."""
+    """The tqdm bar of a run (rank 0 with ``trainer.progress_bar`` and stderr a terminal;
+    disabled otherwise, its calls then do nothing). On stderr, so stdout holds only the log lines."""
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=tc.total_steps, initial=start, desc=desc, disable=not (rank0 and tc.progress_bar), dynamic_ncols=True, file=sys.stderr
-    )
+    shown = rank0 and tc.progress_bar and sys.stderr.isatty()
+    return tqdm(total=tc.total_steps, initial=start, desc=desc, disable=not shown, dynamic_ncols=True, file=sys.stderr)
 
 
 def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog:

@@ -33,12 +33,21 @@ import torch.distributed as dist
 
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
+from posttrain.agents.loop import load_env_code
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.tasks import build_task
 from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import with_model_path
-from recipes.ppo import PPOConfig, _fit_rollout_to_cpu, _fit_tiny_model, evaluate_prompts, mean_reward
+from recipes.ppo import (
+    PPOConfig,
+    _fit_rollout_to_cpu,
+    _fit_tiny_model,
+    build_agent,
+    evaluate_prompts,
+    evaluate_trajectories,
+    mean_reward,
+)
 from recipes.rl_roles import build_rollout_role, rollout_model_problems
 from roles.rollout import Rollout
 
@@ -111,32 +120,37 @@ def load_policy(cfg: PPOConfig, checkpoint: str | None, source) -> tuple[Rollout
 
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
-    """Load the weights, score the validation prompts, write the responses; return the summary."""
+    """Load the weights, score the validation prompts, write the responses; return the summary.
+    A multi-turn run (``env.function``) is scored through its environment and reward function,
+    exactly as its training run validates (``recipes.ppo.validate``)."""
     rank0 = rank() == 0
+    if cfg.env.enabled:
+        load_env_code(cfg.env)  # a misspelt environment fails before the data and the engine
     source = build_task(cfg)
+    agent = build_agent(cfg, source)
     rollout, _, step = load_policy(cfg, cfg.eval.checkpoint, source)
+    chunk = cfg.data.batch_size * cfg.algo.n_samples  # the training run's validation calls
     try:
-        val = source.val_prompts()
-        prompts, metas = val
+        prompts, metas = source.val_prompts()
         n = cfg.eval.samples_per_prompt
         prompts = [p for p in prompts for _ in range(n)]
         metas = [m for m in metas for _ in range(n)]
-        scores, batches = evaluate_prompts(source, rollout, prompts, metas, cfg.data.batch_size * cfg.algo.n_samples)
+        if agent is None:
+            scores, batches = evaluate_prompts(source, rollout, prompts, metas, chunk)
+            rows = _response_rows(source, batches)
+        else:
+            outs = evaluate_trajectories(agent, rollout, metas, chunk, cfg.rollout.max_new_tokens, cfg.rollout.seed)
+            scores = [out.scores for out in outs]
+            rows = [
+                {"prompt": t["prompt"], "response": t["response"], "stopped": "length" if int(cut) else "stop"}
+                for out in outs
+                for t, cut in zip(out.texts or [{"prompt": "", "response": ""}] * len(out.scores), _truncated(out), strict=True)
+            ]
     finally:
         rollout.engine.shutdown()
+        if agent is not None:
+            agent.close()
     rewards = [float(s) for chunk in scores for s in chunk]
-    rows = []
-    for batch in batches:
-        ids, offsets = batch["input_ids"].values(), batch["input_ids"].offsets().tolist()
-        for i, plen in enumerate(batch["prompt_len"].tolist()):
-            seq = ids[offsets[i] : offsets[i + 1]].tolist()
-            rows.append(
-                {
-                    "prompt": source.decode(seq[:plen]),
-                    "response": source.decode(seq[plen:]),
-                    "stopped": "length" if int(batch["rollout_truncated"][i]) else "stop",
-                }
-            )
     for row, reward in zip(rows, rewards, strict=True):
         row["reward"] = reward
     summary = {
@@ -160,6 +174,30 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
             f"{len(rows)} responses to {summary['prompts']} prompts; responses in {path}"
         )
     return summary
+
+
+def _response_rows(source, batches) -> list[dict[str, Any]]:
+    rows = []
+    for batch in batches:
+        ids, offsets = batch["input_ids"].values(), batch["input_ids"].offsets().tolist()
+        for i, plen in enumerate(batch["prompt_len"].tolist()):
+            seq = ids[offsets[i] : offsets[i + 1]].tolist()
+            rows.append(
+                {
+                    "prompt": source.decode(seq[:plen]),
+                    "response": source.decode(seq[plen:]),
+                    "stopped": "length" if int(batch["rollout_truncated"][i]) else "stop",
+                }
+            )
+    return rows
+
+
+def _truncated(out) -> list[int]:
+    """Per trajectory of an ``AgentBatch``: whether the token budget ended it."""
+    flags = [0] * len(out.scores)
+    for row, traj in enumerate(out.traj_of_row.tolist()):
+        flags[traj] = max(flags[traj], int(out.batch["rollout_truncated"][row]))
+    return flags
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
 from posttrain.agents import AgentBatch, AgentLoop, EnvConfig
-from posttrain.agents.demo import is_demo_model
+from posttrain.agents.loop import load_env_code
 from posttrain.async_rl import AsyncConfig, Pipeline
 from posttrain.cli import parse_recipe_args
 from posttrain.data_order import check_order, save_order
@@ -49,7 +49,8 @@ from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.rewards import RewardConfig
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
-from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, run_cli, warn
+from posttrain.tiny_model import is_built_model
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles, rollout_model_problems  # noqa: F401 (re-exported)
 from roles.actor import ActorConfig, routing_for_update
@@ -238,11 +239,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     started = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
     # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
     lora = cfg.engine.model.lora.enabled
-    own_model = cfg.engine.model.path is not None and not is_demo_model(cfg.engine.model.path)  # the agent demo's is built too
+    own_model = cfg.engine.model.path is not None and not is_built_model(cfg.engine.model.path)  # a built model is not pretrained
     warn(demo_setting_warnings("rl", own_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
     cfg = _fit_rollout_to_cpu(cfg, rank() == 0)
     try:
         try:
+            guard_fresh_run(
+                cfg.trainer.output_dir, cfg.trainer.resume, cfg.trainer.overwrite, rank() == 0
+            )  # before the tiny model is built there
             return run(with_model_path(_fit_tiny_model(cfg)))
         except Preempted as exc:  # agreed by every rank at the same step boundary
             if not is_initialized() or dist.get_rank() == 0:
@@ -297,6 +301,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     refused = rollout_model_problems(cfg)  # from the model's files: before the data and any engine
     if refused:
         raise ValueError("; ".join(refused))
+    if cfg.env.enabled:
+        load_env_code(cfg.env)  # a misspelt environment or tool fails now, not after the data load
+    guard_fresh_run(t.output_dir, t.resume, t.overwrite, rank0)
     source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
     agent = build_agent(cfg, source)  # likewise a bad environment or tool
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
@@ -365,6 +372,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         placed.close()
+        if agent is not None:
+            agent.close()  # its tool worker processes
         if rank0 and began and os.path.exists(metrics_path):
             plot_run(metrics_path, t.output_dir, title)
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
@@ -438,14 +447,19 @@ def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = Non
     if agent is None:
         scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
     else:
-        scores = [
-            agent.run(
-                rollout, metas[b : b + chunk], step_seeds(seed, _VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens
-            ).scores
-            for k, b in enumerate(range(0, len(metas), chunk))
-        ]
+        scores = [out.scores for out in evaluate_trajectories(agent, rollout, metas, chunk, max_new_tokens, seed)]
     rollout.release()
     return mean_reward(scores)
+
+
+def evaluate_trajectories(agent: AgentLoop, rollout: Rollout, metas: list, chunk: int, max_new_tokens: int, seed: int) -> list[AgentBatch]:
+    """The trajectories of one per prompt row of ``metas``, ``chunk`` rows per call, call ``k``
+    seeded from the validation offset + ``k``: :func:`validate`'s draws for a multi-turn run,
+    which ``recipes.evaluate`` repeats from a checkpoint. Collective over the rollout group."""
+    return [
+        agent.run(rollout, metas[b : b + chunk], step_seeds(seed, _VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens)
+        for k, b in enumerate(range(0, len(metas), chunk))
+    ]
 
 
 def evaluate_prompts(source, rollout: Rollout, prompts: list, metas: list, chunk: int) -> tuple[list[torch.Tensor], list]:

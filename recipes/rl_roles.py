@@ -62,8 +62,37 @@ def rollout_model_problems(cfg) -> list[str]:
         return []
     cls = get_rollout_class(cfg.rollout.backend)
     config = rollout_engine_config(cfg, tokenizer=False)
-    budget = _budget_problem(cfg, cls.expected_max_model_len(config))
+    limit = cls.expected_max_model_len(config)
+    budget = _budget_problem(cfg, limit)
+    if budget is None and limit is None:
+        budget = _positions_problem(cfg)
     return [*cls.model_problems(config), *([budget] if budget else [])]
+
+
+def _positions_problem(cfg) -> str | None:
+    """A trajectory budget (``env.max_tokens``) past the model's own context, for a rollout
+    backend that states no limit of its own (``hf`` runs past ``max_position_embeddings``
+    without an error, RoPE extrapolating into positions the model never learned): refused from
+    ``config.json`` (a model with RoPE scaling states its longer context otherwise: not refused)."""
+    import json
+    import os
+
+    env = getattr(cfg, "env", None)
+    if env is None or not env.enabled:
+        return None
+    try:
+        with open(os.path.join(cfg.engine.model.path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None  # the engine's own load names an unreadable model directory
+    positions = hf.get("max_position_embeddings")
+    if hf.get("rope_scaling") or isinstance(positions, bool) or not isinstance(positions, int) or env.max_tokens <= positions:
+        return None
+    return (
+        f"env.max_tokens = {env.max_tokens} > the model's max_position_embeddings {positions} ({cfg.engine.model.path}/config.json): "
+        "a trajectory could run past the context the model was trained on; fix: lower env.max_tokens to at most "
+        f"{positions}, or use a model with a longer context"
+    )
 
 
 def build_rollout_role(cfg, actor, source) -> Rollout:

@@ -46,7 +46,8 @@ from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
-from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, load_newest_valid, quiet_console, run_cli, warn
+from posttrain.tiny_model import is_built_model
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
 from roles.rollout import Rollout, RolloutConfig
 
@@ -162,7 +163,9 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     tc = cfg.trainer
     os.makedirs(tc.output_dir, exist_ok=True)
     lora = cfg.engine.model.lora.enabled
-    warn(demo_setting_warnings("sft", cfg.engine.model.path is not None, cfg.engine.optim.lr, lora), rank0)
+    own_model = cfg.engine.model.path is not None and not is_built_model(cfg.engine.model.path)  # a built model is not pretrained
+    warn(demo_setting_warnings("sft", own_model, cfg.engine.optim.lr, lora), rank0)
+    guard_fresh_run(tc.output_dir, tc.resume, tc.overwrite, rank0)  # before the tiny model is (re)built there
     cfg = with_model_path(cfg)
     data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 

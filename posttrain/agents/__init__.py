@@ -1,24 +1,38 @@
 """Multi-turn agentic RL: trajectories kept token in, token out, environments and tools
-(docs/agents.md)."""
+(docs/agents.md).
 
-from posttrain.agents.config import EnvConfig
-from posttrain.agents.env import Environment, StepResult, ToolEnv, Turn
-from posttrain.agents.loop import AgentBatch, AgentLoop, AgentRun
-from posttrain.agents.tools import ToolCall, parse_tool_calls, run_tool
-from posttrain.agents.trajectory import HistoryMismatch, Trajectory
+The names below are imported on first use (PEP 562), so a light submodule (the tool worker
+process, ``posttrain.agents.tool_worker``) starts without torch.
+"""
 
-__all__ = [
-    "AgentBatch",
-    "AgentLoop",
-    "AgentRun",
-    "EnvConfig",
-    "Environment",
-    "HistoryMismatch",
-    "StepResult",
-    "ToolCall",
-    "ToolEnv",
-    "Trajectory",
-    "Turn",
-    "parse_tool_calls",
-    "run_tool",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AgentBatch": "posttrain.agents.loop",
+    "AgentLoop": "posttrain.agents.loop",
+    "AgentRun": "posttrain.agents.loop",
+    "EnvConfig": "posttrain.agents.config",
+    "Environment": "posttrain.agents.env",
+    "HistoryMismatch": "posttrain.agents.trajectory",
+    "StepResult": "posttrain.agents.env",
+    "ToolCall": "posttrain.agents.tools",
+    "ToolEnv": "posttrain.agents.env",
+    "ToolResult": "posttrain.agents.tools",
+    "Trajectory": "posttrain.agents.trajectory",
+    "Turn": "posttrain.agents.env",
+    "parse_tool_calls": "posttrain.agents.tools",
+    "run_tool": "posttrain.agents.tools",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'posttrain.agents' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

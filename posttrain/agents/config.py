@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from posttrain.agents.tool_runner import ISOLATION
 from posttrain.agents.tools import TOOL_FORMATS
 
 HISTORY_MISMATCH = ("error", "split")
 TURN_REWARDS = ("sum", "last")
 BUILTIN_ENVS = ("tools",)
+OBSERVATION_OVERFLOW = ("truncate", "error")
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,27 @@ class EnvConfig:
         max_turns: assistant turns per trajectory, >= 1.
         max_tokens: the longest token sequence of a training sample (prompt, every turn and
             every observation); a trajectory that reaches it ends, flagged truncated.
-        tool_timeout_s: seconds one tool call may take (its thread is then abandoned and the
-            model sees an error observation); null: no limit.
+        tool_timeout_s: seconds one tool call may take; past it the call is stopped (in a
+            worker process: killed; in a thread: abandoned, see ``tool_isolation``) and the
+            model sees an error observation; null: no limit.
+        tool_isolation: where tool calls run (``posttrain.agents.tool_runner``): ``process``
+            (tools named by import path in ``env.tools`` run in worker processes, stopped past
+            their time; an environment's own ``tools`` attribute runs in threads) or ``thread``
+            (every call in a thread of the trainer, abandoned past its time).
+        tool_concurrency: tool calls of one turn (over every trajectory) run at once, at most
+            this many (also the number of worker processes kept).
+        tool_turn_timeout_s: the deadline of one turn's tool calls together; a call that could
+            not start or finish by then is an error observation; null: none.
+        max_abandoned_tools: thread calls past their time still running, above which the run
+            stops naming the tools (they hold the trainer's cores).
+        max_observation_chars: the most characters of one observation (its messages' content,
+            a tool result included) that reach the chat template; the rest is cut before the
+            template and the tokenizer run. null: ``2 * max_tokens * (the tokenizer's longest
+            token in characters)``, more than any observation that fits ``max_tokens`` can use,
+            so cutting changes no trajectory (one that long ends at the budget either way).
+        observation_overflow: an observation over ``max_observation_chars``: ``truncate`` (cut,
+            counted in ``env/observations_truncated``) or ``error`` (the run stops naming the
+            environment, the row and the turn).
         step_timeout_s: seconds the environment's own ``step`` (or construction) may take; past
             it the run stops naming ``env.function``; null: no limit.
         history_mismatch: when the chat template renders the conversation so far differently
@@ -51,6 +72,12 @@ class EnvConfig:
     max_turns: int = 4
     max_tokens: int = 1024
     tool_timeout_s: float | None = 30.0
+    tool_isolation: str = "process"
+    tool_concurrency: int = 8
+    tool_turn_timeout_s: float | None = 120.0
+    max_abandoned_tools: int = 4
+    max_observation_chars: int | None = None
+    observation_overflow: str = "truncate"
     step_timeout_s: float | None = 300.0
     history_mismatch: str = "error"
     turn_rewards: str = "sum"
@@ -76,7 +103,18 @@ class EnvConfig:
             out.append(f"max_turns = {self.max_turns!r}: must be an integer >= 1; fix: e.g. 4")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 2:
             out.append(f"max_tokens = {self.max_tokens!r}: must be an integer >= 2; fix: e.g. 1024")
-        for key in ("tool_timeout_s", "step_timeout_s"):
+        if self.tool_isolation not in ISOLATION:
+            out.append(f"tool_isolation = {self.tool_isolation!r}: unknown; fix: one of {', '.join(ISOLATION)}")
+        for key, least in (("tool_concurrency", 1), ("max_abandoned_tools", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                out.append(f"{key} = {value!r}: must be an integer >= {least}; fix: e.g. {least + 3}")
+        chars = self.max_observation_chars
+        if chars is not None and (isinstance(chars, bool) or not isinstance(chars, int) or chars < 1):
+            out.append(f"max_observation_chars = {chars!r}: must be an integer >= 1 or null (derived from max_tokens); fix: e.g. 8192")
+        if self.observation_overflow not in OBSERVATION_OVERFLOW:
+            out.append(f"observation_overflow = {self.observation_overflow!r}: unknown; fix: one of {', '.join(OBSERVATION_OVERFLOW)}")
+        for key in ("tool_timeout_s", "tool_turn_timeout_s", "step_timeout_s"):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 out.append(f"{key} = {value!r}: must be > 0 seconds or null (no limit); fix: e.g. 30")

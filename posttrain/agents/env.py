@@ -12,6 +12,16 @@ data row, and returns an object with
 * optionally ``tools``: callables offered to the model besides ``env.tools``
   (``posttrain.agents.tools``).
 
+Tools are run by the loop, not by the environment: when the environment has tools (``env.tools``
+or its own ``tools``), each turn's calls are executed before ``step`` (concurrently over the
+turn's trajectories, bounded and stopped past their time: ``posttrain.agents.tool_runner``) and
+handed to it as ``Turn.tool_results``, one per call in order; ``step`` decides what the model
+sees (the built-in ``tools`` environment sends them back as ``tool`` messages). The loop counts
+their errors; ``StepResult.tool_errors`` adds errors the environment reports itself.
+
+The ``columns`` an environment gets are its own deep copy of the row: changing them changes no
+other trajectory, the reward function's view, or a later epoch.
+
 It runs on rank 0 only (its observations reach the other ranks as tokens), bounded by
 ``env.step_timeout_s``; anything it raises, ``sys.exit`` included, a timeout, or a result that is
 not a :class:`StepResult` (or a ``(observation, reward, done)`` tuple) of the right types stops
@@ -20,11 +30,11 @@ the run with an error naming ``env.function`` and the row, before any update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from posttrain.agents.tools import ToolCall, run_tool
+from posttrain.agents.tools import ToolCall, ToolResult
 
 
 @dataclass(frozen=True)
@@ -38,12 +48,14 @@ class Turn:
         tool_calls: the calls parsed from it in ``env.tool_format`` (malformed ones carry
             their ``error``).
         truncated: the turn ended at its length cap (no stop token).
+        tool_results: with tools, each call's result in order (module docstring); else empty.
     """
 
     index: int
     text: str
     tool_calls: Sequence[ToolCall] = ()
     truncated: bool = False
+    tool_results: Sequence[ToolResult] = ()
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,8 @@ class StepResult:
         observation: what the model sees next (str, a message dict, a list of them, or None).
         reward: this turn's reward contribution (``env.turn_rewards`` combines them).
         done: the trajectory ends after this turn.
-        tool_errors: error observations in it (counted in ``env/tool_errors``).
+        tool_errors: error observations the environment itself put in it, an integer >= 0
+            (the loop counts the tool results' own; both in ``env/tool_errors_sum``).
     """
 
     observation: str | Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None
@@ -71,24 +84,19 @@ class Environment(Protocol):
 
 
 class ToolEnv:
-    """``env.function: tools``: each assistant turn's tool calls are executed (fenced,
-    ``posttrain.agents.tools.run_tool``) and their results sent back as ``tool`` messages, in
-    call order; a turn without calls is the final answer (done, reward 0: ``reward.function``
-    scores it). A malformed call, an unknown tool or a failing one is an error observation the
-    model sees, counted, never a crash.
+    """``env.function: tools``: each assistant turn's tool results (the loop ran its calls:
+    module docstring) are sent back as ``tool`` messages, in call order; a turn without calls
+    is the final answer (done, reward 0: ``reward.function`` scores it). A malformed call, an
+    unknown tool or a failing one is an error observation the model sees, counted, never a crash.
 
     Args:
         prompt: the rendered prompt (unused).
-        tools: name -> callable (``env.tools`` and the row's declarations).
-        timeout_s: ``env.tool_timeout_s``.
     """
 
-    def __init__(self, prompt: str, tools: Mapping[str, Callable[..., Any]], timeout_s: float | None) -> None:
-        self.registry, self.timeout_s = dict(tools), timeout_s
+    def __init__(self, prompt: str, **columns: Any) -> None:
+        pass
 
     def step(self, turn: Turn) -> StepResult:
         if not turn.tool_calls:
             return StepResult(None, 0.0, True)
-        results = [run_tool(call, self.registry, self.timeout_s) for call in turn.tool_calls]
-        messages = [{"role": "tool", "name": r.name or "unknown", "content": r.content} for r in results]
-        return StepResult(messages, 0.0, False, tool_errors=sum(r.error for r in results))
+        return StepResult([{"role": "tool", "name": r.name or "unknown", "content": r.content} for r in turn.tool_results], 0.0, False)

@@ -18,8 +18,11 @@ same prompts (it is collective). An error on rank 0 is broadcast too, so every r
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
+import numbers
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,11 +37,16 @@ from engine_api.moe import ROLLOUT_ROUTING_FIELD
 from engine_api.rollout import Sample, sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
+from posttrain.agents.tool_runner import Tool, ToolRunner
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
-from posttrain.agents.trajectory import Trajectory, message_list
-from posttrain.rewards import _fenced, _Timeout, compute_rewards, load_callable
+from posttrain.agents.trajectory import HistoryMismatch, Trajectory, bound_messages, message_list
+from posttrain.fencing import FencedTimeout, UserCodeError, fenced, load_callable, user_frame
+from posttrain.rewards import as_reward, compute_rewards
 from posttrain.trainer_utils import warn
 from roles.rollout import pack_samples, unpack_samples
+
+# How a paused trajectory's digest is computed (``_digest``): 2 covers log-probs and versions.
+DIGEST_VERSION = 2
 
 
 @dataclass
@@ -115,6 +123,7 @@ class AgentRun:
         record: per trajectory the samples of its turns in order (rank 0): with the rows, all a
             checkpoint needs to rebuild the rest (``AgentLoop.replay``).
         digests: per trajectory a SHA-256 of its state when saved (set by ``from_tensors``).
+        digest_version: how ``digests`` were computed (``_digest``).
     """
 
     metas: list
@@ -125,6 +134,7 @@ class AgentRun:
     envs: list | None = None
     record: list[list[Sample]] | None = None
     digests: list[str] = field(default_factory=list)
+    digest_version: int = DIGEST_VERSION
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(tensors, meta)`` of a paused run (rank 0; tensors and JSON only, nothing pickled):
@@ -132,14 +142,18 @@ class AgentRun:
         flat = [s for kept in self.record for s in kept]
         owner = torch.tensor([i for i, kept in enumerate(self.record) for _ in kept], dtype=torch.long)
         meta = {"turn": self.turn, "finished": self.finished, "seeds": self.seeds, "digests": [_digest(t) for t in self.trajs]}
+        meta["digest_version"] = DIGEST_VERSION
         return {"owner": owner, **pack_samples(flat)}, meta
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> AgentRun:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], max_version: int | None = None) -> AgentRun:
         """The saved run (no trajectories or environments yet: ``AgentLoop.replay`` rebuilds them).
+        ``max_version``: the newest weight version that can have sampled it (the checkpoint's
+        step); its samples' versions and log-probs are checked against it.
 
         Raises:
-            ValueError: the tensors do not describe one sample per kept turn.
+            ValueError: the tensors do not describe one sample per kept turn, or hold weight
+                versions or log-probs out of range.
         """
         seeds = [int(s) for s in meta["seeds"]]
         flat = unpack_samples({k: v for k, v in tensors.items() if k != "owner"})
@@ -152,7 +166,10 @@ class AgentRun:
         digests = [str(d) for d in meta["digests"]]
         if len(digests) != len(seeds) or any(len(kept) > int(meta["turn"]) for kept in record):
             raise ValueError(f"a paused multi-turn run at turn {meta['turn']}: {len(digests)} digests for {len(seeds)} trajectories")
-        return cls([], seeds, int(meta["turn"]), bool(meta["finished"]), record=record, digests=digests)
+        for s in flat:
+            check_sample(s, max_version, "a paused multi-turn run")
+        version = int(meta.get("digest_version", 1))
+        return cls([], seeds, int(meta["turn"]), bool(meta["finished"]), record=record, digests=digests, digest_version=version)
 
 
 class AgentLoop:
@@ -185,13 +202,15 @@ class AgentLoop:
             )
         self.rank0 = not is_initialized() or dist.get_rank() == 0
         self.factory: Callable | None = None
-        self.tools: dict[str, Callable] = {}
+        self.tools: dict[str, Tool] = {}
+        self.runner: ToolRunner | None = None
+        self.max_observation_chars = 0
         if self.rank0:  # user code: loaded where it runs
-            self.tools = {getattr(fn, "__name__", spec): fn for spec in env.tools for fn in [load_callable(spec, "env.tools")]}
-            for fn in self.tools.values():  # a tool without a schema fails here, before any engine is built
-                tool_schema(fn)
-            if env.function != "tools":
-                self.factory = load_callable(env.function, "env.function")
+            self.factory, self.tools = load_env_code(env)
+            self.runner = ToolRunner(
+                env.tool_timeout_s, env.tool_concurrency, env.tool_turn_timeout_s, env.tool_isolation, env.max_abandoned_tools
+            )
+            self.max_observation_chars = env.max_observation_chars or 2 * env.max_tokens * _longest_token(tokenizer)
         fmt = env.tool_format
         if fmt == "auto":
             fmt = detect_format(tokenizer.chat_template)
@@ -201,6 +220,18 @@ class AgentLoop:
                     "(<|python_tag|>) tool-call form; fix: env.tool_format=hermes or llama3, the form your model was trained on"
                 )
         self.fmt = fmt
+
+    def close(self) -> None:
+        """Stop the tool worker processes (they also stop at interpreter exit)."""
+        if self.runner is not None:
+            self.runner.close()
+
+    def settings(self) -> dict[str, Any]:
+        """The ``env`` settings a trajectory depends on (what a checkpointed batch was made
+        with: the asynchronous pipeline regenerates one made with other values, naming them)."""
+        keys = ("function", "tools", "tool_format", "max_turns", "max_tokens", "history_mismatch", "turn_rewards")
+        keys += ("observation_role", "max_observation_chars", "observation_overflow")
+        return {f"env.{k}": _jsonable(getattr(self.cfg, k)) for k in keys}
 
     # ------------------------------------------------------------------ one step
     def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int, state: AgentRun | None = None) -> AgentBatch:
@@ -273,7 +304,7 @@ class AgentLoop:
                     run.record[i].append(saved.record[i][turn])
                 self._respond(run.trajs, run.envs, run.metas, plan, turn)
             for i, (t, digest) in enumerate(zip(run.trajs, saved.digests, strict=True)):
-                if _digest(t) != digest:
+                if _digest(t, saved.digest_version) != digest:
                     return f"trajectory {i} (row {run.metas[i].source}) differs after its {len(saved.record[i])} kept turn(s)"
             return None
 
@@ -324,29 +355,40 @@ class AgentLoop:
             declared = check_declared_tools(m.columns.get("tools"), m.source)
             env = self._build_env(m)
             registry = dict(self.tools)
-            registry.update({getattr(fn, "__name__", str(fn)): fn for fn in getattr(env, "tools", None) or []})
+            for fn in getattr(env, "tools", None) or []:  # Python objects: run in threads (tool_runner)
+                name = getattr(fn, "__name__", str(fn))
+                registry[name] = Tool(name, fn)
             by_name = {schema_name(d): d for d in declared}
-            schemas = [tool_schema(fn, by_name) for fn in registry.values()]
+            schemas = [tool_schema(tool.fn, by_name) for tool in registry.values()]
             schemas += [d for name, d in by_name.items() if name not in registry]
-            if isinstance(env, ToolEnv):
-                env.registry = registry
             messages = list(m.messages) if getattr(m, "messages", None) else [{"role": "user", "content": m.text}]
             render = _renderer(self.tok, schemas or None, self.kwargs)
-            text = render(messages)
-            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            try:
+                text = render(messages)
+                ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+            except Exception as exc:  # noqa: BLE001 (a template's or tokenizer's own error, named below)
+                raise ValueError(
+                    f"row {m.source}: the chat template could not render the prompt with its tools ({type(exc).__name__}: {exc}); "
+                    "fix: check the row's messages and tools column against the model's chat template"
+                ) from exc
             if len(ids) >= self.cfg.max_tokens:
                 raise ValueError(
                     f"row {m.source}: its prompt (tools included) has {len(ids)} tokens, not below env.max_tokens = "
                     f"{self.cfg.max_tokens}; fix: raise env.max_tokens or shorten the prompt"
                 )
-            trajs.append(Trajectory(messages, ids, text, self.tok, render, self.cfg.max_tokens, self.stop_ids, self.cfg.history_mismatch))
+            t = Trajectory(messages, ids, text, self.tok, render, self.cfg.max_tokens, self.stop_ids, self.cfg.history_mismatch)
+            # The loop runs the environment's tool calls: the built-in tool environment's always
+            # (an unknown tool is an error observation), another's when it offers tools.
+            t.tools = registry if isinstance(env, ToolEnv) or registry else None
+            trajs.append(t)
             envs.append(env)
         return trajs, envs
 
     def _build_env(self, meta):
+        columns = copy.deepcopy(dict(meta.columns))  # its own row: changes reach no other trajectory, reward or epoch
         if self.factory is None:
-            return ToolEnv(meta.text, {}, self.cfg.tool_timeout_s)
-        return self._fence(lambda: self.factory(meta.text, **dict(meta.columns)), meta.source, "building the environment")
+            return ToolEnv(meta.text, **columns)
+        return self._fence(lambda: self.factory(meta.text, **columns), meta.source, "building the environment")
 
     def _plan(self, trajs: list[Trajectory], max_new_tokens: int) -> dict[int, list[tuple[int, list[int]]]]:
         plan: dict[int, list[tuple[int, list[int]]]] = {}
@@ -361,45 +403,92 @@ class AgentLoop:
         return plan
 
     def _respond(self, trajs, envs, metas, plan, turn: int) -> bool:
-        for _, rows in plan.items():
-            for i, _ in rows:
-                t, m = trajs[i], metas[i]
-                text = t.last_text
-                calls = parse_tool_calls(text, self.fmt) if self.fmt else []
-                cut = t.last_finish == "length"
-                result = self._fence(
-                    lambda env=envs[i], calls=calls, text=text, cut=cut: env.step(Turn(turn, text, calls, cut)), m.source, f"turn {turn}"
+        rows = [i for _, group in plan.items() for i, _ in group]
+        calls = {i: parse_tool_calls(trajs[i].last_text, self.fmt) if self.fmt else [] for i in rows}
+        results = self._run_tools(trajs, rows, calls)
+        for i in rows:
+            t, m = trajs[i], metas[i]
+            text, cut = t.last_text, t.last_finish == "length"
+            done_by_turns = turn + 1 >= self.cfg.max_turns
+            step = Turn(turn, text, calls[i], cut, results.get(i, ()))
+            result = self._fence(lambda env=envs[i], step=step: env.step(step), m.source, f"turn {turn}")
+            result = _check_result(result, self.cfg.function, m.source)
+            t.rewards.append(float(as_reward(result.reward)))
+            t.calls += len(calls[i])
+            t.errors += int(result.tool_errors) + sum(r.error for r in results.get(i, ()))
+            t.cut_observations += any(r.truncated for r in results.get(i, ()))
+            if result.done or done_by_turns or t.truncated:
+                t.done = True
+                continue
+            observation = message_list(result.observation, self.cfg.observation_role, m.source, str(self.cfg.function))
+            if observation is None:
+                raise ValueError(
+                    f"env.function = {self.cfg.function!r} (row {m.source}), turn {turn}: no observation but not done; fix: "
+                    "return an observation, or done=True"
                 )
-                result = _check_result(result, self.cfg.function, m.source)
-                t.rewards.append(float(result.reward))
-                t.calls += len(calls)
-                t.errors += int(result.tool_errors)
-                if result.done or turn + 1 >= self.cfg.max_turns or t.truncated:
-                    t.done = True
-                    continue
-                observation = message_list(result.observation, self.cfg.observation_role, m.source, str(self.cfg.function))
-                if observation is None:
-                    raise ValueError(
-                        f"env.function = {self.cfg.function!r} (row {m.source}), turn {turn}: no observation but not done; fix: "
-                        "return an observation, or done=True"
-                    )
-                if not t.add_observation(observation):
-                    t.done = True
+            if not self._observe(t, observation, m.source, turn):
+                t.done = True
         return all(t.done for t in trajs)
+
+    def _run_tools(self, trajs, rows: list[int], calls: dict[int, list[ToolCall]]) -> dict[int, list]:
+        """Every tool call of this turn (the trajectories whose tools the loop runs), at once."""
+        jobs = [(i, c) for i in rows if trajs[i].tools is not None for c in calls[i]]
+        if not jobs:
+            return {}
+        done = self.runner.run([(c, trajs[i].tools) for i, c in jobs], [self.max_observation_chars] * len(jobs))
+        out: dict[int, list] = {}
+        for (i, _), r in zip(jobs, done, strict=True):
+            out.setdefault(i, []).append(r)
+        return out
+
+    def _observe(self, t: Trajectory, observation: list[dict], source: str, turn: int) -> bool:
+        """Append an observation to ``t`` (bounded by ``env.max_observation_chars`` before the
+        template runs); False: the budget ended the trajectory. Errors name the row and turn."""
+        name, limit = self.cfg.function, self.max_observation_chars
+        for k, message in enumerate(observation):
+            try:
+                message["content"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"env.function = {name!r} (row {source}), turn {turn}: observation message {k} holds {exc.object[exc.start]!r} "
+                    f"at character {exc.start}, which is not valid Unicode text (a lone surrogate); fix: return valid text (e.g. "
+                    "decode bytes with errors='replace')"
+                ) from None
+        observation, cut = bound_messages(observation, limit)
+        if cut:
+            if self.cfg.observation_overflow == "error":
+                raise ValueError(
+                    f"env.function = {name!r} (row {source}), turn {turn}: the observation has more than env.max_observation_chars "
+                    f"= {limit} characters; fix: return less, raise env.max_observation_chars, or env.observation_overflow=truncate"
+                )
+            t.cut_observations += 1
+        try:
+            return t.add_observation(observation)
+        except HistoryMismatch as exc:
+            raise HistoryMismatch(f"env.function = {name!r} (row {source}): {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (the template's or the tokenizer's own error, named here)
+            roles = sorted({str(mm.get("role")) for mm in observation})
+            raise ValueError(
+                f"env.function = {name!r} (row {source}), turn {turn}: the chat template or tokenizer could not take the observation "
+                f"(roles {roles}): {type(exc).__name__}: {exc}; fix: an observation role the template knows "
+                "(env.observation_role, e.g. user) and plain text content"
+            ) from exc
 
     def _fence(self, fn: Callable[[], Any], source: str, what: str) -> Any:
         name = self.cfg.function
         try:
-            return _fenced(fn, self.cfg.step_timeout_s)
+            return fenced(fn, self.cfg.step_timeout_s)
         except KeyboardInterrupt:
             raise
-        except _Timeout:
-            raise RuntimeError(
+        except FencedTimeout:
+            raise UserCodeError(
                 f"env.function = {name!r} (row {source}), {what}: did not return within env.step_timeout_s = {self.cfg.step_timeout_s:g} s "
                 "(abandoned: a thread cannot be stopped); fix: make it faster, or raise env.step_timeout_s"
             ) from None
         except BaseException as exc:  # noqa: BLE001 (user code: sys.exit included)
-            raise RuntimeError(f"env.function = {name!r} (row {source}), {what}: raised {exc!r}; no update was made") from exc
+            raise UserCodeError(
+                f"env.function = {name!r} (row {source}), {what}: raised {exc!r}; no update was made", user_frame(exc)
+            ) from exc
 
     def _rows(self, trajs: list[Trajectory]):
         segments = {k: [] for k in _DTYPES}
@@ -420,7 +509,8 @@ class AgentLoop:
             "env/turns_mean": statistics.mean(turns),
             "env/turns_max": float(max(turns)),
             "env/tool_calls_mean": statistics.mean(t.calls for t in trajs),
-            "env/tool_errors": float(sum(t.errors for t in trajs)),
+            "env/tool_errors_sum": float(sum(t.errors for t in trajs)),
+            "env/observations_truncated": float(sum(t.cut_observations for t in trajs)),
             "env/truncated_frac": statistics.mean(float(t.truncated) for t in trajs),
             "env/split_frac": statistics.mean(float(t.splits > 0) for t in trajs),
         }
@@ -442,7 +532,7 @@ class AgentLoop:
         fn, spec, batched, timeout_s = self.reward
         if self.rank0:
             prompts, responses = [m.text for m in metas], [t.last_answer for t in trajs]
-            columns, sources = [dict(m.columns) for m in metas], [m.source for m in metas]
+            columns, sources = [copy.deepcopy(dict(m.columns)) for m in metas], [m.source for m in metas]
         else:  # only rank 0 calls the function; the others take part in its one collective
             prompts = responses = [""] * count
             columns, sources = [{}] * count, [""] * count
@@ -494,23 +584,68 @@ def _check_result(result: object, name: object, source: str) -> StepResult:
             f"env.function = {name!r} (row {source}): step returned a {type(result).__name__}; fix: return "
             "posttrain.agents.StepResult(observation, reward, done) or an (observation, reward, done) tuple"
         )
-    reward = result.reward
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward or abs(reward) == float("inf"):
-        raise ValueError(f"env.function = {name!r} (row {source}): reward {reward!r} is not a finite number; fix: return a float")
+    if as_reward(result.reward) is None or not math.isfinite(as_reward(result.reward)):
+        raise ValueError(f"env.function = {name!r} (row {source}): reward {result.reward!r} is not a finite number; fix: return a float")
     if not isinstance(result.done, bool):
         raise ValueError(f"env.function = {name!r} (row {source}): done = {result.done!r} is not a bool; fix: True or False")
+    errors = result.tool_errors
+    if isinstance(errors, bool) or not isinstance(errors, numbers.Integral) or errors < 0:
+        raise ValueError(
+            f"env.function = {name!r} (row {source}): tool_errors = {errors!r} is not an integer >= 0; fix: the number of error "
+            "observations the environment put in this turn's observation (0 when none)"
+        )
     return result
 
 
-def _digest(t: Trajectory) -> str:
-    """A trajectory's state (its tokens, what the environment gave, whether it ended) as a
-    SHA-256: what a replay must reproduce."""
-    state = {
-        "segments": [[s.ids, s.prompt_len, s.mask] for s in (*t.closed, t.current)],
-        "rewards": t.rewards,
-        "flags": [t.turns, t.calls, t.errors, t.done, t.truncated, t.splits],
-    }
+def _digest(t: Trajectory, version: int = DIGEST_VERSION) -> str:
+    """A trajectory's state (its tokens, their sampling log-probs and weight versions, what the
+    environment gave, whether it ended) as a SHA-256: what a replay must reproduce. Version 1
+    (paused runs saved before the log-probs and versions were covered) hashes tokens and flags only."""
+    segments = [[s.ids, s.prompt_len, s.mask] + ([s.log_probs, s.versions] if version >= 2 else []) for s in (*t.closed, t.current)]
+    state = {"segments": segments, "rewards": t.rewards, "flags": [t.turns, t.calls, t.errors, t.done, t.truncated, t.splits]}
     return hashlib.sha256(json.dumps(state).encode()).hexdigest()
+
+
+def check_sample(s: Sample, max_version: int | None, what: str) -> None:
+    """A saved sample's weight versions (``0 .. max_version``) and sampling log-probs (finite,
+    at most 0) are in range.
+
+    Raises:
+        ValueError: naming what holds it and the value.
+    """
+    versions, lps = s.versions(), s.log_probs
+    if len(versions) and (int(versions.min()) < 0 or (max_version is not None and int(versions.max()) > max_version)):
+        raise ValueError(f"{what}: a sample holds weight versions {int(versions.min())}..{int(versions.max())}, outside 0..{max_version}")
+    if len(lps) and (not bool(torch.isfinite(lps).all()) or float(lps.max()) > 1e-4):
+        raise ValueError(f"{what}: a sample holds sampling log-probs that are not finite numbers <= 0 (max {float(lps.max())})")
+
+
+def _longest_token(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for, from its vocabulary's strings
+    (a byte-level token's string has a character per byte, so never fewer than it decodes to)."""
+    return max(8, max((len(t) for t in tokenizer.get_vocab()), default=8))
+
+
+def _jsonable(value: object) -> object:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def load_env_code(env: EnvConfig) -> tuple[Callable | None, dict[str, Tool]]:
+    """``env.function``'s callable (None for the built-in ``tools``) and ``env.tools``'s tools,
+    imported and checked (each tool's schema built). Called when the loop is built, and by the
+    recipe at config load so a misspelt name fails before the data and the engines.
+
+    Raises:
+        ValueError: naming the key, the spec and the fix.
+    """
+    tools = {}
+    for spec in env.tools:
+        fn = load_callable(spec, "env.tools")
+        tool_schema(fn)  # a tool without a schema fails here, before any engine is built
+        name = getattr(fn, "__name__", spec)
+        tools[name] = Tool(name, fn, spec)
+    factory = None if env.function in (None, "tools") else load_callable(env.function, "env.function")
+    return factory, tools
 
 
 def _on_rank0(fn: Callable[[], Any]) -> Any:
@@ -524,11 +659,14 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
         try:
             box[0] = ("ok", fn())
         except Exception as exc:  # noqa: BLE001 (re-raised below after the others learn of it)
-            error, box[0] = exc, ("error", f"{type(exc).__name__}: {exc}")
+            kind = "user" if isinstance(exc, UserCodeError) else "error"
+            error, box[0] = exc, (kind, f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0, device=comm_device(None))
     if error is not None:
         raise error
     kind, value = box[0]
+    if kind == "user":  # one line on every rank, like rank 0's (run_cli), not a traceback per rank
+        raise UserCodeError(f"the multi-turn rollout failed on rank 0 ({value}); this rank stops too")
     if kind == "error":
         raise RuntimeError(f"the multi-turn rollout failed on rank 0 ({value}); this rank stops too")
     return value

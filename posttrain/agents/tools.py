@@ -13,12 +13,14 @@ turn in the model family's tool-call format, and executed fenced like reward fun
   is one JSON object ``{"name": ..., "parameters": {...}}`` (or several joined by ``;``); a
   turn that does not start with ``{`` is a plain answer. A call whose JSON does not parse, or
   lacks a string ``name`` or object arguments, is a malformed call: reported, never executed.
-* **Executing** (:func:`run_tool`). In a daemon thread bounded by ``env.tool_timeout_s``
-  (abandoned on timeout, as ``posttrain.rewards`` does: a thread cannot be killed); anything
-  it raises, ``sys.exit`` included, becomes an error observation naming the tool; a
-  ``KeyboardInterrupt`` stays an interrupt. The result is ``str(value)`` (a dict or list as
-  JSON). An unknown tool, bad arguments (``TypeError`` on the call) and a timeout are error
-  observations too: the model sees them and the run counts them (``env/tool_errors``).
+* **Executing**: a turn's calls run concurrently in ``posttrain.agents.tool_runner`` (worker
+  processes, each call bounded and stopped past ``env.tool_timeout_s``); :func:`run_tool` runs
+  one call in a daemon thread of this process (abandoned on timeout, as ``posttrain.fencing``
+  does: a thread cannot be killed). Anything a tool raises, ``sys.exit`` included, becomes an
+  error observation naming the tool; so does a result whose ``str`` raises. The result is
+  ``str(value)`` (a dict or list as JSON). An unknown tool, bad arguments (``TypeError`` on the
+  call) and a timeout are error observations too: the model sees them and the run counts them
+  (``env/tool_errors_sum``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.rewards import _fenced, _Timeout
+from posttrain.fencing import FencedTimeout, fenced
 
 TOOL_FORMATS = ("auto", "hermes", "llama3")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -76,12 +78,36 @@ def parse_tool_calls(text: str, fmt: str) -> list[ToolCall]:
             body = body[len(_PYTHON_TAG) :].strip()
         if not body.startswith("{"):
             return []
-        try:
-            return [_call_from_obj(json.loads(body), "parameters", body)]
-        except json.JSONDecodeError:
-            pieces = [p.strip() for p in body.split(";") if p.strip()]
-            return [_call_from_json(p, "parameters", p) for p in pieces]
+        return _llama3_calls(body)
     raise ValueError(f"tool format {fmt!r}: unknown; fix: one of {', '.join(TOOL_FORMATS[1:])}")
+
+
+def _llama3_calls(body: str) -> list[ToolCall]:
+    """Llama 3.1's JSON calls: one object, or several joined by ``;``. Each object is read with a
+    JSON decoder, so a ``;`` inside a string argument is part of the argument, never a split."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        start = pos
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError as exc:
+            piece = body[start:].split(";", 1)[0] if "{" not in body[start + 1 :] else body[start:]
+            calls.append(ToolCall("", raw=piece, error=f"the call is not valid JSON ({exc.msg} at character {exc.pos - start})"))
+            return calls
+        calls.append(_call_from_obj(obj, "parameters", body[start:end]))
+        pos = end
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        if pos < len(body):
+            if body[pos] != ";":
+                calls.append(
+                    ToolCall("", raw=body[pos:], error=f"text after a call that is not ';' and another call: {body[pos : pos + 20]!r}")
+                )
+                return calls
+            pos += 1
+            while pos < len(body) and body[pos].isspace():
+                pos += 1
+    return calls
 
 
 def _call_from_json(body: str, key: str, raw: str) -> ToolCall:
@@ -167,15 +193,22 @@ def check_declared_tools(value: object, source: str) -> list[dict]:
 class ToolResult:
     """What one call returned to the model: ``content`` (the observation text), ``error``
     (True for an error observation: malformed call, unknown tool, bad arguments, raised,
-    timed out)."""
+    timed out), ``truncated`` (the result was cut to the observation bound)."""
 
     name: str
     content: str
     error: bool
+    truncated: bool = False
 
 
-def run_tool(call: ToolCall, registry: Mapping[str, Callable[..., Any]], timeout_s: float | None) -> ToolResult:
-    """Execute ``call`` with ``registry``'s callable of its name, fenced (module docstring)."""
+def run_tool(
+    call: ToolCall, registry: Mapping[str, Callable[..., Any]], timeout_s: float | None, max_chars: int | None = None
+) -> ToolResult:
+    """Execute ``call`` with ``registry``'s callable of its name in a daemon thread of this
+    process, fenced (module docstring); the result cut to ``max_chars`` characters (None: whole).
+    The loop runs a turn's calls through ``posttrain.agents.tool_runner`` instead (stoppable)."""
+    from posttrain.agents.tool_worker import content_of
+
     if call.error is not None:
         return ToolResult(call.name, f"Error: malformed tool call: {call.error}.", True)
     fn = registry.get(call.name)
@@ -188,17 +221,17 @@ def run_tool(call: ToolCall, registry: Mapping[str, Callable[..., Any]], timeout
         return ToolResult(call.name, f"Error: bad arguments for {call.name!r}: {exc}.", True)
     except ValueError:
         pass  # not introspectable: the call itself will say
+    limit = max_chars if max_chars is not None else 1 << 62
     try:
-        value = _fenced(lambda: fn(**call.arguments), timeout_s)
+        text, cut = fenced(lambda: content_of(fn(**call.arguments), limit), timeout_s)
     except KeyboardInterrupt:
         raise
-    except _Timeout:
+    except FencedTimeout:
         return ToolResult(call.name, f"Error: tool {call.name!r} did not return within {timeout_s:g} s.", True)
     except BaseException as exc:  # noqa: BLE001 (the tool is user code: sys.exit and all become an observation)
-        return ToolResult(call.name, f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}", True)
-    if isinstance(value, (dict, list)):
         try:
-            return ToolResult(call.name, json.dumps(value), False)
-        except (TypeError, ValueError):
-            pass
-    return ToolResult(call.name, str(value), False)
+            detail = f"{type(exc).__name__}: {exc}"
+        except BaseException:  # noqa: BLE001 (an exception whose str raises)
+            detail = type(exc).__name__
+        return ToolResult(call.name, f"Error: tool {call.name!r} raised {detail}", True)
+    return ToolResult(call.name, text, False, cut)

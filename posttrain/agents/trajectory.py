@@ -142,8 +142,10 @@ class Trajectory:
         # What the loop records per trajectory: the environment's rewards, tool calls and
         # error observations, and whether it has ended.
         self.rewards: list[float] = []
-        self.calls = self.errors = 0
+        self.calls = self.errors = self.cut_observations = 0
         self.done = False
+        # The tools the loop runs for this trajectory's environment (name -> tool_runner.Tool), or None.
+        self.tools: dict | None = None
 
     # ------------------------------------------------------------------ growth
     def room(self) -> int:
@@ -233,6 +235,21 @@ class Trajectory:
             f"first difference at character {pos}, in {kind}: kept token {token} ({ids[token] if token < len(ids) else None}, "
             f"{shown!r}); the template writes {rendered[pos : pos + 20]!r} where the kept text has {self.text[pos : pos + 20]!r}"
         )
+
+
+def bound_messages(messages: list[dict], limit: int) -> tuple[list[dict], bool]:
+    """``messages`` with at most ``limit`` characters of content in all (the first messages
+    whole, the one that crosses the limit cut, any after it empty), and whether any was cut.
+    Done before the chat template runs, so an observation of megabytes costs nothing more than
+    one that fills the budget (``env.max_observation_chars``)."""
+    left, out, cut = limit, [], False
+    for m in messages:
+        content = m["content"]
+        if len(content) > left:
+            m, cut = {**m, "content": content[:left]}, True
+        left -= len(m["content"])
+        out.append(m)
+    return out, cut
 
 
 def message_list(observation: object, role: str, source: str, name: str) -> list[dict] | None:

@@ -100,7 +100,7 @@ class Pipeline:
     def settings(self) -> dict[str, Any]:
         """What a saved state depends on (a resume with other values regenerates instead)."""
         out = {"max_staleness": self.k, "partial_rollouts": self.partial, "max_new_tokens": self.max_new, "n_samples": self.n}
-        return {**out, "multi_turn": True} if self.agent is not None else out
+        return {**out, "multi_turn": True, **self.agent.settings()} if self.agent is not None else out
 
     # ------------------------------------------------------------------ checkpoint
     def save(self, ckpt_dir: str, step: int) -> None:
@@ -149,8 +149,10 @@ class Pipeline:
         why = None
         if loaded is None:
             why = "no asynchronous state was saved with it" + (" (the run was synchronous)" if not has_state(ckpt_dir) else "")
-        elif loaded[1] != self.settings():
-            why = f"its asynchronous state was saved with {loaded[1]}, this run has {self.settings()}"
+        else:
+            changed = _changed_settings(loaded[1], self.settings())
+            if changed:
+                why = f"its asynchronous state was made with other settings ({changed})"
         if why is not None:
             warn(
                 [
@@ -363,3 +365,11 @@ class Pipeline:
             return
         with open(self.ledger, "a") as f:
             f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids}) + "\n")
+
+
+def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The settings that differ between a saved state and this run, named with both values
+    ("" when none). A key the saved state lacks was not recorded by the run that wrote it (an
+    older state file records fewer ``env.*`` settings) and is not compared."""
+    keys = [k for k in now if k in saved and saved[k] != now[k]] + [k for k in saved if k not in now]
+    return "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys)

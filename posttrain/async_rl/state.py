@@ -148,7 +148,7 @@ def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
         if layout.get("format") != FORMAT or layout.get("step") != step:
             raise ValueError(f"the tensors file holds format {layout.get('format')!r} / step {layout.get('step')!r}")
         tensors = load_file(base + ".safetensors")
-        pending = [_batch(k, b, tensors) for k, b in enumerate(layout["batches"])]
+        pending = [_batch(k, b, tensors, step) for k, b in enumerate(layout["batches"])]
     except (OSError, KeyError, TypeError, RuntimeError, ValueError) as exc:
         raise ValueError(f"async state {where} does not verify ({type(exc).__name__}: {exc}); nothing was loaded; fix: {fix}") from None
     return pending, layout["settings"]
@@ -189,7 +189,12 @@ def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:
             os.remove(os.path.join(root, name))
 
 
-def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
+def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor], step: int) -> Pending:
+    """Batch ``k`` of a state saved after ``step`` updates: its samples' weight versions can be
+    ``step`` at most (the round that sampled them ran with version ``step``), checked with their
+    log-probs (``posttrain.agents.loop.check_sample``)."""
+    from posttrain.agents.loop import check_sample
+
     def part(name: str) -> dict[str, torch.Tensor]:
         head = f"{k}.{name}."
         return {key[len(head) :]: t for key, t in tensors.items() if key.startswith(head)}
@@ -198,6 +203,9 @@ def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
     seeds = tensors[f"{k}.seeds"].tolist()
     if not (len(prompts) == len(samples) == len(seeds)):
         raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(samples)} response rows")
+    for s in samples:
+        if s is not None:
+            check_sample(s, step, f"batch {k}")
     trajectories = None
     if "trajectories" in meta:
         from posttrain.agents.loop import AgentBatch
@@ -207,7 +215,7 @@ def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
     if "agent_run" in meta:
         from posttrain.agents.loop import AgentRun
 
-        agent_run = AgentRun.from_tensors(part("run"), meta["agent_run"])
+        agent_run = AgentRun.from_tensors(part("run"), meta["agent_run"], max_version=step)
         if agent_run.seeds != [int(s) for s in seeds]:
             raise ValueError(f"batch {k}: its paused trajectories carry other seeds than the batch")
     return Pending(

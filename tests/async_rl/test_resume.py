@@ -168,6 +168,41 @@ def test_a_synchronous_resume_of_batches_in_flight_says_it_drops_them(tmp_path, 
     assert "fix: resume with the saving run's async.max_staleness" in err
 
 
+def test_a_resume_with_other_settings_names_them_and_a_state_out_of_range_is_refused(tmp_path, capsys):
+    """Issue 60 item 9: a state made with other ``env.*`` (or sampling) settings is regenerated
+    with a warning naming each changed key and both values (it blamed the environment's
+    determinism); saved log-probs and weight versions outside what the checkpoint's step can
+    hold are refused when read, naming the batch."""
+    from engine_api.typed_config import load_typed
+    from posttrain.async_rl import Pipeline
+    from posttrain.tasks import build_task
+    from recipes.ppo import PPOConfig
+    from tests.async_rl.async_workers import ROOT, SMALL
+
+    class Agent:  # what the pipeline asks of the multi-turn loop here: its settings
+        def settings(self):
+            return {"env.max_turns": 3, "env.max_tokens": 256}
+
+    ckpt = str(tmp_path / "checkpoints")
+    cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", [*SMALL, f"trainer.output_dir={tmp_path}", "async.max_staleness=2"])
+    pipeline = Pipeline(cfg, None, build_task(cfg), rank0=True, agent=Agent())
+    save_state(ckpt, 4, _pending(), {**pipeline.settings(), "env.max_turns": 4})
+    pipeline.resume(ckpt, 4)
+    err = capsys.readouterr().err
+    assert "its asynchronous state was made with other settings (env.max_turns: saved 4, now 3)" in err
+    assert not pipeline.pending  # regenerated, not continued
+    save_state(ckpt, 1, _pending(), {"max_staleness": 2})  # versions 1-2 cannot come from a run at step 1
+    with pytest.raises(
+        ValueError, match=r"global_step_1\.json does not verify .*batch 0: a sample holds weight versions 1..2, outside 0..1"
+    ):
+        load_state(ckpt, 1)
+    bad = _pending()
+    bad[0].samples[0] = Sample(torch.tensor([4]), torch.tensor([float("nan")]), "length", 2)
+    save_state(ckpt, 3, bad, {"max_staleness": 2})
+    with pytest.raises(ValueError, match="log-probs that are not finite"):
+        load_state(ckpt, 3)
+
+
 @pytest.mark.slow
 def test_megatron_resumes_with_batches_in_flight_like_the_uninterrupted_run(tmp_path):
     """The other backend: a 5-step run checkpointed at step 3 with two batches in flight (one

@@ -55,6 +55,18 @@ def test_resume_replays_the_uninterrupted_run(tmp_path):
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in full]
 
 
+def test_a_fresh_run_over_another_runs_checkpoints_is_refused_before_the_tiny_model_is_built(tmp_path):
+    """Issue 60 item 7, RL side: refused in ``main`` before anything is written (the tiny model
+    would be rebuilt into the old run's directory), naming every way out."""
+    from recipes.ppo import main
+
+    step = tmp_path / "checkpoints" / "critic" / "global_step_2"
+    step.mkdir(parents=True)
+    with pytest.raises(ValueError, match="trainer.resume=true to continue it, another trainer.output_dir for a new run, or trainer"):
+        main(["--config", str(ROOT / "configs" / "ppo_tiny.yaml"), f"trainer.output_dir={tmp_path}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"] and step.is_dir()
+
+
 @pytest.mark.slow
 def test_same_roles_on_fsdp_and_megatron(tmp_path):
     """3 PPO steps from the same HF init: same rewards (same samples), losses and grad norms.

@@ -134,6 +134,17 @@ def test_resume_replays_the_uninterrupted_run(tmp_path, own_process_group):
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())]
     assert len(set(lrs[2:])) == 4, lrs  # the premise: a different LR at the save and every resumed step
 
+    # Issue 60 item 7: a fresh run (the default trainer.resume=false) in that directory is refused
+    # before anything is written (it truncated the metrics, overwrote global_step_* and moved
+    # `latest`); trainer.overwrite=true deletes the old checkpoints and starts over.
+    ckpts = tmp_path / "split" / "checkpoints"
+    before = sorted(p.name for p in ckpts.iterdir()), (tmp_path / "split" / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="holds another run's checkpoints .* fix: trainer.resume=true to continue it, another"):
+        main([*_run_args(tmp_path / "split", 2), *constant])
+    assert (sorted(p.name for p in ckpts.iterdir()), (tmp_path / "split" / "metrics.jsonl").read_text()) == before
+    main([*_run_args(tmp_path / "split", 2), *constant, "trainer.overwrite=true"])
+    assert not ckpts.exists() and len((tmp_path / "split" / "metrics.jsonl").read_text().splitlines()) == 2
+
 
 @pytest.mark.slow
 def test_one_config_key_switches_backend_with_the_same_losses(tmp_path):
