@@ -67,9 +67,59 @@ def layout() -> dict:
     }
 
 
-def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int | None, remote: str | None, lora: dict | None = None) -> str:
+def optimizer_record(dtype: str, distributed: bool) -> dict:
+    """What the optimizer state's layout depends on besides the model-parallel sizes and LoRA,
+    recorded with a checkpoint (``enginekit.json`` ``optimizer``) and checked by :func:`load`
+    before anything is read: ``model.dtype`` (bfloat16 / float16: mixed precision, fp32 main
+    parameters in the state; float32: none) and ``megatron.use_distributed_optimizer`` (the
+    state sharded over data-parallel ranks, or whole)."""
+    return {"model_dtype": dtype, "use_distributed_optimizer": bool(distributed)}
+
+
+def _mains(dtype: str) -> str:
+    return "mixed precision: fp32 main parameters in the optimizer state" if dtype != "float32" else "no main parameters"
+
+
+def optimizer_mismatch(saved: dict | None, now: dict) -> str | None:
+    """Why a checkpoint whose optimizer state was saved as ``saved`` (:func:`optimizer_record`;
+    None: a checkpoint from before the record, not checked) cannot load into an engine whose
+    state is laid out as ``now`` (None: it can). bfloat16 and float16 share the layout (both keep
+    fp32 mains; their half parameters follow the mains at the next step) and load into each other."""
+    if not saved:
+        return None
+    problems, fixes = [], []
+    was, dtype = saved.get("model_dtype"), now["model_dtype"]
+    if (was == "float32") != (dtype == "float32"):
+        problems.append(f"model.dtype = {dtype!r} in this engine ({_mains(dtype)}), saved with {was!r} ({_mains(was)})")
+        fixes.append(f"model.dtype={was}")
+    was_distributed, distributed = saved.get("use_distributed_optimizer"), now["use_distributed_optimizer"]
+    if was_distributed != distributed:
+        problems.append(f"megatron.use_distributed_optimizer = {distributed} in this engine, saved with {was_distributed}")
+        fixes.append(f"megatron.use_distributed_optimizer={str(was_distributed).lower()}")
+    if not problems:
+        return None
+    in_recipe = " ".join(f"engine.{fix}" for fix in fixes)
+    return (
+        f"its optimizer state does not fit this engine: {'; '.join(problems)} (nothing was loaded); fix: resume with "
+        f"{' and '.join(fixes)} (a recipe's {in_recipe}); to go on with this engine's settings, export the weights from a "
+        "run resumed as saved (trainer.save_hf) and start a new run from them"
+    )
+
+
+def save(
+    model_chunks,
+    optimizer,
+    extra: dict,
+    root: str,
+    step: int,
+    keep: int | None,
+    remote: str | None,
+    lora: dict | None = None,
+    optimizer_layout: dict | None = None,
+) -> str:
     """Save the sharded model + optimizer state and ``extra``. Collective. With LoRA (``lora``:
     the settings, recorded in ``enginekit.json``) only the adapters and their optimizer state.
+    ``optimizer_layout`` (:func:`optimizer_record`) is recorded there too, for :func:`load`.
 
     Raises:
         CheckpointError: writing failed (a full disk: named, with the fix); the incomplete save
@@ -80,11 +130,19 @@ def save(model_chunks, optimizer, extra: dict, root: str, step: int, keep: int |
     with ckpt_layout.writing(tmp):  # a full disk: CheckpointError naming it; the incomplete save removed
         dist_checkpointing.save(_sharded(model_chunks, optimizer, False, lora or {}), tmp)
         ckpt_layout.save_extra(tmp, extra)
-    return ckpt_layout.commit(root, step, keep, remote, {"backend": BACKEND, "layout": layout(), "lora": lora or {}})
+    info = {"backend": BACKEND, "layout": layout(), "lora": lora or {}, "optimizer": optimizer_layout or {}}
+    return ckpt_layout.commit(root, step, keep, remote, info)
 
 
 def load(
-    model_chunks, optimizer, local_path: str, remote: str | None, del_local_after_load: bool, verify: bool = True, lora: dict | None = None
+    model_chunks,
+    optimizer,
+    local_path: str,
+    remote: str | None,
+    del_local_after_load: bool,
+    verify: bool = True,
+    lora: dict | None = None,
+    optimizer_layout: dict | None = None,
 ) -> dict:
     """Load in place; return this rank's ``extra``. Collective.
 
@@ -93,17 +151,22 @@ def load(
     The checkpoint is verified first (``ckpt_layout.open_checkpoint``; ``verify``: with
     sha256). The data-parallel size may differ from the save's (dist_checkpointing reshards;
     ``ckpt_layout.load_extra`` says what happens to the RNG streams); TP / PP / VPP may not.
+    ``optimizer_layout``: this engine's :func:`optimizer_record`, checked against the saved one.
 
     Raises:
         CorruptCheckpointError: verification failed; nothing was loaded.
-        ValueError: another backend's checkpoint, another model-parallel layout, other LoRA
-            settings, or another model (a tensor's global shape differs: named with both
-            shapes); nothing was loaded.
+        ValueError: another backend's checkpoint, another model-parallel layout, another
+            optimizer-state layout (``model.dtype`` float32 vs bfloat16 / float16, the
+            distributed optimizer on vs off: :func:`optimizer_mismatch`), other LoRA settings, or
+            another model (a tensor's global shape differs: named with both shapes); nothing was
+            loaded.
         CheckpointError: the load itself failed (naming the checkpoint).
     """
     path, downloaded, info = ckpt_layout.open_checkpoint(local_path, remote, not del_local_after_load, verify)
     lora = lora or {}
     problem = _incompatible(info) or ckpt_layout.lora_mismatch(info.get("lora") or {}, lora)
+    if not problem and optimizer_layout is not None:
+        problem = optimizer_mismatch(info.get("optimizer"), optimizer_layout)
     if problem:
         ckpt_layout.finish_load(downloaded)
         raise ValueError(f"checkpoint {path}: {problem}")

@@ -524,11 +524,20 @@ class MegatronEngine(BaseEngine):
                 "save_checkpoint before the first optimizer step: megatron's optimizer has no state to save yet, so the "
                 "checkpoint could not be loaded; fix: save after a step (the initial weights are the HF directory)"
             )
-        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path, self._lora)
+        ckpt.save(self.model, self.optimizer, extra, local_path, global_step, keep, hdfs_path, self._lora, self._optimizer_layout)
 
     def _load_checkpoint(self, local_path, hdfs_path, del_local_after_load) -> dict:
         """Restore the newest complete checkpoint under ``local_path`` (or ``hdfs_path``)."""
-        return ckpt.load(self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, self.config.checkpoint.verify, self._lora)
+        verify = self.config.checkpoint.verify
+        return ckpt.load(
+            self.model, self.optimizer, local_path, hdfs_path, del_local_after_load, verify, self._lora, self._optimizer_layout
+        )
+
+    @property
+    def _optimizer_layout(self) -> dict:
+        """What this engine's optimizer state is laid out by, recorded with a checkpoint and
+        checked at load (``backends.megatron.checkpoint.optimizer_record``)."""
+        return ckpt.optimizer_record(self.config.model.dtype, options_of(self.config, MegatronOptions).use_distributed_optimizer)
 
     @property
     def _lora(self) -> dict:

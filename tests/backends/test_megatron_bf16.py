@@ -21,7 +21,11 @@ layout):
   fp32, the export fp32;
 * gradients accumulate (and so reduce over DP: megatron DDP reduces the same buffer) in fp32
   (``grad_reduce_in_fp32``): eight identical micro-batches add up to one's gradient exactly,
-  which bf16 accumulation misses by its rounding (issue 60).
+  which bf16 accumulation misses by its rounding (issue 60);
+* a checkpoint records what its optimizer state's layout depends on (``model.dtype``, the
+  distributed optimizer): a resume with another one is refused by name before anything is
+  loaded (it failed half-loaded, ``KeyError: 'pre_wd_mult'``), and a checkpoint from before the
+  record still resumes exactly where it matches (issue 60).
 """
 
 from __future__ import annotations
@@ -179,6 +183,80 @@ def test_bf16_gradients_accumulate_in_fp32(models):
             acc += (g / ACCUMULATED).to(torch.bfloat16)
         in_bf16.append(acc.float())
     assert _rel(in_bf16, r["one"]) > 2.0**-12
+
+
+def _resume_across_layouts(rank, world, model_dir: str, root: str) -> dict:
+    """One step and a checkpoint in bf16 and in fp32; engines of the other dtype (and the fp32
+    checkpoint into a distributed-optimizer engine) try to load them: each one's error and
+    whether its weights were left untouched. Then the bf16 checkpoint with its marker's record
+    removed (a checkpoint from before issue 60) loaded at bf16: its step, and whether the loaded
+    weights (fp32 mains) equal the saved engine's."""
+    import json
+    import os
+
+    from engine_api import ckpt_layout
+    from tests.support.hf_utils import engine_for, full_params, make_test_batch
+
+    def engine(dtype: str, *extra: str):
+        return engine_for(model_dir, f"model.dtype={dtype}", "megatron.layer_spec=local", *extra, strategy="megatron")
+
+    def saved(dtype: str) -> tuple[str, dict]:
+        trained = engine(dtype)
+        with trained.train_mode():
+            trained.train_batch(make_test_batch())
+        trained.save_checkpoint(os.path.join(root, dtype), global_step=1)
+        return os.path.join(root, dtype), full_params(trained)
+
+    def refusal(path: str, dtype: str, *extra: str) -> dict:
+        fresh = engine(dtype, *extra)
+        before = full_params(fresh)
+        try:
+            fresh.load_checkpoint(path, del_local_after_load=False)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - which error, reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        after = full_params(fresh)
+        return {"error": error, "untouched": all(torch.equal(before[k], after[k]) for k in before)}
+
+    (bf16, bf16_weights), (fp32, _) = saved("bfloat16"), saved("float32")
+    out = {
+        "bf16->fp32": refusal(bf16, "float32"),
+        "fp32->bf16": refusal(fp32, "bfloat16"),
+        "plain->distributed": refusal(fp32, "float32", "megatron.use_distributed_optimizer=true"),
+    }
+    marker = os.path.join(bf16, "global_step_1", ckpt_layout.MARKER)
+    with open(marker) as f:
+        info = json.load(f)
+    out["recorded"] = info.pop("optimizer", None)
+    with open(marker, "w") as f:
+        json.dump(info, f)
+    old = engine("bfloat16")
+    out["old_step"] = old.load_checkpoint(bf16, del_local_after_load=False)
+    loaded = full_params(old)
+    out["old_exact"] = set(loaded) == set(bf16_weights) and all(torch.equal(loaded[k], v) for k, v in bf16_weights.items())
+    return out
+
+
+def test_a_checkpoint_resumed_with_another_optimizer_layout_is_refused_before_loading(models, tmp_path):
+    """Saved in bf16 (fp32 mains in the optimizer state) and loaded in fp32, or the reverse, or
+    saved without the distributed optimizer and loaded with it: a ValueError naming the setting,
+    this engine's value, the saved one and the fix, raised before anything is read (the engine's
+    weights bit-identical). Before, the first failed half-way (``KeyError: 'pre_wd_mult'``, the
+    model already overwritten) and the others with a bare ``CheckpointException``. A checkpoint
+    whose marker has no record (saved before it existed) loads as before where it matches: the
+    step, and the weights bit-exact."""
+    (r,) = run_distributed(_resume_across_layouts, 1, models["llama"], str(tmp_path), timeout=400)
+    for case, (was, now) in {"bf16->fp32": ("bfloat16", "float32"), "fp32->bf16": ("float32", "bfloat16")}.items():
+        err = r[case]["error"] or ""
+        assert err.startswith("ValueError: checkpoint "), (case, err)
+        assert f"model.dtype = '{now}' in this engine" in err and f"saved with '{was}'" in err, (case, err)
+        assert f"fix: resume with model.dtype={was} " in err and "nothing was loaded" in err, (case, err)
+        assert r[case]["untouched"], case
+    err = r["plain->distributed"]["error"] or ""
+    assert err.startswith("ValueError: checkpoint ") and "megatron.use_distributed_optimizer = True in this engine, saved with False" in err
+    assert "fix: resume with megatron.use_distributed_optimizer=false" in err and r["plain->distributed"]["untouched"], err
+    assert r["recorded"] == {"model_dtype": "bfloat16", "use_distributed_optimizer": False}
+    assert r["old_step"] == 1 and r["old_exact"]
 
 
 def _values(rank, world, model_dir: str) -> dict:
