@@ -971,3 +971,27 @@ def test_runs_and_calls_are_logged_with_the_owner_tag_never_the_key(service, ser
     timed = [m for level, m in lines if level == logging.DEBUG and m.startswith(f"forward_backward of {client.model_id}")]
     assert len(timed) == 1 and tag in timed[0] and re.search(r"ran \d+\.\d{3} s after waiting \d+\.\d{3} s", timed[0]), lines
     assert not [m for _, m in lines if KEY in m]
+
+
+def test_the_per_key_and_ownership_settings_are_checked_at_start(tmp_path):
+    """server.max_runs_per_key, max_sampling_sessions_per_key, ownerless_runs_owner and log_level:
+    each bad value named with the key, the value and the fix before anything starts; a tag or one of
+    api_keys is accepted as the owner of ownerless records."""
+    from tinker_server.config import load_server_config
+
+    base = ["configs/tinker_tiny.yaml", f"server.model_root={tmp_path}"]
+    bad = [
+        "server.max_runs_per_key=0",
+        "server.max_sampling_sessions_per_key=0",
+        "server.ownerless_runs_owner=bob",
+        "server.log_level=loud",
+    ]
+    with pytest.raises(ValueError) as e:
+        load_server_config(base[0], [base[1], *bad])
+    for words in ("max_runs_per_key = 0", "max_sampling_sessions_per_key = 0", "ownerless_runs_owner = 'bob'", "log_level = 'loud'"):
+        assert words in str(e.value) and "fix" in str(e.value), (words, str(e.value))
+    with pytest.raises(ValueError, match="ownerless_runs_owner: that key is not one of api_keys"):
+        load_server_config(base[0], [base[1], f"server.api_keys=[{KEY},{OTHER_KEY}]", "server.ownerless_runs_owner=tml-third"])
+    for owner in (KEY, tenants.tag_of(KEY)):
+        cfg = load_server_config(base[0], [base[1], f"server.api_keys=[{KEY},{OTHER_KEY}]", f"server.ownerless_runs_owner={owner}"])
+        assert tenants.owner_tag(cfg.server_settings().ownerless_runs_owner) == tenants.tag_of(KEY)
