@@ -1,6 +1,7 @@
 """Suite-wide pytest setup: ``@pytest.mark.gpu`` tests skip cleanly without CUDA, no test leaves
 the megatron CPU compat layer (``backends.megatron.cpu_compat``) switched on in this process, the
-long-lived worlds (``tests/support/worlds.py``) are closed when the session ends, and the time
+long-lived worlds (``tests/support/worlds.py``) are closed when the session ends, the forkserver
+and what it forks end with the test process (``tests/support/reaper.py``), and the time
 report (``tests/support/timing.py``) is printed at the end. A test module that needs a missing
 optional extra is skipped on a machine without the extras (a bare GPU machine's ``pytest -m gpu``)
 and is an error where every extra must be installed (``tests/support/extras.py``)."""
@@ -48,6 +49,14 @@ def own_process_group():
     yield
     if not existed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_configure(config):
+    # The forkserver, whoever starts it (the worlds, forked scripts, the conformance kit), and the
+    # processes it forks end with this process (tests/support/reaper.py).
+    from tests.support import reaper
+
+    reaper.install()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 
-from tests.support import costs
+from tests.support import costs, reaper
 from tests.support.launch import REPO, free_port, launch_env, mp_context
 
 # After one rank fails, the others get this long to stop by themselves (torchrun's agent sends
@@ -72,6 +72,9 @@ def run_forked(args: list[str], nproc: int = 1, timeout: float = 300, env: dict 
         except subprocess.TimeoutExpired:
             _kill(procs)
             raise subprocess.TimeoutExpired(["(forked)", *args], timeout, *_read(outs)) from None
+        except BaseException:  # interrupted (Ctrl-C): the scripts lead sessions the terminal's SIGINT misses
+            _kill(procs)
+            raise
         finally:
             costs.record("forked scripts", time.monotonic() - start)
         stdout, stderr = _read(outs)
@@ -134,6 +137,7 @@ def _child(args: list[str], env: dict[str, str], out: str, err: str) -> None:
     import traceback
 
     os.setsid()
+    reaper.die_with_parent()  # a spawned script (a forkserver's child already is): never outlive the test process
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from tests.support import costs
+from tests.support import costs, reaper
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set by launchers; a test process may carry them (e.g. from a fixture's own group), and a
@@ -104,7 +104,9 @@ def mp_context(start_method: str = "spawn"):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # One server per process, shared with the conformance kit's launcher: add to what it
-        # will preload while it has not started (once started, its list is fixed).
+        # will preload while it has not started (once started, its list is fixed). The reaper
+        # goes first: it ties the server, and every process it forks, to this process's life.
+        reaper.install()
         server = getattr(mp_forkserver, "_forkserver", None)
         if server is not None and getattr(server, "_forkserver_pid", None) is None:
             have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
@@ -230,6 +232,7 @@ def _worker(fn, rank, world_size, init_method, results, args, rank_env) -> None:
     import torch.distributed as dist
 
     os.setsid()  # a process group of its own, so _stop can kill the helpers a rank starts too
+    reaper.die_with_parent()  # a spawned rank (a forkserver's child already is): never outlive the test process
     # The launcher variables a forkserver may carry must not reach the rank; whatever its
     # preloaded imports set is kept (they ran once, in the server).
     for name in LAUNCHER_VARS:

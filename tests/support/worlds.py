@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from tests.support import costs
+from tests.support import costs, reaper
 from tests.support.launch import RankError
 
 # How long the ranks of a failed task get to report their own error before the world is killed.
@@ -77,6 +77,7 @@ class World:
             self._conns.append(parent)
             self.procs.append(proc)
         self._task = 0
+        self._busy = False  # a task sent and not collected (an interrupted one, at exit)
         # Every rank says it joined the group before the world takes work.
         self._collect(("ready",), timeout=300)
         costs.record("world start", time.monotonic() - start)
@@ -89,9 +90,12 @@ class World:
         (and kills the world) when a rank fails or the task outlives ``timeout``."""
         self._task += 1
         task = pickle.dumps((self._task, fn, args, env))
+        self._busy = True
         for conn in self._conns:
             conn.send_bytes(task)
-        return self._collect((self._task,), timeout=timeout, retire=retire)
+        out = self._collect((self._task,), timeout=timeout, retire=retire)
+        self._busy = False
+        return out
 
     def _collect(self, task: tuple, timeout: float, retire: bool = False) -> list[Any]:
         import queue
@@ -145,7 +149,11 @@ class World:
             del _WORLDS[self.size]
 
     def close(self) -> None:
-        """Ask every rank to leave (destroying its group), then kill what is left."""
+        """Ask every rank to leave (destroying its group), then kill what is left; ranks still
+        running a task (the caller was interrupted) cannot read the request and are killed."""
+        if self._busy:
+            self.kill()
+            return
         for conn in self._conns:
             try:
                 conn.send_bytes(b"")
@@ -199,6 +207,7 @@ def _rank_loop(rank: int, size: int, init_method: str, conn, results, env: dict[
     from tests.support.launch import LAUNCHER_VARS
 
     os.setsid()  # a session of its own, so kill() takes the helpers a task starts too
+    reaper.die_with_parent()  # a spawned rank (a forkserver's child already is): never outlive the test process
     os.environ.clear()  # exactly the parent's launch_env (the forkserver's own may be older)
     os.environ.update({k: v for k, v in env.items() if k not in LAUNCHER_VARS})
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank)})
