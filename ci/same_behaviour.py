@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 TIMING_SUFFIXES = ("_s", "tokens_per_s")
-TIMING_KEYS = {"async/trainer_wait_frac", "async/rollout_idle_frac", "time", "seconds", "elapsed"}
+TIMING_KEYS = {"async/trainer_wait_frac", "async/rollout_idle_frac", "time", "seconds", "elapsed", "time_total"}
 COMMON = ["trainer.progress_bar=false", "trainer.save_hf=false", "trainer.loggers=[jsonl]"]
 
 
