@@ -6,8 +6,8 @@ Run it against any backend, by registered name, entry-point name or import path:
     python -m engine_api.conformance megatron --nproc 2 --set megatron.tensor_model_parallel_size=2
     python -m engine_api.conformance mypkg.engine:MyEngine --nproc 2
 
-or from Python with :func:`run_conformance`. The checks (``engine_api.conformance.checks``)
-are written against the contract only: HF log-prob parity, temperature and entropy, value
+or from Python with :func:`run_conformance`. The checks (one module per topic, written with
+``engine_api.conformance.checks``) are written against the contract only: HF log-prob parity, temperature and entropy, value
 heads, HF names of exported weights, the update of one optimizer step against an independent
 HF step for every micro-batching / dynamic batching / packing / split-call layout in all four
 aggregation modes (at ``--nproc 2`` also DP-size invariance), the model's dropout in train
@@ -27,7 +27,14 @@ Rollout backends (``engine_api.rollout.BaseRollout``) have their own kit
     python -m engine_api.conformance --rollout vllm
 """
 
-from engine_api.conformance import precision_checks as _precision_checks  # noqa: F401  (registers mixed_precision in CHECKS)
+# isort: off
+# Importing a topic's module registers its checks in CHECKS, and the kit runs them in that order:
+# what the engine computes first, then the step, the failure paths, LoRA and runs, offload,
+# checkpoints and bf16. These imports keep this order (the sorter is off for them).
+from engine_api.conformance import output_checks, update_checks, safety_checks, lora_checks  # noqa: F401
+from engine_api.conformance import offload_checks, checkpoint_checks, precision_checks  # noqa: F401
+
+# isort: on
 from engine_api.conformance.checks import CHECKS
 from engine_api.conformance.rollout_kit import ROLLOUT_CHECKS
 from engine_api.conformance.rollout_runner import RolloutReport, run_rollout_conformance

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from engine_api.conformance import checks as C
 from engine_api.conformance import fixtures as fx
+from engine_api.conformance.checkpoint_checks import tamper
 
 
 @dataclass
@@ -115,7 +116,7 @@ def run_conformance(
             if not todo:
                 continue
             if phase == 2:
-                C.tamper(workdir)
+                tamper(workdir)
             env = dict(strategy=target, overrides=tuple(overrides), model_dir=model_dir, workdir=workdir)
             report.outcomes += _launch(env, todo, nproc, timeout_s)
     return report

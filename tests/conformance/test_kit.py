@@ -48,7 +48,7 @@ RUNS = {
 
 # Checks that run on some layouts only (every other check runs on all of RUNS): on each backend,
 # and on every layout whose code path the property goes through differently. Read from the checks
-# (engine_api/conformance/checks.py, precision_checks.py) and the backends:
+# (engine_api/conformance/*_checks.py) and the backends:
 # - mixed_precision: fsdp-1 (and megatron-1: the teeth' sound engines), fsdp-2 (fp32 params sharded,
 #   bf16 gathers), fsdp-sp2 (the Ulysses all-to-all and masks in bf16: no other bf16 SP test),
 #   megatron DP=2 distopt (mains seeded per optimizer shard), TP=2 (TP-split mains, exports

@@ -12,6 +12,8 @@ import torch
 
 from engine_api.conformance import checks as C
 from engine_api.conformance import fixtures as fx
+from engine_api.conformance import safety_checks as safety
+from engine_api.conformance import update_checks as update
 
 
 def test_close_accepts_within_and_refuses_just_outside_the_tolerance():
@@ -19,7 +21,7 @@ def test_close_accepts_within_and_refuses_just_outside_the_tolerance():
     with pytest.raises(C.CheckFailed, match="relative"):
         C.close("x", 1.0 + 1.1e-6, 1.0, 1e-6)
     with pytest.raises(C.CheckFailed):
-        C.close("x", 1.0 + 1e-4, 1.0, C.UPDATE_RTOL)  # the 1e-4 error of issue 28
+        C.close("x", 1.0 + 1e-4, 1.0, update.UPDATE_RTOL)  # the 1e-4 error of issue 28
     with pytest.raises(C.CheckFailed):
         C.close("x", -2.0 * (1 + 2e-5), -2.0)  # default rtol 1e-5, negative values
     with pytest.raises(C.CheckFailed):
@@ -67,12 +69,14 @@ def test_the_lr_formula_agrees_with_the_scheduler_it_checks():
     from engine_api.config import OptimConfig
     from engine_api.lr_schedule import lr_factor
 
-    cfg = OptimConfig(lr=fx.LR, lr_schedule="cosine", warmup_steps=C.LR_WARMUP, total_steps=C.LR_TOTAL, min_lr_ratio=C.LR_MIN_RATIO)
-    for step in range(C.LR_TOTAL + 2):
-        want = fx.lr_at(step, fx.LR, C.LR_WARMUP, C.LR_TOTAL, C.LR_MIN_RATIO)
+    cfg = OptimConfig(
+        lr=fx.LR, lr_schedule="cosine", warmup_steps=update.LR_WARMUP, total_steps=update.LR_TOTAL, min_lr_ratio=update.LR_MIN_RATIO
+    )
+    for step in range(update.LR_TOTAL + 2):
+        want = fx.lr_at(step, fx.LR, update.LR_WARMUP, update.LR_TOTAL, update.LR_MIN_RATIO)
         assert fx.LR * lr_factor(step, cfg) == pytest.approx(want, rel=1e-12), step
     # the check's steps cover warmup, the peak and the decay, so a frozen scheduler shows
-    lrs = [fx.lr_at(s, fx.LR, C.LR_WARMUP, C.LR_TOTAL, C.LR_MIN_RATIO) for s in range(6)]
+    lrs = [fx.lr_at(s, fx.LR, update.LR_WARMUP, update.LR_TOTAL, update.LR_MIN_RATIO) for s in range(6)]
     assert len(set(lrs)) >= 5
 
 
@@ -85,7 +89,7 @@ def test_the_finite_gradient_loss_is_non_finite_with_a_finite_gradient():
     class _Batch(dict):
         pass
 
-    loss_fn = C._inf_loss_finite_grad_on(0, env)
+    loss_fn = safety._inf_loss_finite_grad_on(0, env)
     real = fx.loss_fn
     try:
         fx.loss_fn = lambda mb, out, norm: ((w * 2).sum(), {})
