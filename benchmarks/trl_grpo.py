@@ -13,12 +13,19 @@ Enginekit's run has none. Enginekit's rollout is the ``hf`` backend.
 
 CPU per step = (CPU seconds of a run of N steps - those of a run of K steps) / (N - K), user +
 system of the whole process tree (``getrusage``): start-up, imports and model loading cancel
-out, and everything a step costs counts (generation, reward, update, logging). The runs of one
-round alternate between the sides; the ratio is the median over rounds. Also measured: the same
-Enginekit run with ``actor.recompute_old_log_probs=true`` (the separate old-policy forward this
-setting makes unnecessary), to show what reusing the update's log-probs saves.
+out, and everything a step costs counts (generation, reward, update, logging). Wall seconds per
+step are the same difference of wall clocks, reported beside it: on a shared machine they also
+count the time the OS gave other processes, so the CPU figure is the primary one. One round runs
+every case (short run, then long run), the order of the cases reversed every other round (A B,
+B A, ...), and gives one Enginekit / TRL ratio per case from the same round's runs; a row reports
+the median of those ratios over ``--rounds`` rounds (default 5) with their minimum, quartiles
+and maximum, so a claim is a median with its spread, never a single round (single rounds of the
+char shape have ranged over 0.8-1.2x on the 2-core machine while other jobs ran). Also measured:
+the same Enginekit run with ``actor.recompute_old_log_probs=true`` (the separate old-policy
+forward this setting makes unnecessary), to show what reusing the update's log-probs saves.
 
-Run: ``.venv/bin/python -m benchmarks.trl_grpo [--quick]``.
+Run: ``.venv/bin/python -m benchmarks.trl_grpo [--rounds 5] [--shapes char bpe] [--quick]`` (``--quick``:
+one round of 10 and 60 steps, a smoke run whose ratio is not a result).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import Report, Row, cli, command_line, emit
+from benchmarks.common import Report, Row, cli, command_line, emit, quantiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = os.path.join(ROOT, ".venv-trl")
@@ -108,15 +115,16 @@ def build_inputs(root: str, model_kind: str = "char") -> dict[str, str]:
     return {"model": model, "prompts": prompts, "reward": f"{reward}:score"}
 
 
-def _cpu_seconds(cmd: list[str], cwd: str) -> float:
-    """User + system CPU seconds of ``cmd`` and its children (it must exit 0)."""
+def _measure(cmd: list[str], cwd: str) -> tuple[float, float, str]:
+    """``(cpu, wall, stdout)`` of ``cmd``: user + system CPU seconds of it and its children,
+    wall-clock seconds, and what it printed (it must exit 0)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, proc.stdout
 
 
 def enginekit_cmd(inputs: dict[str, str], out: str, steps: int, group: int, max_new: int, *extra: str) -> list[str]:
@@ -135,20 +143,34 @@ def trl_cmd(python: str, inputs: dict[str, str], out: str, steps: int, group: in
             "--max-new-tokens", str(max_new), "--lr", str(LR), "--out", out]  # fmt: skip
 
 
-def _response_len(case: str, out: str) -> float:
-    """Mean response length of the long run's last step (both sides sample at random: similar
-    lengths keep the comparison about the code)."""
+def _response_len(case: str, out: str, stdout: str) -> float:
+    """Mean response length over the long run's steps (both sides sample at random: similar
+    lengths keep the comparison about the code): Enginekit's from its metrics file, TRL's from
+    the peer's summary line."""
     if case == "trl":
-        return float("nan")
+        length = json.loads(stdout.strip().splitlines()[-1]).get("mean_completion_length")
+        return float("nan") if length is None else float(length)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return statistics.mean(r["response_len"] for r in rows)
+
+
+CASES = ("trl", "enginekit", "enginekit_recompute")
+LABELS = {
+    "enginekit": "enginekit (old log-probs from the update's forward)",
+    "enginekit_recompute": "enginekit, recompute_old_log_probs=true",
+}
 
 
 def main(argv=None) -> Report:
     parser = cli(__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="which shapes to run (default: both)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per shape (default 5; 1 with --quick)")
+    parser.add_argument(
+        "--cases", nargs="+", default=list(CASES[1:]), choices=list(CASES[1:]), help="Enginekit cases besides TRL (default: both)"
+    )
     args = parser.parse_args(argv)
-    short, long_, rounds = (10, 60, 1) if args.quick else (10, 210, 3)
+    short, long_ = (10, 60) if args.quick else (10, 210)
+    rounds = args.rounds or (1 if args.quick else 5)
     start = time.perf_counter()
     python = trl_python()
     report = Report(
@@ -160,33 +182,36 @@ def main(argv=None) -> Report:
             f"{SHAPES['char'][0]} responses of <= {SHAPES['char'][1]} tokens; bpe = tiny Qwen2 (tied embeddings, {BPE_VOCAB}-token "
             f"BPE vocab), {PROMPTS_PER_STEP} x {SHAPES['bpe'][0]} responses of <= {SHAPES['bpe'][1]} tokens; one update per batch, "
             f"lr {LR:g}, fp32, OMP_NUM_THREADS=1; CPU per step = (CPU of a {long_}-step run - CPU of a {short}-step run) / "
-            f"{long_ - short}, process tree user + system; median of {rounds} round(s), sides alternating; Enginekit rollout hf"
+            f"{long_ - short}, process tree user + system (wall: the same difference of wall clocks); {rounds} round(s), the "
+            "order of the cases reversed every other round; vs_trl = median over the rounds of the same round's Enginekit / TRL "
+            "CPU ratio, with its min, quartiles (q1, q3) and max; cpu and wall columns: medians over the rounds; Enginekit rollout hf"
         ),
     )
     for shape in args.shapes:
-        _run_shape(report, python, shape, short, long_, rounds)
+        _run_shape(report, python, shape, short, long_, rounds, ("trl", *args.cases))
     report.notes.append(
         "TRL's step: transformers' generate, its reward call, one forward/backward with the log-probs reused as the old policy's. "
         "Enginekit's: the rollout contract's hf sampler (per-sample seeded draws), the reward function fenced by reward.timeout_s, "
-        "the update through the FSDP engine (1 rank), the metrics line. Response lengths are random on both sides (untrained model)."
+        "the update through the FSDP engine (1 rank), the metrics line. Response lengths are random on both sides (untrained model); "
+        "response_len: mean sampled tokens per response over the long runs (Enginekit's metrics, TRL's logged completion lengths)."
     )
     report.seconds = time.perf_counter() - start
     emit(report, args.json)
     return report
 
 
-def _run_shape(report: Report, python: str, shape: str, short: int, long_: int, rounds: int) -> None:
-    """One shape's rows: TRL and Enginekit (and Enginekit recomputing the old log-probs) alternating."""
+def _run_shape(report: Report, python: str, shape: str, short: int, long_: int, rounds: int, cases: tuple[str, ...]) -> None:
+    """One shape's rows: TRL and the Enginekit cases, alternating, ``rounds`` times."""
     group, max_new, model_kind = SHAPES[shape]
-    cases = ("trl", "enginekit", "enginekit_recompute")
-    per_step: dict[str, list[float]] = {c: [] for c in cases}
-    lengths: dict[str, float] = {}
+    cpu_per_step: dict[str, list[float]] = {c: [] for c in cases}
+    wall_per_step: dict[str, list[float]] = {c: [] for c in cases}
+    lengths: dict[str, list[float]] = {c: [] for c in cases}
     with tempfile.TemporaryDirectory(prefix="ek_bench_trl_") as tmp:
         inputs = build_inputs(tmp, model_kind)
         for r in range(rounds):
             order = cases if r % 2 == 0 else cases[::-1]
             for case in order:
-                cpu = {}
+                cpu, wall = {}, {}
                 for steps in (short, long_):
                     out = os.path.join(tmp, f"{case}_{r}_{steps}")
                     if case == "trl":
@@ -194,33 +219,47 @@ def _run_shape(report: Report, python: str, shape: str, short: int, long_: int, 
                     else:
                         extra = ["actor.recompute_old_log_probs=true"] if case == "enginekit_recompute" else []
                         cmd = enginekit_cmd(inputs, out, steps, group, max_new, *extra)
-                    cpu[steps] = _cpu_seconds(cmd, ROOT)
-                    if steps == long_ and case != "trl":
-                        lengths[case] = _response_len(case, out)
-                per_step[case].append((cpu[long_] - cpu[short]) / (long_ - short))
-    trl = statistics.median(per_step["trl"])
-    for case, label in (
-        ("enginekit", "enginekit (old log-probs from the update's forward)"),
-        ("enginekit_recompute", "enginekit, recompute_old_log_probs=true"),
-    ):
-        ratios = [a / b for a, b in zip(per_step[case], per_step["trl"], strict=True)]
-        ratio = statistics.median(ratios)
+                    cpu[steps], wall[steps], stdout = _measure(cmd, ROOT)
+                    if steps == long_:
+                        lengths[case].append(_response_len(case, out, stdout))
+                cpu_per_step[case].append((cpu[long_] - cpu[short]) / (long_ - short))
+                wall_per_step[case].append((wall[long_] - wall[short]) / (long_ - short))
+            # progress on stderr: a full run takes tens of minutes on a shared machine
+            summary = ", ".join(f"{c} {cpu_per_step[c][-1]:.4f}" for c in cases)
+            print(f"[trl_grpo] {shape} round {r + 1}/{rounds}: CPU s/step {summary}", file=sys.stderr, flush=True)
+    trl_cpu, trl_wall = cpu_per_step["trl"], wall_per_step["trl"]
+    for case in cases[1:]:
+        ratios = [a / b for a, b in zip(cpu_per_step[case], trl_cpu, strict=True)]
+        q1, ratio, q3 = quantiles(ratios)
+        main_case = case == "enginekit"
         report.rows.append(
             Row(
-                case=f"{shape}: {label}",
+                case=f"{shape}: {LABELS[case]}",
                 values={
-                    "cpu_s_per_step": statistics.median(per_step[case]),
-                    "trl_cpu_s_per_step": trl,
+                    "cpu_s_per_step": statistics.median(cpu_per_step[case]),
+                    "trl_cpu_s_per_step": statistics.median(trl_cpu),
                     "vs_trl": ratio,
                     "ratio_min": min(ratios),
+                    "ratio_q1": q1,
+                    "ratio_q3": q3,
                     "ratio_max": max(ratios),
-                    "response_len": lengths.get(case, float("nan")),
+                    "wall_s_per_step": statistics.median(wall_per_step[case]),
+                    "trl_wall_s_per_step": statistics.median(trl_wall),
+                    "response_len": statistics.mean(lengths[case]),
+                    "trl_response_len": statistics.mean(lengths["trl"]),
                 },
-                samples={"trl_cpu_s_per_step": per_step["trl"], "cpu_s_per_step": per_step[case]},
-                target=f"<= {TARGET}x TRL" if case == "enginekit" else "",
-                met=ratio <= TARGET if case == "enginekit" else None,
+                samples={
+                    "ratio": ratios,
+                    "cpu_s_per_step": cpu_per_step[case],
+                    "trl_cpu_s_per_step": trl_cpu,
+                    "wall_s_per_step": wall_per_step[case],
+                    "trl_wall_s_per_step": trl_wall,
+                },
+                target=f"<= {TARGET}x TRL" if main_case else "",
+                met=ratio <= TARGET if main_case else None,
             )
         )
+        report.notes.append(f"{shape}, {case}: per-round CPU ratios " + ", ".join(f"{x:.3f}" for x in ratios) + ".")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ datasets and torch only, never Enginekit.
 
 Run: ``.venv-trl/bin/python benchmarks/peers/trl_grpo.py --model DIR --prompts FILE.jsonl
 --reward FILE.py:score --steps N [--prompts-per-step 8 --group 8 --max-new-tokens 8]``;
-prints one JSON line with the steps run and the last logged metrics.
+prints one JSON line with the steps run, the mean completion length over the logged steps and the
+last logged metrics.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def main() -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "reward" in h]
-    print(json.dumps({"steps": trainer.state.global_step, "last": logged[-1] if logged else {}}))
+    lengths = [h["completions/mean_length"] for h in logged if "completions/mean_length" in h]
+    mean_length = sum(lengths) / len(lengths) if lengths else None
+    print(json.dumps({"steps": trainer.state.global_step, "mean_completion_length": mean_length, "last": logged[-1] if logged else {}}))
 
 
 if __name__ == "__main__":
