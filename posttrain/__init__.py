@@ -3,8 +3,8 @@ model, loop utilities and model export.
 
 Modules:
     * ``sort_task``: the built-in digit-sorting task (token ids, batches, prompts of a step).
-    * ``text_data``: the user's data files, the model directory's tokenizer and chat template,
-      and the step -> samples order.
+    * ``data``: the user's data files, the model directory's tokenizer and chat template,
+      and the step -> samples order, one concern per module (``text_data`` re-exports them).
     * ``rewards``: loading and calling (fenced) the user's reward functions, and the built-ins.
     * ``tasks``: where an RL step's prompts and rewards come from (the sorting task or files).
     * ``tiny_model``: a tiny, seeded HF causal LM built from a config (nothing downloaded).

@@ -291,10 +291,11 @@ def test_hf_sources_without_the_datasets_package(tmp_path, monkeypatch):
 
 def test_the_module_does_not_import_datasets_when_imported():
     """Statically (a subprocess importing torch costs seconds): no import of ``datasets`` outside
-    function bodies, so ``posttrain.text_data`` loads without the optional package (the test
-    above runs the config checks and the readers with it blocked)."""
-    tree = ast.parse((ROOT / "posttrain" / "text_data.py").read_text())
-    pending, eager = list(tree.body), []
+    function bodies, so ``posttrain.text_data`` and the ``posttrain.data`` modules it re-exports
+    load without the optional package (the test above runs the config checks and the readers with
+    it blocked)."""
+    files = [ROOT / "posttrain" / "text_data.py", *sorted((ROOT / "posttrain" / "data").glob("*.py"))]
+    pending, eager = [node for path in files for node in ast.parse(path.read_text()).body], []
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
