@@ -225,7 +225,13 @@ def split_by_size(batch: TensorDict, micro_batch_size: int) -> list[TensorDict]:
 
 
 def restore_order(batch: TensorDict, order: torch.Tensor) -> TensorDict:
-    """Undo a reordering: ``batch[j]`` is original row ``order[j]``; returns rows 0..B-1."""
+    """Undo a reordering: ``batch[j]`` is original row ``order[j]``; returns rows 0..B-1.
+
+    The identity order (one micro-batch, or fixed-size ones: ``make_micro_batches``) has nothing
+    to undo: a shallow copy (new container, the same tensors) instead of a gather that would
+    copy every field into the same values (measured: ~1.3 ms of a tiny GRPO step's ~75 ms)."""
+    if order.numel() == batch.batch_size[0] and torch.equal(order, torch.arange(order.numel(), device=order.device)):
+        return batch.copy()
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return take_rows(batch, inverse)
@@ -403,6 +409,10 @@ def shard_batch(batch: TensorDict, dp_rank: int, dp_size: int) -> TensorDict:
         raise ValueError(
             f"global batch of {size} sequences does not split over dp_size = {dp_size}; fix: make the global batch a multiple of {dp_size}"
         )
+    if dp_size == 1:
+        # The whole batch: a shallow copy (new container, the same tensors and offsets) costs
+        # microseconds; slicing rebuilds every jagged field (~1.7 ms for a tiny GRPO batch).
+        return batch.copy()
     per_rank = size // dp_size
     return batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
@@ -470,14 +480,18 @@ def to_device(batch: TensorDict, device: torch.device | str) -> TensorDict:
 
 def relayout(batch: TensorDict, offsets: torch.Tensor | None = None) -> TensorDict:
     """Rebuild every jagged field of ``batch`` on one ``offsets`` tensor (default: the
-    ``input_ids`` offsets, or the first jagged field's). The row lengths must agree."""
+    ``input_ids`` offsets, or the first jagged field's). The row lengths must agree. A field
+    already on that tensor is kept as it is (rebuilding it would give the same field, at a
+    jagged dispatch and a construction each: the outputs of a forward usually are)."""
     jagged = _jagged_keys(batch)
     if not jagged:
         return batch
     if offsets is None:
         offsets = batch.get("input_ids" if "input_ids" in jagged else jagged[0]).offsets()
     for key in jagged:
-        batch.set(key, torch.nested.nested_tensor_from_jagged(batch.get(key).values(), offsets))
+        field = batch.get(key)
+        if field.offsets() is not offsets:
+            batch.set(key, torch.nested.nested_tensor_from_jagged(field.values(), offsets))
     return batch
 
 

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam as adam_step
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from transformers import AutoConfig
 
 from backends.fsdp import checkpoint as ckpt
@@ -250,6 +252,50 @@ class FSDPEngine(BaseEngine):
             out.set(ROUTING_FIELD, unpack(recorded, mb["input_ids"]))
         return out
 
+    def _apply_update(self) -> None:
+        """AdamW on each parameter's local shard: FSDP2's parameters, gradients and AdamW moments
+        are DTensors of one placement each and AdamW is elementwise, so the DTensor step is
+        exactly torch's single-tensor step on every local shard (the same kernels on the same
+        tensors, bit for bit), here without a DTensor dispatch per operation (measured on a tiny
+        GRPO model on CPU: about 3 of the step's 4 ms). The state stays the optimizer's own (its
+        lazy initialization, step counts and DTensor moments), so checkpoints and
+        ``set_optim_hparams`` see no difference. Anything else (another optimizer, fused or
+        foreach kernels, step hooks, a parameter that is not a DTensor) steps through
+        ``optimizer.step()``."""
+        opt = self.optimizer
+        if not _steps_locally(opt):
+            super()._apply_update()
+            return
+        opt._opt_called = True  # what the LR scheduler's wrapper of optimizer.step records
+        with torch.no_grad():
+            for group in opt.param_groups:
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+                has_complex = opt._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+                beta1, beta2 = group["betas"]
+                adam_step(
+                    _locals(params),
+                    _locals(grads),
+                    _locals(exp_avgs),
+                    _locals(exp_avg_sqs),
+                    _locals(max_exp_avg_sqs),
+                    steps,
+                    amsgrad=group["amsgrad"],
+                    has_complex=has_complex,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                    foreach=False,  # what torch picks for DTensors (not a foreach type), on any device
+                    capturable=group["capturable"],
+                    differentiable=group["differentiable"],
+                    fused=False,
+                    grad_scale=getattr(opt, "grad_scale", None),
+                    found_inf=getattr(opt, "found_inf", None),
+                    decoupled_weight_decay=group["decoupled_weight_decay"],
+                )
+
     def _zero_grad(self) -> None:
         # Also FSDP2's per-iteration state, which a call that raised part-way (e.g. in the loss
         # function) leaves behind (torch's documented recovery: reset_iter_state on the root).
@@ -309,3 +355,26 @@ class FSDPEngine(BaseEngine):
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach()
+
+
+def _steps_locally(opt) -> bool:
+    """Whether :meth:`FSDPEngine._apply_update` may step ``opt`` shard by shard: torch's Adam or
+    AdamW with the single-tensor kernels (no ``fused`` / ``foreach`` asked for, not capturable or
+    differentiable), no step hooks, every parameter a DTensor."""
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+        return False
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or _global_optimizer_pre_hooks or _global_optimizer_post_hooks:
+        return False
+    return all(
+        not group["fused"]
+        and not group["foreach"]
+        and not group["capturable"]
+        and not group["differentiable"]
+        and all(isinstance(p, DTensor) for p in group["params"])
+        for group in opt.param_groups
+    )
+
+
+def _locals(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (the tensor its elementwise operations run on)."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]

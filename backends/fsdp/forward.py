@@ -245,7 +245,10 @@ def row_layout(lengths: list[int], config) -> tuple[int, list[list[int]]]:
     first-fit-decreasing). Cost: rows x width x (per-token linear cost + per-token attention
     cost x width), over the longest sequence times powers of two and everything in one row
     (``sum(lengths)``). Wider rows waste less padding; narrower rows do less masked attention.
-    Powers of two keep the search to log(total / longest) packings.
+    Powers of two keep the search to log(total / longest) packings. A width whose least
+    possible cost (``ceil(total / width)`` full rows) is not below the best cost so far cannot
+    be chosen, so it is not packed (each packing is a Python loop over the sequences and rows:
+    most of this function's time on a tiny model).
 
     The model counts the attention of a dense (block-diagonal masked) row, which is what SDPA
     and eager attention compute; it is not used with varlen kernels.
@@ -260,9 +263,10 @@ def row_layout(lengths: list[int], config) -> tuple[int, list[list[int]]]:
     best_cost = total * (per_token + per_token_per_col * total)
     width = max(lengths)
     while width < total:
-        rows = _first_fit_decreasing(lengths, width)
-        cost = len(rows) * width * (per_token + per_token_per_col * width)
-        if cost < best_cost:
-            best, best_cost = (width, rows), cost
+        if -(-total // width) * width * (per_token + per_token_per_col * width) < best_cost:
+            rows = _first_fit_decreasing(lengths, width)
+            cost = len(rows) * width * (per_token + per_token_per_col * width)
+            if cost < best_cost:
+                best, best_cost = (width, rows), cost
         width *= 2
     return best
