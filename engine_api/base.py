@@ -21,7 +21,7 @@ from engine_api.config import EngineConfig
 from engine_api.losses import DeferredNormalizer, LossFn
 from engine_api.offload import Offloader, relocate_module, relocate_state
 from engine_api.optim import NonFiniteUpdateError, agree_to_skip, check_update_finite
-from engine_api.run_state import RunState
+from engine_api.run_state import RunOwned, RunState
 from engine_api.run_state import capture as capture_run_state
 from engine_api.run_state import restore as restore_run_state
 from engine_api.step import RETURN_PREDICTIONS, StepSpec, forward_backward_loop
@@ -90,7 +90,10 @@ class BaseEngine(abc.ABC):
     * :meth:`_export_weights`: every weight by its HF name, in HF layout;
     * LoRA (only with :attr:`supports_lora`): only the adapters trained and checkpointed;
       metadata ``disable_adapters`` selects the base weights in a forward-only call; export
-      merged weights, and the adapters alone (:meth:`_export_adapter_weights`).
+      merged weights, and the adapters alone (:meth:`_export_adapter_weights`);
+    * what a training run owns on the engine, for :meth:`run_state` / :meth:`load_run_state`,
+      is declared in one place, :meth:`_run_owned_state` (from the hooks it reads, and
+      :attr:`run_state_attributes` for plain attributes): state a backend adds per run goes there.
     """
 
     #: The backend's own settings: a frozen dataclass with a ``config_section: ClassVar[str]``
@@ -99,6 +102,11 @@ class BaseEngine(abc.ABC):
     options_class: ClassVar[type | None] = None
     #: Whether the backend implements ``model.lora`` (see the LoRA duty above).
     supports_lora: ClassVar[bool] = False
+    #: The engine attributes a training run owns besides its tensors (:meth:`_run_owned_state`):
+    #: the optimizer-step counter, the deferred-normalization window, the clipping norm in force
+    #: (``set_optim_hparams``) and the broken flag. ``run_state`` copies them, ``load_run_state``
+    #: sets them back. A backend that keeps more per-run bookkeeping on the engine appends its names.
+    run_state_attributes: ClassVar[tuple[str, ...]] = ("global_step", "deferred", "_clip_grad", "_broken")
 
     def __init__(self, config: EngineConfig) -> None:
         """Store the typed config; build nothing heavy (no model, no process groups)."""
@@ -710,6 +718,30 @@ class BaseEngine(abc.ABC):
             relocate_state(self.optimizer, device)  # AdamW keeps its step counter on the CPU
         if not load and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _run_owned_state(self) -> RunOwned:
+        """Everything a training run owns on this engine, live (``engine_api.run_state`` copies
+        it out for :meth:`run_state` and back in place for :meth:`load_run_state`, and reads
+        nothing else): the trainable parameters with their gradients, the gradient buffers
+        (:meth:`_grad_buffers`), the torch optimizers (:meth:`_torch_optimizers`), the
+        attributes :attr:`run_state_attributes` names and the checkpoint extra (scheduler, RNG:
+        :meth:`_checkpoint_extra`). Override (extending the base's) only for tensors no hook
+        reaches."""
+        return RunOwned(
+            trainable=self._trainable_parameters(),
+            grad_buffers=self._grad_buffers(),
+            optimizers=self._torch_optimizers(),
+            attributes={name: getattr(self, name) for name in self.run_state_attributes},
+            extra=self._checkpoint_extra(self.global_step),
+        )
+
+    def _restore_run_owned_state(self, attributes: dict[str, Any], extra: dict) -> None:
+        """Set back what :meth:`_run_owned_state` gave besides tensors (``load_run_state``, after
+        the tensors were copied in place): the attributes by name, then the checkpoint extra
+        (:meth:`_restore_extra`)."""
+        for name, value in attributes.items():
+            setattr(self, name, value)
+        self._restore_extra(extra)
 
     def _checkpoint_extra(self, global_step: int) -> dict:
         """The per-rank extra state of a checkpoint (``ckpt_layout.make_extra``: scheduler,

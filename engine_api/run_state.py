@@ -3,15 +3,17 @@
 (``BaseEngine.load_run_state``) so several runs take turns on one engine and each computes
 exactly what it would on an engine of its own.
 
-What a run owns, per rank (its own shards; nothing is collective):
+What a run owns, per rank (its own shards; nothing is collective), is what the engine declares in
+``BaseEngine._run_owned_state`` (:class:`RunOwned`); this module reads nothing else of it:
 
 * the trainable parameters (with LoRA: the adapters), their gradients (a ``None`` gradient kept
   as ``None``) and the backend's gradient buffers (``BaseEngine._grad_buffers``: megatron's
   ``main_grad``);
 * every torch optimizer's parameters (the fp32 main copies of a mixed-precision optimizer), its
   per-parameter state (AdamW's moments and step) and each parameter group's hyperparameters;
-* the engine's step counter, the deferred-normalization window, the gradient-clipping setting,
-  the broken flag, and the per-rank extra a checkpoint saves (LR scheduler, RNG streams).
+* the engine attributes ``BaseEngine.run_state_attributes`` names (the step counter, the
+  deferred-normalization window, the gradient-clipping setting, the broken flag), and the
+  per-rank extra a checkpoint saves (LR scheduler, RNG streams).
 
 Assumptions: the engine is between calls (no ``forward_backward_step`` running); the runs were
 built with the same engine settings (the same trainable parameters in the same order, shapes
@@ -47,6 +49,27 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class RunOwned:
+    """What a training run owns on an engine, live: the engine's own tensors, optimizers and
+    attribute values, not copies (``BaseEngine._run_owned_state`` gives it; :func:`capture`
+    copies it out, :func:`restore` copies back into it).
+
+    Attributes:
+        trainable: the trainable parameters: their values and gradients.
+        grad_buffers: gradient storage besides ``.grad`` (``BaseEngine._grad_buffers``).
+        optimizers: the torch optimizers: their parameters, per-parameter state and groups.
+        attributes: the engine attributes a run owns, by name (``BaseEngine.run_state_attributes``).
+        extra: the per-rank extra of a checkpoint (``BaseEngine._checkpoint_extra``).
+    """
+
+    trainable: list[torch.Tensor]
+    grad_buffers: list[torch.Tensor]
+    optimizers: list[torch.optim.Optimizer]
+    attributes: dict[str, Any]
+    extra: dict[str, Any]
+
+
+@dataclass
 class RunState:
     """What ``BaseEngine.run_state`` took out (module docstring). Opaque to callers: load it
     back with ``BaseEngine.load_run_state`` on the engine it came from (or one built alike).
@@ -56,7 +79,8 @@ class RunState:
         grads: each trainable parameter's gradient (None: none), then the gradient buffers.
         optim: per torch optimizer, per parameter: its state (tensors copied) or None.
         groups: per torch optimizer, per group: the hyperparameters (every key but ``params``).
-        scalars: the step, the deferred window, clipping, the broken flag and the checkpoint extra.
+        scalars: the engine attributes a run owns, by name (``global_step``, ``deferred``, ...).
+        extra: the per-rank extra of a checkpoint (LR scheduler, RNG streams).
     """
 
     params: list[torch.Tensor]
@@ -64,6 +88,7 @@ class RunState:
     optim: list[list[dict[str, Any] | None]]
     groups: list[list[dict[str, Any]]]
     scalars: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Host memory this state holds (its tensors)."""
@@ -72,11 +97,11 @@ class RunState:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _parameters(engine) -> list[torch.Tensor]:
+def _parameters(owned: RunOwned) -> list[torch.Tensor]:
     """The trainable parameters, then the optimizers' parameters that are other tensors (a
     mixed-precision optimizer's fp32 copies), each once, in a fixed order."""
     seen, out = set(), []
-    for p in [*engine._trainable_parameters(), *(q for opt in engine._torch_optimizers() for g in opt.param_groups for q in g["params"])]:
+    for p in [*owned.trainable, *(q for opt in owned.optimizers for g in opt.param_groups for q in g["params"])]:
         if id(p) not in seen:
             seen.add(id(p))
             out.append(p)
@@ -85,12 +110,12 @@ def _parameters(engine) -> list[torch.Tensor]:
 
 def capture(engine) -> RunState:
     """The engine's run state, copied to the host (``BaseEngine.run_state``)."""
-    params = _parameters(engine)
-    trainable = engine._trainable_parameters()
-    grads: list[torch.Tensor | None] = [None if p.grad is None else _host_copy(p.grad) for p in trainable]
-    grads += [_host_copy(b) for b in engine._grad_buffers()]
+    owned = engine._run_owned_state()
+    params = _parameters(owned)
+    grads: list[torch.Tensor | None] = [None if p.grad is None else _host_copy(p.grad) for p in owned.trainable]
+    grads += [_host_copy(b) for b in owned.grad_buffers]
     optim, groups = [], []
-    for opt in engine._torch_optimizers():
+    for opt in owned.optimizers:
         per = []
         for g in opt.param_groups:
             for p in g["params"]:
@@ -100,23 +125,18 @@ def capture(engine) -> RunState:
                 )
         optim.append(per)
         groups.append([{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups])
-    scalars = {
-        "global_step": engine.global_step,
-        "deferred": copy.deepcopy(engine.deferred),
-        "clip_grad": engine._clip_grad,
-        "broken": engine._broken,
-        "extra": copy.deepcopy(engine._checkpoint_extra(engine.global_step)),
-    }
+    scalars = copy.deepcopy(owned.attributes)
+    extra = copy.deepcopy(owned.extra)
     if any(t.device.type == "cuda" for t in params):
         torch.cuda.synchronize()  # the pinned copies are complete before anything changes the sources
-    return RunState([_host_copy(p) for p in params], grads, optim, groups, scalars)
+    return RunState([_host_copy(p) for p in params], grads, optim, groups, scalars, extra)
 
 
-def _check(engine, state: RunState) -> None:
-    """Raise before anything changes when ``state`` does not fit this engine's layout."""
-    params = _parameters(engine)
-    trainable = engine._trainable_parameters()
-    buffers = engine._grad_buffers()
+def _check(owned: RunOwned, state: RunState) -> None:
+    """Raise before anything changes when ``state`` does not fit the layout of the engine that
+    owns ``owned``."""
+    params = _parameters(owned)
+    trainable, buffers = owned.trainable, owned.grad_buffers
     where = "load_run_state: the state was taken from an engine built otherwise"
     if len(params) != len(state.params) or len(trainable) + len(buffers) != len(state.grads):
         raise ValueError(
@@ -129,7 +149,7 @@ def _check(engine, state: RunState) -> None:
                 f"{where}: parameter {i} is {tuple(saved.shape)} {saved.dtype} in the state and {tuple(_local(p).shape)} "
                 f"{_local(p).dtype} here; fix: the same model, LoRA rank and targets, and sharding"
             )
-    opts = engine._torch_optimizers()
+    opts = owned.optimizers
     if len(opts) != len(state.optim) or any(
         len(per) != sum(len(g["params"]) for g in opt.param_groups) for opt, per in zip(opts, state.optim, strict=True)
     ):
@@ -147,11 +167,12 @@ def _check(engine, state: RunState) -> None:
 def restore(engine, state: RunState) -> None:
     """Put ``state`` back into the engine (``BaseEngine.load_run_state``): tensors copied in
     place (the engine's own storage, so offload bookkeeping and views stay valid)."""
-    _check(engine, state)
+    owned = engine._run_owned_state()
+    _check(owned, state)
+    trainable = owned.trainable
     with torch.no_grad():
-        for p, saved in zip(_parameters(engine), state.params, strict=True):
+        for p, saved in zip(_parameters(owned), state.params, strict=True):
             _local(p).copy_(saved, non_blocking=True)
-        trainable = engine._trainable_parameters()
         for p, saved in zip(trainable, state.grads[: len(trainable)], strict=True):
             if saved is None:
                 p.grad = None
@@ -159,9 +180,9 @@ def restore(engine, state: RunState) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             _local(p.grad).copy_(saved, non_blocking=True)
-        for b, saved in zip(engine._grad_buffers(), state.grads[len(trainable) :], strict=True):
+        for b, saved in zip(owned.grad_buffers, state.grads[len(trainable) :], strict=True):
             _local(b).copy_(saved, non_blocking=True)
-        for opt, per, groups in zip(engine._torch_optimizers(), state.optim, state.groups, strict=True):
+        for opt, per, groups in zip(owned.optimizers, state.optim, state.groups, strict=True):
             for p, saved in zip((q for g in opt.param_groups for q in g["params"]), per, strict=True):
                 current = opt.state.get(p)
                 if not current:
@@ -180,9 +201,4 @@ def restore(engine, state: RunState) -> None:
                 g.update(copy.deepcopy(saved))
     if any(_local(p).device.type == "cuda" for p in trainable):
         torch.cuda.synchronize()
-    s = state.scalars
-    engine.global_step = s["global_step"]
-    engine.deferred = copy.deepcopy(s["deferred"])
-    engine._clip_grad = s["clip_grad"]
-    engine._broken = s["broken"]
-    engine._restore_extra(copy.deepcopy(s["extra"]))
+    engine._restore_run_owned_state(copy.deepcopy(state.scalars), copy.deepcopy(state.extra))
