@@ -18,23 +18,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+
+from posttrain.tiny_model import TinyModelConfig, build_tiny_model
 
 # ---------------------------------------------------------------------------------- models
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """Dimensions of a Llama-style model built from a config (``posttrain.tiny_model``)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(TinyModelConfig):
+    """A Llama-style model built from a config: the tiny model's declaration
+    (``posttrain.tiny_model.TinyModelConfig``: family, dimensions, seed) at a benchmark's size,
+    with the vocabulary and positions the benchmark's data needs."""
 
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    intermediate_size: int = 688
+    vocab_size: int
     max_position_embeddings: int = 2048
 
     def params(self) -> int:
@@ -50,22 +49,10 @@ class ModelSpec:
         )
 
 
-def build_model(path: str, spec: ModelSpec, seed: int = 0) -> str:
-    """Build the model from its config with a fixed seed and ``save_pretrained`` it to ``path``."""
-    from posttrain.tiny_model import build_tiny_model
-
-    return build_tiny_model(
-        path,
-        family="llama",
-        seed=seed,
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        intermediate_size=spec.intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
-    )
+def build_model(path: str, spec: ModelSpec, seed: int | None = None) -> str:
+    """Build the model from its config with a fixed seed (``seed``; None: ``spec.seed``, 0 unless
+    set) and ``save_pretrained`` it to ``path``."""
+    return build_tiny_model(path, **asdict(spec if seed is None else replace(spec, seed=seed)))
 
 
 # ---------------------------------------------------------------------------------- data

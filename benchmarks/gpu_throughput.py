@@ -72,7 +72,8 @@ from benchmarks.common import ModelSpec, Report, Row, build_model, command_line,
 GPU_SPEC = ModelSpec(
     vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632, max_position_embeddings=4096
 )
-SMOKE_SPEC = ModelSpec(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+# The CPU smoke run: the tiny model's dimensions (posttrain.tiny_model.TinyModelConfig).
+SMOKE_SPEC = ModelSpec(vocab_size=512)
 H100_PEAK_TFLOPS = 989.0
 MAX_ENGINE_OVER_LOOP = 1.03
 MIN_MFU = {False: 0.35, True: 0.45}  # FSDP engine, by compile

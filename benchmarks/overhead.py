@@ -43,8 +43,9 @@ from benchmarks.common import (
 # Sized so one CPU step takes ~0.3 s on one thread: Python overhead is visible, noise does not dominate.
 SPEC = ModelSpec(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)
 # A model too small to matter: its steps measure the engine's fixed cost per step in milliseconds
-# (short steps are exposed to less interference, so this is the more precise number).
-TINY = ModelSpec(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
+# (short steps are exposed to less interference, so this is the more precise number). The tiny
+# model's dimensions (posttrain.tiny_model.TinyModelConfig) with one layer.
+TINY = ModelSpec(vocab_size=256, num_layers=1)
 LENGTHS = uniform_lengths(8, 24, 72, seed=0)
 # micro-batches per step -> the engine's micro_batch_size for the 8 sequences
 CASES = {1: None, 4: 2}

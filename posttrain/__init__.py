@@ -7,7 +7,8 @@ Modules:
       and the step -> samples order, one concern per module (``text_data`` re-exports them).
     * ``rewards``: loading and calling (fenced) the user's reward functions, and the built-ins.
     * ``tasks``: where an RL step's prompts and rewards come from (the sorting task or files).
-    * ``tiny_model``: a tiny, seeded HF causal LM built from a config (nothing downloaded).
+    * ``tiny_model``: a tiny, seeded HF causal LM built from a config (nothing downloaded), declared
+      once (``TinyModelConfig``, the recipes' ``tiny_model`` section).
     * ``trainer_utils``: resume from the newest valid checkpoint, the metrics log, the skip guard.
     * ``dist``: joining the launcher's process group, this process's rank.
     * ``export``: the trained model as an HF directory (merged weights or a peft adapter).

@@ -1,6 +1,7 @@
-"""Recipe wiring that SFT and RL (``recipes.sft``, ``recipes.ppo``) share: the ``tiny_model``
-and ``trainer`` config sections, the checks across sections, and building the tiny model when
-``engine.model.path`` is null. Everything reusable is in the ``posttrain`` library.
+"""Recipe wiring that SFT and RL (``recipes.sft``, ``recipes.ppo``) share: the ``trainer``
+config section, the ``tiny_model`` one (``posttrain.tiny_model.TinyModelConfig``, re-exported
+here), the checks across sections, and building the tiny model when ``engine.model.path`` is
+null. Everything reusable is in the ``posttrain`` library.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from posttrain.dist import rank
 from posttrain.loggers import RunLog, build_loggers, logger_problems, missing_packages
 from posttrain.placement import LAUNCHERS, PlacementConfig
 from posttrain.placement.cluster import ray_missing
-from posttrain.tiny_model import FAMILIES, build_tiny_model
+from posttrain.tiny_model import MAX_POSITIONS, TinyModelConfig, build_tiny_model
 
 __all__ = ["SAMPLES_FILE", "TinyModelConfig", "TrainerConfig", "data_model_problems", "open_loggers", "progress_bar", "with_model_path"]
 
@@ -27,42 +28,6 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 # ---------------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """The model built when ``engine.model.path`` is null (see ``posttrain.tiny_model``).
-
-    Attributes:
-        family: ``llama`` (GQA, untied), ``qwen2`` (qkv bias, tied embeddings), ``qwen3``
-            or ``qwen3_moe`` (top-2 of 4 experts in every layer; ``posttrain.tiny_model``).
-        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: dimensions.
-        head_dim: per-head width; null: hidden_size / num_heads (the RL recipe raises it to
-            32 for rollout.backend=vllm, whose CPU attention kernel needs >= 32).
-        seed: weight-init seed.
-    """
-
-    family: str = "llama"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    head_dim: int | None = None
-    seed: int = 0
-
-    def _problems(self) -> list[str]:
-        out = []
-        if self.family not in FAMILIES:
-            out.append(f"family = {self.family!r}: unknown model family; fix: use one of {', '.join(FAMILIES)}")
-        if self.num_heads < 1 or self.hidden_size % self.num_heads:
-            out.append(f"num_heads = {self.num_heads}: must divide hidden_size = {self.hidden_size}; fix: e.g. num_heads=4")
-        if self.num_kv_heads < 1 or self.num_heads % max(self.num_kv_heads, 1):
-            out.append(f"num_kv_heads = {self.num_kv_heads}: must divide num_heads = {self.num_heads}; fix: e.g. num_kv_heads=2")
-        for name in ("num_layers", "intermediate_size"):
-            if getattr(self, name) < 1:
-                out.append(f"{name} = {getattr(self, name)}: must be positive; fix: use a value >= 1")
-        return out
-
-
 @dataclass(frozen=True)
 class TrainerConfig:
     """The training loop.
@@ -199,19 +164,13 @@ def with_model_path(cfg):
         return cfg
     path = os.path.join(cfg.trainer.output_dir, "tiny_model")
     if rank() == 0:
-        tm = cfg.tiny_model
+        # The section declares the model; the sorting task its vocabulary, special ids and
+        # longest sequence.
         build_tiny_model(
             path,
-            family=tm.family,
-            seed=tm.seed,
+            **dataclasses.asdict(cfg.tiny_model),
             vocab_size=task.VOCAB_SIZE,
-            hidden_size=tm.hidden_size,
-            num_layers=tm.num_layers,
-            num_heads=tm.num_heads,
-            num_kv_heads=tm.num_kv_heads,
-            intermediate_size=tm.intermediate_size,
-            head_dim=tm.head_dim,
-            max_position_embeddings=max(64, task.max_seq_len(cfg.data)),
+            max_position_embeddings=max(MAX_POSITIONS, task.max_seq_len(cfg.data)),
             bos_token_id=task.BOS,
             eos_token_id=task.EOS,
             pad_token_id=task.PAD,
