@@ -13,6 +13,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from backends.megatron.parallel import ParallelSizes
 from backends.megatron.precision import unwrap
 from engine_api.kit import ckpt_layout
 
@@ -59,12 +60,7 @@ def _results_in_process() -> None:
 def layout() -> dict:
     """The model-parallel layout recorded with a checkpoint (``enginekit.json``): a resume may
     change the data-parallel size but not these (the ``dp_reshardable`` optimizer layout)."""
-    return {
-        "tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
-        "virtual_pipeline_model_parallel_size": mpu.get_virtual_pipeline_model_parallel_world_size(),
-        "data_parallel_size": mpu.get_data_parallel_world_size(),
-    }
+    return {**ParallelSizes.current().kept_on_resume(), "data_parallel_size": mpu.get_data_parallel_world_size()}
 
 
 def optimizer_record(dtype: str, distributed: bool) -> dict:
@@ -226,13 +222,12 @@ def _incompatible(info: dict) -> str | None:
     """Why this process cannot load a checkpoint with marker ``info`` (None: it can)."""
     if info.get("backend") != BACKEND:
         return f"written by backend {info.get('backend')!r}; fix: load it with that engine.strategy"
-    saved, now = info.get("layout", {}), layout()
-    fixed = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
-    changed = [f"megatron.{k} = {now[k]} (saved with {saved.get(k)})" for k in fixed if saved.get(k) != now[k]]
+    saved, fixed = info.get("layout", {}), ParallelSizes.current().kept_on_resume()
+    changed = [f"megatron.{k} = {size} (saved with {saved.get(k)})" for k, size in fixed.items() if saved.get(k) != size]
     if changed:
         return (
-            f"saved with another model-parallel layout: {'; '.join(changed)}; fix: resume with the saved tensor / pipeline / "
-            "virtual pipeline sizes (the data-parallel size may change)"
+            f"saved with another model-parallel layout: {'; '.join(changed)}; fix: resume with the sizes it was saved with "
+            "(the data-parallel size may change)"
         )
     return None
 

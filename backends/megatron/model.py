@@ -45,6 +45,7 @@ from backends.megatron.convert import (
 )
 from backends.megatron.lora import lora_problems
 from backends.megatron.options import MegatronOptions
+from backends.megatron.parallel import ParallelSizes
 from engine_api.kit import EngineConfig, RouterSpec, compute_device, ensure_process_group, format_problem, options_of, process_group_timeout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,36 +74,17 @@ def init_parallel(config: EngineConfig) -> torch.device:
             f"megatron.tensor_model_parallel_size x pipeline x context = {m.model_parallel_size} does not divide the world size {world}; "
             "fix: choose sizes whose product divides the number of processes"
         )
-    wanted = (
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.virtual_pipeline_model_parallel_size,
-        m.context_parallel_size,
-        m.expert_model_parallel_size,
-        m.expert_tensor_size,
-    )
+    wanted = ParallelSizes.of(m)
     if mpu.model_parallel_is_initialized():
-        current = (
-            mpu.get_tensor_model_parallel_world_size(),
-            mpu.get_pipeline_model_parallel_world_size(),
-            mpu.get_virtual_pipeline_model_parallel_world_size(),
-            mpu.get_context_parallel_world_size(),
-            mpu.get_expert_model_parallel_world_size(),
-            mpu.get_expert_tensor_parallel_world_size(),
-        )
+        current = ParallelSizes.current()
         if current != wanted:
             raise ValueError(
-                f"megatron parallel state is already {current} (tp, pp, vpp, cp, ep, etp) in this process; "
-                f"fix: one layout per process, got {wanted}"
+                f"megatron parallel state is already {current.describe()} in this process; "
+                f"fix: one layout per process, got {wanted.describe()}"
             )
     else:
         mpu.initialize_model_parallel(
-            tensor_model_parallel_size=m.tensor_model_parallel_size,
-            pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
-            context_parallel_size=m.context_parallel_size,
-            expert_model_parallel_size=m.expert_model_parallel_size,
-            expert_tensor_parallel_size=m.expert_tensor_size,
+            **wanted.kwargs(),
             # megatron builds its groups with its own 30-minute default, not the world group's
             # timeout: without this a rank that fails but stays alive hangs its peers for 30 min.
             distributed_timeout_minutes=process_group_timeout().total_seconds() / 60,
@@ -322,12 +304,7 @@ def build_transformer_config(arch: ArchInfo, config: EngineConfig) -> Transforme
     dtype = DTYPES[config.model.dtype]
     return TransformerConfig(
         **transformer_config_kwargs(arch),
-        tensor_model_parallel_size=m.tensor_model_parallel_size,
-        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
-        context_parallel_size=m.context_parallel_size,
-        expert_model_parallel_size=m.expert_model_parallel_size,
-        expert_tensor_parallel_size=m.expert_tensor_size,
+        **ParallelSizes.of(m).kwargs(),
         sequence_parallel=m.sequence_parallel,
         # Pipeline stages exchange fixed-shape tensors: the engine pads every micro-batch of a
         # call to one shape (megatron's interleaved schedule mis-pairs variable shapes).

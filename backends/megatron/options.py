@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from engine_api.kit import BackendOptions, WorldDivisor, format_problem
 
 _p = format_problem
 LAYER_SPECS = ("auto", "local", "te")
+
+
+def _size(short: str, default: int | None, kept_on_resume: bool = False):
+    """An option that is one of megatron-core's model-parallel sizes (the one list of them:
+    :func:`parallel_size_fields`; ``backends.megatron.parallel`` derives every use). ``short``
+    names it in messages; ``kept_on_resume``: recorded with a checkpoint, and a resume must keep
+    it (the ``dp_reshardable`` optimizer layout lets only the data-parallel size change)."""
+    return field(default=default, metadata={"parallel_size": short, "kept_on_resume": kept_on_resume})
 
 
 @dataclass(frozen=True)
@@ -33,13 +42,14 @@ class MegatronOptions(BackendOptions):
 
     config_section: ClassVar[str] = "megatron"
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
+    # The model-parallel sizes carry megatron-core's own keyword names (_size).
+    tensor_model_parallel_size: int = _size("tp", 1, kept_on_resume=True)
+    pipeline_model_parallel_size: int = _size("pp", 1, kept_on_resume=True)
+    virtual_pipeline_model_parallel_size: int | None = _size("vpp", None, kept_on_resume=True)
+    context_parallel_size: int = _size("cp", 1)
     sequence_parallel: bool = False
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
+    expert_model_parallel_size: int = _size("ep", 1)
+    expert_tensor_parallel_size: int | None = _size("etp", None)
     use_distributed_optimizer: bool = False
     layer_spec: str = "auto"
 
@@ -61,9 +71,11 @@ class MegatronOptions(BackendOptions):
 
     def _problems(self) -> list[str]:
         out = []
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
-            if getattr(self, name) < 1:
-                out.append(_p(name, getattr(self, name), "must be >= 1", "use 1 to disable this kind of parallelism"))
+        for f in parallel_size_fields():
+            value = getattr(self, f.name)
+            # the sizes that may be null (vpp, expert-TP) have their own checks below
+            if f.default is not None and value < 1:
+                out.append(_p(f.name, value, "must be >= 1", "use 1 to disable this kind of parallelism"))
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
             out.append(
@@ -110,3 +122,9 @@ class MegatronOptions(BackendOptions):
             "choose expert sizes whose product with the pipeline size divides the number of processes",
         )
         return (model, expert)
+
+
+def parallel_size_fields() -> tuple[dataclasses.Field, ...]:
+    """The options that are megatron-core's model-parallel sizes (declared with ``_size``), in
+    their declared order."""
+    return tuple(f for f in dataclasses.fields(MegatronOptions) if "parallel_size" in f.metadata)
