@@ -170,7 +170,7 @@ def _measure(n: int, root: str, tmp: str, rounds: int, threads: int, share: bool
     set_threads(threads)
     from tinker_server.config import load_server_config
     from tinker_server.contract import AdamIn, LoraIn
-    from tinker_server.runs import EngineFactory
+    from tinker_server.factory import EngineFactory
 
     adam = AdamIn(**ADAM)
     over = [

@@ -63,7 +63,9 @@ def main(argv=None) -> Report:
     from tests.support.tinker import KEY, running_server
     from tinker_server.config import load_server_config
     from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn
-    from tinker_server.runs import EngineFactory, _RolloutPool, snapshot
+    from tinker_server.factory import EngineFactory
+    from tinker_server.snapshots import RolloutPool as _RolloutPool
+    from tinker_server.snapshots import snapshot
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     rounds = 3 if args.quick else 8

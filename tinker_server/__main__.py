@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from tinker_server.app import serve
     from tinker_server.config import load_server_config
-    from tinker_server.runs import EngineFactory
+    from tinker_server.factory import EngineFactory
 
     try:
         cfg = load_server_config(args.config, args.overrides)

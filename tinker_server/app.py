@@ -46,7 +46,7 @@ Training (each a future, executed in the model's ``seq_id`` order)
                                          create-from-state (``session_id`` + ``model_seq_id``): a new run with
                                          the checkpoint's base model and LoRA config, then the load
     ``POST unload_model``                closes a run (frees one of ``settings.max_runs``; runs share engines:
-                                         ``tinker_server.runs.SharedEngine``)
+                                         ``tinker_server.shared_engine.SharedEngine``)
 Sampling
     ``POST create_sampling_session``     from ``base_model`` or a ``sampler_weights`` path (the last
                                          ``loaded_samplers`` paths used stay loaded, default 4; others reload)
@@ -108,8 +108,8 @@ from tinker_server.checkpoints import (
     parse_tinker_path,
 )
 from tinker_server.contract import LoraIn, RunFactory, Sampler, ServerSettings, TrainingRun, UserError
+from tinker_server.datums import check_loss_request
 from tinker_server.futures import FuturesTable, OrderedWorker, Outcome, QueueClosed, SeqConflict, outcome_of_exception
-from tinker_server.loss_checks import check_loss_request
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,46 @@ from pathlib import Path
 
 from tinker_server import tenants
 from tinker_server.contract import ServerSettings
-from tinker_server.runs import RunSettings
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every run of the server shares: the training side's settings (the ``engine.*``,
+    ``rollout.*`` and ``tinker.*`` keys; :meth:`TinkerServerConfig.run_settings`).
+
+    Attributes:
+        strategy: ``engine.strategy`` of the runs (a backend that supports LoRA).
+        engine_overrides: further ``engine.*`` settings (``key=value``), e.g. micro-batching.
+        rollout_backend: ``rollout.backend`` of the samplers.
+        rollout_lora_rank: > 0: sampling snapshots of runs up to this rank are their adapters,
+            served on the base by the rollout engine's LoRA (``rollout.lora_rank``); 0: merged.
+        rollout_max_loras: adapters the rollout engine keeps resident (``rollout.max_loras``).
+        lora_alpha: LoRA alpha of every run (the update is ``alpha / rank * B A``).
+        max_tokens: a sample's length when the request names none.
+        ranks: the ranks of each run's engine (data parallel); above 1 a run is a Ray worker group
+            that the server drives as its single controller (``tinker_server.ray_engine``).
+        cpus_per_rank: CPUs each Ray worker reserves (fractions allowed; also its torch threads).
+        ray_address: null starts a local Ray instance (stopped with the server); ``auto`` or
+            ``HOST:PORT`` joins a running cluster.
+        share: runs of one ``signature.Signature`` share one engine (``shared_engine.SharedEngine``
+            in process, ``ray_engine.RayEngine`` on Ray workers).
+        max_engines: engines held at once (shared or not); past it create_model is refused.
+    """
+
+    strategy: str = "fsdp"
+    engine_overrides: tuple[str, ...] = ()
+    rollout_backend: str = "hf"
+    rollout_lora_rank: int = 0
+    rollout_max_loras: int = 4
+    lora_alpha: float = 32.0
+    max_tokens: int = 64
+    ranks: int = 1
+    cpus_per_rank: float = 1.0
+    ray_address: str | None = None
+    share: bool = True
+    max_engines: int = 2
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-_MODULES = ("app", "checkpoints", "config", "contract", "demo", "futures", "loss_checks", "runs", "tenants", "wire")
+_MODULES = (
+    "app",
+    "checkpoints",
+    "config",
+    "contract",
+    "datums",
+    "demo",
+    "engines",
+    "factory",
+    "futures",
+    "ray_engine",
+    "shared_engine",
+    "signature",
+    "snapshots",
+    "tenants",
+    "wire",
+)
 for _name in _MODULES:
     sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"tinker_server.{_name}")

@@ -21,7 +21,7 @@ import pytest
 from tests.support.tinker import running_server
 from tinker_server import demo
 from tinker_server.config import load_server_config
-from tinker_server.runs import EngineFactory
+from tinker_server.factory import EngineFactory
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, Phi3Config
 
 from engine_api.conformance.fixtures import TINY_DIMS, save_model
 from tinker_server.contract import LoraIn, UserError
-from tinker_server.runs import lora_modules
+from tinker_server.signature import lora_modules
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """save_state before the first optim_step, with gradients pending (a forward_backward already
-ran), then a load with the optimizer: the Tinker server's calls on its engine (``runs.EngineRun``,
+ran), then a load with the optimizer: the Tinker server's calls on its engine (``shared_engine.EngineRun``,
 FSDP + LoRA, fp32 on CPU), without the HTTP layer. torch's ``get_state_dict`` initialises a
 never-stepped optimizer only when no parameter holds a gradient: such a save wrote no optimizer
 state and the fresh run loading it failed (``CheckpointException``: "Missing key in checkpoint
@@ -14,7 +14,7 @@ from tests.support.tinker import ADAM, ALPHA, RANK, datums, plain
 from tests.support.user_data import build_model_dir
 from tinker_server.config import load_server_config
 from tinker_server.contract import AdamIn, LoraIn
-from tinker_server.runs import EngineFactory
+from tinker_server.factory import EngineFactory
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def _step(run, seed: int) -> None:
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in run.engine.export_adapter_weights()}
+    with run.shared.serving(run) as engine:
+        return {k: v.detach().clone() for k, v in engine.export_adapter_weights()}
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:

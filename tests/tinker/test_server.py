@@ -1,8 +1,8 @@
 """The Tinker server on a real engine (FSDP, LoRA) driven by the official ``tinker`` SDK, against
-independent references: the same datums straight into a ``runs.EngineRun`` in this process, and
+independent references: the same datums straight into a ``shared_engine.EngineRun`` in this process, and
 one fp32 step of HF + peft + torch AdamW written out here.
 
-One server per module (uvicorn in a thread over ``runs.EngineFactory``), a tiny Llama-style model
+One server per module (uvicorn in a thread over ``factory.EngineFactory``), a tiny Llama-style model
 with a character tokenizer (``tests/support/user_data.py``), fp32 on CPU.
 """
 
@@ -18,9 +18,9 @@ from tinker import types
 
 from tests.support.tinker import ADAM, ALPHA, KEY, RANK, datums, plain, rel, running_server
 from tests.support.user_data import build_model_dir
-from tinker_server.config import load_server_config
+from tinker_server.config import RunSettings, load_server_config
 from tinker_server.contract import AdamIn, LoraIn
-from tinker_server.runs import EngineFactory, RunSettings
+from tinker_server.factory import EngineFactory
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,8 @@ def _new_client(service, factory, create):
 
 
 def _adapter(run) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in run.engine.export_adapter_weights()}
+    with run.shared.serving(run) as engine:
+        return {k: v.detach().clone() for k, v in engine.export_adapter_weights()}
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "ppo"])

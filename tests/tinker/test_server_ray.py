@@ -33,8 +33,9 @@ from tinker import types
 from tests.support.launch import REPO, free_port, launch_env, run_distributed
 from tests.support.tinker import ADAM, KEY, RANK, datums, plain, rel
 from tests.support.user_data import build_model_dir
+from tinker_server.config import RunSettings
 from tinker_server.contract import AdamIn, LoraIn
-from tinker_server.runs import EngineFactory, RunSettings
+from tinker_server.factory import EngineFactory
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """Many training runs on one engine (issue 55): the Tinker server's runs of one base model, LoRA
-rank and targets share an engine (``tinker_server.runs.SharedEngine``), each run's adapters,
+rank and targets share an engine (``tinker_server.shared_engine.SharedEngine``), each run's adapters,
 gradients, AdamW state, step and RNG swapped in for its calls.
 
 * Interleaved, three runs (two seeds, one of them other than the engine's; calls of different
@@ -27,7 +27,7 @@ from tests.support.tinker import ADAM, ALPHA, RANK, datums, plain
 from tests.support.user_data import build_model_dir
 from tinker_server.config import load_server_config
 from tinker_server.contract import AdamIn, LoraIn, SampleParamsIn, UserError
-from tinker_server.runs import EngineFactory
+from tinker_server.factory import EngineFactory
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,13 @@ def _call(run, call: str, seed: int, loss: str):
 
 
 def _adapters(run) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in run.engine.export_adapter_weights()}
+    with run.shared.serving(run) as engine:
+        return {k: v.detach().clone() for k, v in engine.export_adapter_weights()}
+
+
+def _run_state(run):
+    with run.shared.serving(run) as engine:
+        return engine.run_state()
 
 
 def interleaved_and_alone(rank, world, models, strategy) -> dict:
@@ -85,10 +91,10 @@ def interleaved_and_alone(rank, world, models, strategy) -> dict:
     out = {"engines": len(shared.engines), "got": got, "got_adapters": {n: _adapters(r) for n, r in runs.items()}}
     # Run A's step leaves run B untouched: its whole state and its samples.
     b = runs["b"]
-    before, sample_before = b.engine.run_state(), _call(b, "sample", 5, "")
+    before, sample_before = _run_state(b), _call(b, "sample", 5, "")
     _call(runs["a"], "fb", 16, "cross_entropy")
     _call(runs["a"], "step", 0, "")
-    after, sample_after = b.engine.run_state(), _call(b, "sample", 5, "")
+    after, sample_after = _run_state(b), _call(b, "sample", 5, "")
     out["b_state"] = (before, after)
     out["b_samples"] = (sample_before, sample_after)
     # Refusals leave the runs as they were.
@@ -196,13 +202,13 @@ def test_a_run_past_the_host_memory_is_refused_and_the_others_go_on(models, monk
     """Memory, not only a count, bounds the runs of an engine: a run whose state (about 4x its
     adapters) does not fit the host's available memory is refused naming both sizes; the run
     already served is untouched and goes on."""
-    from tinker_server import runs as runs_module
+    from tinker_server import shared_engine
 
     factory = _factory(str(models), "fsdp")
     first = factory.create_run("tiny", RUNS["a"])
     _call(first, "fb", 11, "cross_entropy")
     before = _adapters(first)
-    monkeypatch.setattr(runs_module, "_available_host_bytes", lambda: 1024)
+    monkeypatch.setattr(shared_engine, "available_host_bytes", lambda: 1024)
     with pytest.raises(UserError, match="MB of host memory") as err:
         factory.create_run("tiny", RUNS["b"])
     assert "0 MB available" in str(err.value) and "unload" in str(err.value)
@@ -243,13 +249,13 @@ def _settings_once_then_steps(factory: EngineFactory, names: list[str]) -> dict:
     set_optim_hparams before it, so a step uses what the swap put back)."""
     runs = {name: factory.create_run("tiny", RUNS[name]) for name in names}
     for name, run in runs.items():
-        run.engine.set_optim_hparams(**HPARAMS[name])
+        with run.shared.serving(run) as engine:
+            engine.set_optim_hparams(**HPARAMS[name])
     norms: dict[str, list[float]] = {name: [] for name in names}
     for step in range(3):
         for name, run in runs.items():
             run.forward_backward(plain(datums(90 + 10 * step + len(norms[name]), n=3)), "cross_entropy", None, False)
-            engine = run.engine
-            with engine.train_mode():
+            with run.shared.serving(run) as engine, engine.train_mode():
                 norms[name].append(float(engine.optimizer_step()))
                 engine.optimizer_zero_grad()
     out = {name: (norms[name], _adapters(run)) for name, run in runs.items()}
@@ -306,7 +312,7 @@ def vllm_adapter_samplers(rank, world, models) -> dict:
     alternately, against the same runs' merged weights synced into it."""
     import os
 
-    from tinker_server.runs import snapshot
+    from tinker_server.snapshots import snapshot
 
     factory = _factory(models, "fsdp", "rollout.backend=vllm", f"rollout.lora_rank={RANK}", "rollout.max_loras=2")
     # two runs of the projections, and one that also adapts lm_head (served merged)
