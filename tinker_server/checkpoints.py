@@ -1,4 +1,5 @@
-"""Checkpoints on disk: ``tinker://`` paths, the layout under ``state_dir`` and the metadata files.
+"""Checkpoints on disk: the layout under ``state_dir`` and the metadata files (the ``tinker://``
+paths and ids they are named by: ``tinker_server.ids``).
 
 Layout::
 
@@ -14,9 +15,9 @@ place). A server killed mid-save leaves such siblings behind: :meth:`CheckpointS
 removes them when the server starts (and puts back a moved-aside checkpoint whose replacement never
 arrived).
 
-A path names ``tinker://<model_id>/<weights|sampler_weights>/<name>``. Model ids and names are
-checked against strict patterns before any path is built, and every directory is checked to lie
-under ``state_dir`` after resolution, so no request can reach outside it. Metadata is plain JSON,
+Model ids and names are checked against strict patterns before any path is built
+(``tinker_server.ids``), and every directory is checked to lie under ``state_dir`` after
+resolution, so no request can reach outside it. Metadata is plain JSON,
 read with ``json.loads`` and checked field by field (nothing is unpickled or evaluated).
 """
 
@@ -29,87 +30,24 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from tinker_server import tenants
 from tinker_server.contract import LoraIn, UserError
+from tinker_server.ids import KINDS, MODEL_ID, NAME, CheckpointRef, check_model_id
 
 META_FILE = "tinker_checkpoint.json"
 RUN_FILE = "run.json"
 FORMAT = "enginekit-tinker/1"
-KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> SDK checkpoint_type
-
-# Matched with fullmatch: "$" would also match before a trailing newline ("name\n").
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}:train:[0-9]{1,9}$")
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 # What CheckpointStore.begin / commit leave beside a checkpoint while a save is in flight.
 _STAGING = re.compile(r"^\.(?P<name>[A-Za-z0-9_][A-Za-z0-9._-]{0,127})\.(?P<what>saving|replaced)-[0-9a-f]{8}$")
 
 log = logging.getLogger(__name__)
 
 
-def check_session_id(session_id: object, field: str) -> str:
-    """``session_id`` if well formed, else a :class:`UserError` naming ``field``."""
-    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
-        raise UserError(f"{field}: {session_id!r} is not a session id (letters, digits, '_' and '-')")
-    return session_id
-
-
-def check_model_id(model_id: object, field: str) -> str:
-    """``model_id`` if well formed (``<session_id>:train:<n>``), else a :class:`UserError`."""
-    if not isinstance(model_id, str) or not _MODEL_ID.fullmatch(model_id):
-        raise UserError(f"{field}: {model_id!r} is not a model id of this server (expected '<session_id>:train:<n>')")
-    return model_id
-
-
-def check_name(name: object, field: str) -> str:
-    """A checkpoint name: letters, digits, ``.``, ``_``, ``-`` (no ``/``, no ``..``), at most 128 chars."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise UserError(
-            f"{field}: {name!r} is not a valid checkpoint name; use 1-128 letters, digits, '.', '_' or '-' "
-            "(no '/', no '..', not starting with '.')"
-        )
-    return name
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One checkpoint: the model that wrote it, its kind (path segment) and its name."""
-
-    model_id: str
-    kind: str  # "weights" or "sampler_weights"
-    name: str
-
-    @property
-    def tinker_path(self) -> str:
-        return f"tinker://{self.model_id}/{self.kind}/{self.name}"
-
-    @property
-    def checkpoint_id(self) -> str:
-        return f"{self.kind}/{self.name}"
-
-    @property
-    def checkpoint_type(self) -> str:
-        return KINDS[self.kind]
-
-
-def parse_tinker_path(path: object, field: str) -> CheckpointRef:
-    """``tinker://<model_id>/<weights|sampler_weights>/<name>`` -> :class:`CheckpointRef`."""
-    prefix = "tinker://"
-    if not isinstance(path, str) or not path.startswith(prefix):
-        raise UserError(f"{field}: {path!r} is not a checkpoint path; expected 'tinker://<model_id>/weights/<name>'")
-    parts = path[len(prefix) :].split("/")
-    if len(parts) != 3 or parts[1] not in KINDS:
-        raise UserError(
-            f"{field}: {path!r} is not a checkpoint path; expected 'tinker://<model_id>/weights/<name>' "
-            "or 'tinker://<model_id>/sampler_weights/<name>'"
-        )
-    return CheckpointRef(check_model_id(parts[0], field), parts[1], check_name(parts[2], field))
-
-
 def lora_to_json(lora: LoraIn) -> dict:
+    """The LoRA config as a metadata file holds it (read back by :func:`lora_from_json`)."""
     return asdict(lora)
 
 
@@ -211,7 +149,7 @@ class CheckpointStore:
         """Model ids with a run record, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if _MODEL_ID.fullmatch(p.name) and (p / RUN_FILE).is_file()]
+        found = [p for p in self.root.iterdir() if MODEL_ID.fullmatch(p.name) and (p / RUN_FILE).is_file()]
         return [p.name for p in sorted(found, key=lambda p: (p / RUN_FILE).stat().st_mtime)]
 
     def visible_runs(self) -> list[tuple[str, dict]]:
@@ -267,7 +205,7 @@ class CheckpointStore:
         if not self.root.is_dir():
             return done
         for run_dir in self.root.iterdir():
-            if run_dir.is_symlink() or not _MODEL_ID.fullmatch(run_dir.name) or not run_dir.is_dir():
+            if run_dir.is_symlink() or not MODEL_ID.fullmatch(run_dir.name) or not run_dir.is_dir():
                 continue
             for kind in KINDS:
                 base = run_dir / kind
@@ -386,7 +324,7 @@ class CheckpointStore:
             if not base.is_dir():
                 continue
             for entry in base.iterdir():
-                if _NAME.fullmatch(entry.name) and (entry / META_FILE).is_file():
+                if NAME.fullmatch(entry.name) and (entry / META_FILE).is_file():
                     ref = CheckpointRef(model_id, kind, entry.name)
                     try:
                         found.append((ref, self.read(ref, "path")))
@@ -408,6 +346,7 @@ class CheckpointStore:
         shutil.rmtree(self.directory(ref))
 
     def size_bytes(self, ref: CheckpointRef) -> int:
+        """The bytes of a checkpoint's files."""
         total = 0
         for dirpath, _, files in os.walk(self.directory(ref)):
             total += sum((Path(dirpath) / f).stat().st_size for f in files)

@@ -1,4 +1,6 @@
-"""What the HTTP layer (``app``, ``wire``, ``futures``) and the training side (``runs``) agree on.
+"""What the HTTP layer (``app``, ``registry``, ``routes``, ``wire``, ``proto``, ``futures``) and the
+training side (``factory`` and the engines it holds: ``shared_engine``, ``ray_engine``; samplers:
+``snapshots``) agree on.
 
 The HTTP layer speaks the Tinker SDK's wire format and converts it into these plain types; the
 training side never sees a pydantic model, a protobuf message or a request. Everything here is
@@ -9,7 +11,10 @@ fidelity tests do exactly that: the same :class:`DatumIn` through the server and
 Errors: a method raises :class:`UserError` for anything the client got wrong (the HTTP layer
 answers it with the SDK's error shape, category ``user``); any other exception is a server
 error (category ``server``). A method that raises leaves the run's weights and optimizer as
-they were.
+they were. Each check runs once per request: the HTTP layer checks what it decodes (and the loss
+request, ``datums.check_loss_request``) before it calls a run; a run checks what only it can
+(the datums against the loss, the model's vocabulary and positions) and answers the engine's own
+refusals (``ValueError``) as :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -116,7 +121,11 @@ class TrainingRun(Protocol):
 
     def forward_backward(
         self, datums: list[DatumIn], loss_fn: str, loss_fn_config: dict[str, float] | None, forward_only: bool
-    ) -> ForwardBackwardOut: ...
+    ) -> ForwardBackwardOut:
+        """The loss and per-datum log-probs of ``datums`` (gradients accumulated unless
+        ``forward_only``); ``loss_fn`` / ``loss_fn_config`` as ``datums.check_loss_request``
+        passed them."""
+        ...
 
     def optim_step(self, adam: AdamIn) -> dict[str, float]: ...
 
