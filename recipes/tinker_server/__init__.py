@@ -1,14 +1,27 @@
-"""The Tinker API server's old module path, kept so that ``python -m recipes.tinker_server`` and
-``import recipes.tinker_server.<module>`` keep working: the server now lives in the top-level
-package ``tinker_server`` (docs/tinker.md); each submodule here IS that package's module (one
-object, not a copy; every module of the package, subpackages included), so state and
-monkeypatches are shared."""
+"""DEPRECATED: the Tinker API server's old module path, removed after 2027-03-01; use the
+top-level package ``tinker_server`` (``python -m tinker_server``, ``import tinker_server.<module>``;
+docs/tinker.md).
+
+Until then ``python -m recipes.tinker_server`` and ``import recipes.tinker_server.<module>`` keep
+working: each submodule here IS that package's module (one object, not a copy), so state and
+monkeypatches are shared. Importing this package warns once (``DeprecationWarning``).
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import sys
+import warnings
+
+REMOVED_AFTER = "2027-03-01"
+
+warnings.warn(
+    f"recipes.tinker_server is deprecated and will be removed after {REMOVED_AFTER}; use the package tinker_server "
+    "(python -m tinker_server, import tinker_server.<module>)",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 _package = importlib.import_module("tinker_server")
 for _info in pkgutil.walk_packages(_package.__path__, "tinker_server."):
