@@ -20,7 +20,7 @@ every case (short run, then long run), the order of the cases reversed every oth
 B A, ...), and gives one Enginekit / TRL ratio per case from the same round's runs; a row reports
 the median of those ratios over ``--rounds`` rounds (default 5) with their minimum, quartiles
 and maximum, so a claim is a median with its spread, never a single round (single rounds of the
-char shape have ranged over 0.8-1.2x on the 2-core machine while other jobs ran). Also measured:
+char shape have ranged over 0.6-1.2x on the 2-core machine while other jobs ran). Also measured:
 the same Enginekit run with ``actor.recompute_old_log_probs=true`` (the separate old-policy
 forward this setting makes unnecessary), to show what reusing the update's log-probs saves.
 
