@@ -1,4 +1,4 @@
-"""Many LoRA runs on one base model: the Tinker server's shared engine (``tinker_server.runs.
+"""Many LoRA runs on one base model: the Tinker server's shared engine (``tinker_server.shared_engine.
 SharedEngine``) with N = 1, 4 and 16 runs, on a ~100M-parameter Llama-style model whose
 weights dominate resident memory.
 
@@ -203,7 +203,8 @@ def _measure(n: int, root: str, tmp: str, rounds: int, threads: int, share: bool
         out["resident"] = _resident() - before
         out["per_run"] = statistics.median(_engine_bytes(run.shared.engine) for run in runs)
         return out
-    runs[0].engine  # noqa: B018 - run 0 resident: every other run's state is out on the host
+    with runs[0].shared.serving(runs[0]):  # run 0 resident: every other run's state is out on the host
+        pass
     gc.collect()
     out["resident"] = _resident() - before
     shared = factory.engines[0]

@@ -376,6 +376,19 @@ def unpack(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
+def attach(batch: TensorDict, **flat: torch.Tensor) -> TensorDict:
+    """Set each of ``flat`` (flat per-token values, first dim = the batch's total tokens) on
+    ``batch`` as a jagged field in ``input_ids``' layout (:func:`unpack`); returns ``batch``.
+
+    Raises:
+        ValueError: a field's first dimension is not the batch's token count.
+    """
+    like = batch["input_ids"]
+    for name, values in flat.items():
+        batch.set(name, unpack(values, like))
+    return batch
+
+
 def pad(jagged: torch.Tensor, value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad a jagged tensor to ``[B, T, ...]``; returns ``(padded, attention_mask)``.
 

@@ -296,6 +296,15 @@ class BaseRollout(abc.ABC):
         return []
 
     @classmethod
+    def fit_to_machine(cls, dtype: str, cuda: bool) -> tuple[str, int | None, str | None]:
+        """What this backend needs of a run on this machine (``cuda``: CUDA is available here):
+        ``(dtype, min_head_dim, why)``: the dtype to sample in instead of ``dtype`` (the same
+        when it can), the narrowest attention head it runs (None: any), and why the dtype was
+        changed (None: it was not). Recipes apply it to their rollout settings and to the tiny
+        model they build. Default: ``dtype`` as asked, any head."""
+        return dtype, None, None
+
+    @classmethod
     def expected_max_model_len(cls, config: RolloutEngineConfig) -> int | None:
         """The ``max_model_len`` an engine built from ``config`` will have, from files alone
         (None: not known before building). Default: ``config.max_model_len``."""

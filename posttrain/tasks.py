@@ -14,7 +14,7 @@ import torch
 from posttrain import sort_task as task
 from posttrain.data_order import files_order, sort_task_order
 from posttrain.dist import rank
-from posttrain.rewards import DEFAULT_TIMEOUT_S, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
+from posttrain.rewards import DEFAULT_TIMEOUT_S, RewardConfig, check_reward_columns, compute_rewards, load_reward_fn, sort_task_score
 from posttrain.text_data import DataConfig, PromptDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 
 
@@ -106,10 +106,9 @@ class FileTask:
         ).float()
 
 
-def build_task(cfg) -> SortTask | FileTask:
-    """The task of a loaded RL config: one with ``data`` (``posttrain.text_data.DataConfig``),
-    ``engine.model.path`` and ``reward`` (``posttrain.rewards.RewardConfig``) sections, such as
-    ``recipes.ppo.PPOConfig``."""
-    if not cfg.data.from_files:
-        return SortTask(cfg.data)
-    return FileTask(cfg.data, cfg.engine.model.path, cfg.reward.function, cfg.reward.batched, cfg.reward.timeout_s)
+def build_task(data: DataConfig, model_path: str | None, reward: RewardConfig) -> SortTask | FileTask:
+    """The task of an RL run from its sections: the sorting task without data files, else the
+    files of ``data`` tokenized with ``model_path``'s tokenizer and scored by ``reward``."""
+    if not data.from_files:
+        return SortTask(data)
+    return FileTask(data, model_path, reward.function, reward.batched, reward.timeout_s)

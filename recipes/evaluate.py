@@ -34,21 +34,15 @@ import torch.distributed as dist
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
 from posttrain.agents.loop import load_env_code
+from posttrain.agents.producer import build_producer
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
+from posttrain.evaluation import mean_reward, validation_batches
+from posttrain.rl_setup import build_rollout_role, fit_rollout_to_machine, rollout_model_problems
 from posttrain.tasks import build_task
 from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import with_model_path
-from recipes.ppo import (
-    PPOConfig,
-    _fit_rollout_to_cpu,
-    _fit_tiny_model,
-    build_agent,
-    evaluate_prompts,
-    evaluate_trajectories,
-    mean_reward,
-)
-from recipes.rl_roles import build_rollout_role, rollout_model_problems
+from recipes.ppo import PPOConfig
 from roles.rollout import Rollout
 
 DEFAULT_CONFIG = "configs/grpo_tiny.yaml"
@@ -121,44 +115,33 @@ def load_policy(cfg: PPOConfig, checkpoint: str | None, source) -> tuple[Rollout
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
     """Load the weights, score the validation prompts, write the responses; return the summary.
-    A multi-turn run (``env.function``) is scored through its environment and reward function,
-    exactly as its training run validates (``recipes.ppo.validate``)."""
+    The scoring is the run's own producer's (``posttrain.agents.producer.build_producer``): a
+    multi-turn run (``env.function``) is scored through its environment and reward function,
+    exactly as its training run validates."""
     rank0 = rank() == 0
     if cfg.env.enabled:
         load_env_code(cfg.env)  # a misspelt environment fails before the data and the engine
-    source = build_task(cfg)
-    agent = build_agent(cfg, source)
+    source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
+    producer = build_producer(cfg.env, cfg.reward, cfg.data, cfg.rollout, source)
     rollout, _, step = load_policy(cfg, cfg.eval.checkpoint, source)
-    chunk = cfg.data.batch_size * cfg.algo.n_samples  # the training run's validation calls
     try:
         prompts, metas = source.val_prompts()
         n = cfg.eval.samples_per_prompt
         prompts = [p for p in prompts for _ in range(n)]
         metas = [m for m in metas for _ in range(n)]
-        if agent is None:
-            scores, batches = evaluate_prompts(source, rollout, prompts, metas, chunk)
-            rows = _response_rows(source, batches)
-        else:
-            outs = evaluate_trajectories(agent, rollout, metas, chunk, cfg.rollout.max_new_tokens, cfg.rollout.seed)
-            scores = [out.scores for out in outs]
-            rows = [
-                {"prompt": t["prompt"], "response": t["response"], "stopped": "length" if int(cut) else "stop"}
-                for out in outs
-                for t, cut in zip(out.texts or [{"prompt": "", "response": ""}] * len(out.scores), _truncated(out), strict=True)
-            ]
+        chunk = cfg.data.batch_size * cfg.algo.n_samples  # the training run's validation calls
+        batches = validation_batches(producer, rollout, prompts, metas, chunk, cfg.rollout.seed)
     finally:
         rollout.engine.shutdown()
-        if agent is not None:
-            agent.close()
-    rewards = [float(s) for chunk in scores for s in chunk]
-    for row, reward in zip(rows, rewards, strict=True):
-        row["reward"] = reward
+        producer.close()
+    rows = [row for b in batches for row in b.rows()]
+    rewards = [row["reward"] for row in rows]
     summary = {
         "weights": cfg.eval.checkpoint or cfg.engine.model.path,
         "checkpoint_step": step,
         "prompts": len(rows) // n,
         "samples_per_prompt": n,
-        "val/reward": mean_reward(scores),  # as the training run's validation sums it
+        "val/reward": mean_reward(batches),  # as the training run's validation sums it
         "val/reward_std": statistics.pstdev(rewards),
         "val/response_len": statistics.fmean(len(r["response"]) for r in rows) if rows else 0.0,
     }
@@ -176,30 +159,6 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     return summary
 
 
-def _response_rows(source, batches) -> list[dict[str, Any]]:
-    rows = []
-    for batch in batches:
-        ids, offsets = batch["input_ids"].values(), batch["input_ids"].offsets().tolist()
-        for i, plen in enumerate(batch["prompt_len"].tolist()):
-            seq = ids[offsets[i] : offsets[i + 1]].tolist()
-            rows.append(
-                {
-                    "prompt": source.decode(seq[:plen]),
-                    "response": source.decode(seq[plen:]),
-                    "stopped": "length" if int(batch["rollout_truncated"][i]) else "stop",
-                }
-            )
-    return rows
-
-
-def _truncated(out) -> list[int]:
-    """Per trajectory of an ``AgentBatch``: whether the token budget ended it."""
-    flags = [0] * len(out.scores)
-    for row, traj in enumerate(out.traj_of_row.tolist()):
-        flags[traj] = max(flags[traj], int(out.batch["rollout_truncated"][row]))
-    return flags
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse ``--config`` + overrides, evaluate, return the summary."""
     return launch(argv, "python -m recipes.evaluate", __doc__, EvalConfig, run)
@@ -215,7 +174,7 @@ def launch(argv: Sequence[str] | None, prog: str, doc: str, config_cls: type, ru
     cfg = load_typed(config_cls, config_path, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s)
     try:
-        return run_fn(with_model_path(_fit_tiny_model(_fit_rollout_to_cpu(cfg, rank() == 0))))
+        return run_fn(with_model_path(fit_rollout_to_machine(cfg, rank() == 0)))
     finally:
         if started and is_initialized():
             dist.barrier()

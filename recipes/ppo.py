@@ -1,22 +1,20 @@
 """PPO (critic + GAE) and GRPO (group-normalised rewards, no critic), driven only through the
-roles (``roles/``) and therefore through ``BaseEngine``: on the built-in digit-sorting task by
-default, or on the user's model directory, prompt files and reward function.
+roles (``roles/``) and so through ``BaseEngine``: on the built-in digit-sorting task by default,
+or on the user's model directory, prompt files and reward function (``posttrain.text_data``,
+``posttrain.rewards``); multi-turn with ``env.function`` (``posttrain.agents``).
 
 Run: ``python -m recipes.ppo --config configs/ppo_tiny.yaml [key=value ...]`` (or
 ``configs/grpo_tiny.yaml``); ``engine.strategy=megatron`` switches backend; under
-``torchrun --nproc-per-node N`` all roles run colocated on every rank. Own data:
-``engine.model.path=DIR data.train_files=[p.parquet] reward.function=rw.py:score``
-(``posttrain.text_data``, ``posttrain.rewards``).
+``torchrun --nproc-per-node N`` every role runs on every rank; ``trainer.launcher=ray`` places
+them on Ray pools.
 
-One step: the prompts of the step (a pure function of ``data.seed`` and the step,
-``posttrain.tasks``) -> ``Rollout`` (weights synced from the actor) samples ``algo.n_samples``
-responses per prompt, each ending at an EOS id, a stop string or the length limit -> rewards
-(the sorting task's partial credit, or ``reward.function`` on the decoded text) -> reference
-log-probs (when ``actor.kl_coef > 0``) -> old log-probs (actor) -> values and GAE (PPO) or
-group-normalised advantages (GRPO) -> actor and critic updates. Every ``trainer.val_every``
-steps (and at the end, when there are validation prompts) one response per validation prompt
-is sampled with the rollout settings and a fixed seed and its mean reward logged as
-``val/reward``. Rank 0 writes one JSON line per step and, at the end, a PNG of the reward curve.
+One step (``posttrain.async_rl.Pipeline``, synchronous at ``async.max_staleness=0``): the
+step's prompts (a pure function of ``data.seed`` and the step) -> the producer (single-turn
+sampling or multi-turn trajectories, ``posttrain.async_rl.producer``) samples ``algo.n_samples``
+responses per prompt and scores them -> reference, old and value log-probs -> GAE (PPO) or
+group-normalised advantages (GRPO) -> actor and critic updates (:func:`train_on_batch`). Every
+``trainer.val_every`` steps, and at the end, ``val/reward`` (``posttrain.evaluation``). Rank 0
+writes one JSON line per step and, at the end, a PNG of the reward curve.
 """
 
 from __future__ import annotations
@@ -33,37 +31,44 @@ import torch
 import torch.distributed as dist
 
 from engine_api import EngineConfig, ckpt_layout
-from engine_api.batch import unpack
+from engine_api.batch import attach
 from engine_api.dist import is_initialized
 from engine_api.moe import ROUTING_FIELD
 from engine_api.typed_config import load_typed
-from posttrain.agents import AgentBatch, AgentLoop, EnvConfig
+from posttrain.agents import EnvConfig
+from posttrain.agents.config import multi_turn_problems
 from posttrain.agents.loop import load_env_code
-from posttrain.async_rl import AsyncConfig, Pipeline
+from posttrain.agents.producer import build_producer
+from posttrain.async_rl import AsyncConfig, Pipeline, Schedule, ScoredBatch
 from posttrain.cli import parse_recipe_args
 from posttrain.data_order import check_order, save_order
 from posttrain.dist import init_distributed, rank
-from posttrain.export import save_hf
+from posttrain.evaluation import validate
+from posttrain.placement.rl_host import place_roles
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.rewards import RewardConfig
+from posttrain.rl_setup import (  # noqa: F401 (build_rollout_role, rl_roles and rl_placement_problems re-exported)
+    build_rollout_role,
+    fit_rollout_to_machine,
+    resume_roles,
+    rl_placement_problems,
+    rl_roles,
+    rollout_model_problems,
+)
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
 from posttrain.tiny_model import is_built_model
-from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
-from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles, rollout_model_problems  # noqa: F401 (re-exported)
 from roles.actor import ActorConfig, routing_for_update
-from roles.algos import gae, group_reward_stats, grpo_advantages
+from roles.algos import gae_per_sequence, group_reward_stats, grpo_advantages, no_signal_warning, rollout_parity
 from roles.critic import CriticConfig
-from roles.factory import build_roles
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
-from roles.rollout import Rollout, RolloutConfig, step_seeds
+from roles.rollout import RolloutConfig
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
 ADVANTAGES = ("gae", "grpo")
-# Validation rollouts draw from seeds this far above the training ones, which they never reach.
-_VAL_SEED_OFFSET = 10**9
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,7 @@ class PPOConfig:
                 "reward.function = None: prompts from data.train_files need a reward function (or an environment that gives "
                 "rewards); fix: reward.function=file.py:fn, or env.function"
             )
-        out += agent_problems(self)
+        out += multi_turn_problems(self.env, self.data.from_files, self.trainer.use_legacy_worker_impl, self.rollout.max_model_len)
         if not self.data.from_files and self.reward.function is not None:
             out.append(
                 f"reward.function = {self.reward.function!r}: the built-in sorting task (no data.train_files) has no text to score; "
@@ -192,39 +197,6 @@ class PPOConfig:
         return out
 
 
-def agent_problems(cfg: PPOConfig) -> list[str]:
-    """What multi-turn rollouts (``env.function``) cannot run with yet, each named."""
-    if not cfg.env.enabled:
-        return []
-    out = []
-    if not cfg.data.from_files:
-        out.append(
-            f"env.function = {cfg.env.function!r}: multi-turn rollouts need a tokenizer with a chat template (the sorting task has "
-            "none); fix: give data.train_files and engine.model.path"
-        )
-    if cfg.trainer.use_legacy_worker_impl in FLAG_VALUES and use_legacy(cfg.trainer.use_legacy_worker_impl):
-        out.append(
-            "trainer.use_legacy_worker_impl: the legacy workers train single-turn batches only, not env.function's multi-turn "
-            "trajectories; fix: trainer.use_legacy_worker_impl=auto"
-        )
-    if cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < cfg.env.max_tokens:
-        out.append(
-            f"env.max_tokens = {cfg.env.max_tokens} > rollout.max_model_len = {cfg.rollout.max_model_len}: a trajectory could "
-            "outgrow the rollout engine; fix: lower env.max_tokens or raise rollout.max_model_len"
-        )
-    return out
-
-
-def build_agent(cfg: PPOConfig, source) -> AgentLoop | None:
-    """The run's multi-turn rollout (``env.function``), or None (single-turn)."""
-    if not cfg.env.enabled:
-        return None
-    reward = None
-    if cfg.reward.function is not None:
-        reward = (source.reward_fn, cfg.reward.function, cfg.reward.batched, cfg.reward.timeout_s)
-    return AgentLoop(cfg.env, source.tokenizer, cfg.data.chat_template_kwargs, source.stop_ids, cfg.rollout.temperature, reward)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse ``--config`` + overrides, train, return the summary.
 
@@ -241,13 +213,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lora = cfg.engine.model.lora.enabled
     own_model = cfg.engine.model.path is not None and not is_built_model(cfg.engine.model.path)  # a built model is not pretrained
     warn(demo_setting_warnings("rl", own_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
-    cfg = _fit_rollout_to_cpu(cfg, rank() == 0)
+    cfg = fit_rollout_to_machine(cfg, rank() == 0)
     try:
         try:
-            guard_fresh_run(
-                cfg.trainer.output_dir, cfg.trainer.resume, cfg.trainer.overwrite, rank() == 0
-            )  # before the tiny model is built there
-            return run(with_model_path(_fit_tiny_model(cfg)))
+            t = cfg.trainer
+            guard_fresh_run(t.output_dir, t.resume, t.overwrite, rank() == 0)  # before the tiny model is built there
+            return run(with_model_path(cfg))
         except Preempted as exc:  # agreed by every rank at the same step boundary
             if not is_initialized() or dist.get_rank() == 0:
                 print(str(exc), flush=True)
@@ -256,36 +227,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if started and is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def _fit_rollout_to_cpu(cfg: PPOConfig, rank0: bool) -> PPOConfig:
-    """On a machine without CUDA (and not on Ray, whose workers may have GPUs), vLLM in bf16 / fp16
-    spends many minutes compiling its CPU kernels before the first step (measured: no step in 20
-    minutes with the GRPO example): its rollout runs in float32 instead, with a one-line warning
-    naming the key. Every other setting is unchanged."""
-    r = cfg.rollout
-    if r.backend != "vllm" or r.dtype == "float32" or torch.cuda.is_available() or cfg.trainer.launcher == "ray":
-        return cfg
-    warn(
-        [
-            f"rollout.dtype = {r.dtype} with rollout.backend = vllm on a machine without CUDA: vLLM's CPU {r.dtype} kernels compile "
-            "for many minutes before the first step; using float32 (set rollout.dtype=float32 to silence this, or rollout.backend=hf)"
-        ],
-        rank0,
-    )
-    return replace(cfg, rollout=replace(r, dtype="float32"))
-
-
-def _fit_tiny_model(cfg: PPOConfig) -> PPOConfig:
-    """With ``rollout.backend=vllm`` on a CPU, the built tiny model (no ``engine.model.path``,
-    no ``tiny_model.head_dim``) gets ``head_dim`` 32: vLLM's CPU attention kernel refuses
-    narrower heads. Any other setup is unchanged."""
-    tm = cfg.tiny_model
-    if cfg.rollout.backend != "vllm" or cfg.engine.model.path is not None or tm.head_dim is not None or torch.cuda.is_available():
-        return cfg
-    if tm.hidden_size // tm.num_heads >= 32:
-        return cfg
-    return replace(cfg, tiny_model=replace(tm, head_dim=32))
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
@@ -304,8 +245,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if cfg.env.enabled:
         load_env_code(cfg.env)  # a misspelt environment or tool fails now, not after the data load
     guard_fresh_run(t.output_dir, t.resume, t.overwrite, rank0)
-    source = build_task(cfg)  # before the roles: bad data or a bad reward function fails fast
-    agent = build_agent(cfg, source)  # likewise a bad environment or tool
+    source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)  # before the roles: bad data or a bad reward function fails fast
+    producer = build_producer(cfg.env, cfg.reward, cfg.data, cfg.rollout, source)  # likewise a bad environment or tool
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     if t.resume and ckpt_layout.latest_checkpoint(os.path.join(ckpt_dir, "actor")) is not None:
         check_order(ckpt_dir, source.data_order(), rank0)  # a step is a position in the data order: refused before any engine
@@ -320,12 +261,14 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     bar = None
     val_reward = None
     no_signal_warned = False
-    what = "your data" if cfg.data.from_files else "digit sorting"
-    title = f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {what}"
+    title = f"{'PPO (GAE)' if critic is not None else 'GRPO'} on {'your data' if cfg.data.from_files else 'digit sorting'}"
     began = False  # a refused resume writes nothing, not even the plots
+    roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     try:
-        start = _resume(actor, critic, ckpt_dir, rank0) if t.resume else 0
-        pipeline = Pipeline(cfg, rollout, source, rank0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"], agent=agent)
+        start = resume_roles(roles, ckpt_dir, rank0) if t.resume else 0
+        schedule = Schedule(cfg.data.batch_size, cfg.algo.n_samples, cfg.rollout.seed, t.total_steps, t.output_dir)
+        score = lambda batch: actor.compute_log_probs(batch)["log_probs"]  # noqa: E731 (the version-parity probe)
+        pipeline = Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score)
         pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")
@@ -333,7 +276,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
                 train = functools.partial(train_on_batch, cfg, step, actor=actor, critic=critic, reference=reference, rollout=rollout)
-                m = pipeline.step(step, functools.partial(train, source=source, samples=samples))
+                m = pipeline.step(step, functools.partial(train, samples=samples))
                 if critic is None and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
                     no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
                     warn([no_signal_warning(step + 1, cfg.algo.n_samples, cfg.actor.entropy_coef, cfg.actor.kl_coef)], rank0)
@@ -341,8 +284,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                     run_log.log_samples(step + 1, m.pop("samples"))
                 rewards.append(m["reward"])
                 if (t.val_every and (step + 1) % t.val_every == 0) or step + 1 == t.total_steps:
-                    chunk = cfg.data.batch_size * cfg.algo.n_samples
-                    score = validate(source, rollout, chunk, agent, cfg.rollout.max_new_tokens, cfg.rollout.seed)
+                    score = validate(source, producer, rollout, cfg.data.batch_size * cfg.algo.n_samples, cfg.rollout.seed)
                     if score is not None:  # None: no validation prompts
                         m["val/reward"] = val_reward = score
                         run_log.message(f"validation at step {step + 1}: mean reward {score:.4f}")
@@ -353,12 +295,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
                 saved = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
                 if saved:
-                    _save(actor, critic, ckpt_dir, step + 1, pipeline, source)
+                    _save(roles, ckpt_dir, step + 1, pipeline, source)
                 signum = preemption.stop_requested()
                 if signum is not None:
                     if not saved:
-                        _save(actor, critic, ckpt_dir, step + 1, pipeline, source)
-                    raise Preempted(signum, step + 1, _saved_at(ckpt_dir, critic, step + 1))
+                        _save(roles, ckpt_dir, step + 1, pipeline, source)
+                    raise Preempted(signum, step + 1, _saved_at(ckpt_dir, roles, step + 1))
         hf_dir = None
         if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
             with PreemptionGuard() as late:
@@ -366,14 +308,13 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 signum = late.stop_requested()
             if signum is not None:
                 if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
-                    _save(actor, critic, ckpt_dir, t.total_steps, pipeline, source)
-                raise Preempted(signum, t.total_steps, _saved_at(ckpt_dir, critic, t.total_steps))
+                    _save(roles, ckpt_dir, t.total_steps, pipeline, source)
+                raise Preempted(signum, t.total_steps, _saved_at(ckpt_dir, roles, t.total_steps))
     finally:
         if bar is not None:
             bar.close()
         placed.close()
-        if agent is not None:
-            agent.close()  # its tool worker processes
+        producer.close()  # e.g. the tool worker processes of multi-turn runs
         if rank0 and began and os.path.exists(metrics_path):
             plot_run(metrics_path, t.output_dir, title)
     history = [json.loads(line)["reward"] for line in open(metrics_path)] if rank0 else rewards
@@ -392,180 +333,28 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     return summary
 
 
-@dataclass
-class LocalRoles:
-    """The roles in this process (``trainer.launcher=torchrun``: every role on every rank)."""
-
-    actor: Any
-    critic: Any
-    reference: Any
-    rollout: Rollout
-    engine_config: EngineConfig
-
-    def save_hf(self, out_dir: str, fmt: str) -> str:
-        return save_hf(self.actor, self.engine_config, out_dir, fmt)
-
-    def close(self) -> None:
-        self.rollout.engine.shutdown()
-
-
-def place_roles(cfg: PPOConfig, source):
-    """The run's roles: built in this process (``trainer.launcher=torchrun``), or in worker
-    groups on a Ray cluster driven from here (``ray``; ``recipes.ppo_ray``). Both have
-    ``actor``, ``critic``, ``reference``, ``rollout``, ``save_hf`` and ``close``."""
-    if cfg.trainer.launcher == "ray":
-        from recipes.ppo_ray import place_on_ray
-
-        return place_on_ray(cfg)
-    roles = build_roles(cfg)
-    return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)
-
-
-def _save(actor, critic, ckpt_dir: str, step: int, pipeline: Pipeline, source) -> None:
-    """The data order and the asynchronous state first, then the roles: a complete role
-    checkpoint has both (``posttrain.data_order``, ``posttrain.async_rl.state``)."""
-    if (dist.get_rank() if is_initialized() else 0) == 0:
-        save_order(ckpt_dir, source.data_order())
-    pipeline.save(ckpt_dir, step)
-    actor.save_checkpoint(os.path.join(ckpt_dir, "actor"), global_step=step)
-    if critic is not None:
-        critic.save_checkpoint(os.path.join(ckpt_dir, "critic"), global_step=step)
-    pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
-
-
-def validate(source, rollout: Rollout, chunk: int, agent: AgentLoop | None = None, max_new_tokens: int = 0, seed: int = 0) -> float | None:
-    """Mean reward of one response (with ``agent``: one trajectory) per validation prompt,
-    sampled with the rollout settings from fixed seeds (the same draws at every validation),
-    ``chunk`` prompts per sampler call (a training step's number of responses); None without
-    validation prompts. ``seed``: ``rollout.seed`` (the trajectories' seeds, as ``Rollout.seeds``
-    derives them; the Ray stand-in of the rollout has no such method)."""
-    val = source.val_prompts()
-    if val is None:
-        return None
-    prompts, metas = val
-    rollout.sync_weights()
-    if agent is None:
-        scores, _ = evaluate_prompts(source, rollout, prompts, metas, chunk)
-    else:
-        scores = [out.scores for out in evaluate_trajectories(agent, rollout, metas, chunk, max_new_tokens, seed)]
-    rollout.release()
-    return mean_reward(scores)
-
-
-def evaluate_trajectories(agent: AgentLoop, rollout: Rollout, metas: list, chunk: int, max_new_tokens: int, seed: int) -> list[AgentBatch]:
-    """The trajectories of one per prompt row of ``metas``, ``chunk`` rows per call, call ``k``
-    seeded from the validation offset + ``k``: :func:`validate`'s draws for a multi-turn run,
-    which ``recipes.evaluate`` repeats from a checkpoint. Collective over the rollout group."""
-    return [
-        agent.run(rollout, metas[b : b + chunk], step_seeds(seed, _VAL_SEED_OFFSET + k, len(metas[b : b + chunk])), max_new_tokens)
-        for k, b in enumerate(range(0, len(metas), chunk))
-    ]
-
-
-def evaluate_prompts(source, rollout: Rollout, prompts: list, metas: list, chunk: int) -> tuple[list[torch.Tensor], list]:
-    """The rewards and the sampled batches of one response per prompt, ``chunk`` prompts per
-    sampler call, call ``k`` seeded with the validation offset + ``k``: :func:`validate`'s draws,
-    which ``recipes.evaluate`` repeats from a checkpoint. One rewards tensor and one batch per
-    call. Collective over the rollout group."""
-    scores, batches = [], []
-    for k, begin in enumerate(range(0, len(prompts), chunk)):
-        batch = rollout.generate(prompts[begin : begin + chunk], seed_offset=_VAL_SEED_OFFSET + k)
-        scores.append(source.score(_responses(batch), metas[begin : begin + chunk]))
-        batches.append(batch)
-    return scores, batches
-
-
-def mean_reward(scores: list[torch.Tensor]) -> float:
-    """The mean of :func:`evaluate_prompts`' rewards, summed call by call (``val/reward``)."""
-    return sum(float(s.sum()) for s in scores) / sum(len(s) for s in scores)
-
-
-def no_signal_warning(step: int, n_samples: int, entropy_coef: float = 0.0, kl_coef: float = 0.0) -> str:
-    """The one-time warning of a GRPO step where every prompt group had identical rewards. What
-    it says about the update is what is true: without an entropy bonus or a KL term the loss and
-    the gradient are exactly 0; with either, they are all that moved the policy."""
-    terms = [f"the entropy bonus (actor.entropy_coef = {entropy_coef:g})"] * (entropy_coef > 0) + [
-        f"the KL penalty (actor.kl_coef = {kl_coef:g})"
-    ] * (kl_coef > 0)
-    update = (
-        f"the policy-gradient term is exactly 0, and only {' and '.join(terms)} moved the policy"
-        if terms
-        else "the loss and the gradient are exactly 0 and the policy did not change"
-    )
-    return (
-        f"GRPO step {step}: every prompt group's {n_samples} responses got the same reward (frac_reward_zero_std = 1), so "
-        f"every advantage is exactly 0: {update}; if this persists (see frac_reward_zero_std in the metrics) the run cannot "
-        "learn from the reward: use a denser reward (partial credit), more samples per prompt (algo.n_samples), or prompts "
-        "the model can sometimes solve"
-    )
-
-
-def _responses(batch) -> list[torch.Tensor]:
-    """Each sample's response token ids. Sliced from the jagged field's flat values: indexing
-    a nested tensor row by row cost ~1 ms a row (measured: a third of a tiny GRPO step)."""
-    ids = batch["input_ids"]
-    values, offsets, plen = ids.values(), ids.offsets().tolist(), batch["prompt_len"].tolist()
-    return [values[offsets[i] + int(plen[i]) : offsets[i + 1]] for i in range(len(plen))]
-
-
-def rl_step(cfg: PPOConfig, step: int, actor, critic, reference, rollout, source=None, samples: int = 0) -> dict[str, Any]:
-    """One RL step (see the module docstring) on any role implementation; returns its metrics.
-
-    ``source``: the prompts and rewards (``posttrain.tasks.build_task(cfg)``; None builds it).
-    ``samples`` > 0 adds ``"samples"``: the first that many generations of the step as
-    ``{"prompt", "response", "reward"}`` text rows (one per prompt group first, so a GRPO
-    group of identical prompts is not logged over and over)."""
-    source = source if source is not None else build_task(cfg)
-    t0 = time.perf_counter()
-    prompts, metas = step_prompts(source, step, cfg.algo.n_samples)
-    # Version = 1 + the actor updates so far: what the samples of this step must carry.
-    rollout.sync_weights(version=step + 1)
-    batch = rollout.generate(prompts, seed_offset=step)
-    rollout.release()  # the engine's memory back to training (vLLM sleep on GPU; nothing on CPU)
-    timings = {"rollout_s": time.perf_counter() - t0}
-    return train_on_batch(
-        cfg, step, batch, metas, timings, actor=actor, critic=critic, reference=reference, rollout=rollout, source=source, samples=samples
-    )
-
-
-def step_prompts(source, step: int, n: int) -> tuple[list[torch.Tensor], list]:
-    """The prompts of training step ``step`` and their metadata, each repeated ``n`` times (one
-    entry per response, a prompt's group together)."""
-    prompts, metas = source.prompts_at(step)
-    return [p for p in prompts for _ in range(n)], [meta for meta in metas for _ in range(n)]
-
-
 def train_on_batch(
     cfg: PPOConfig,
     step: int,
-    batch,
-    metas: list,
+    scored: ScoredBatch,
     timings: dict[str, float],
     *,
     actor,
     critic,
     reference,
     rollout,
-    source,
     samples: int = 0,
-    agent: AgentBatch | None = None,
 ) -> dict[str, Any]:
-    """The training half of :func:`rl_step`: score the sampled ``batch`` (prompts of ``step``,
-    ``metas`` per response), prepare and update, return the step's metrics; ``timings`` holds
-    the sampling's seconds (``rollout_s``) and gets the rest.
-
-    ``agent``: the batch is multi-turn trajectories (``posttrain.agents``), already scored:
-    GRPO groups are over trajectories, and a trajectory split into several rows gives each of
-    them its advantage (PPO: its reward at each row's last sampled token)."""
+    """The training half of a step: prepare the producer's scored batch (old, reference and
+    value log-probs; GRPO or GAE advantages over its trajectories) and update, return the
+    step's metrics; ``timings`` holds the sampling's seconds (``rollout_s``) and gets the rest.
+    GRPO groups are over trajectories (``n_samples`` of one prompt); a trajectory split into
+    several rows gives each of them its advantage (PPO: its reward at each row's last sampled
+    token). ``samples`` > 0 adds ``"samples"``: that many trajectories' text rows."""
     n = cfg.algo.n_samples
+    batch, scores, row_traj = scored.batch, scored.scores, scored.traj_of_row
     lengths = batch["input_ids"].offsets().diff()
-    t0 = time.perf_counter()
-    if agent is None:
-        scores = source.score(_responses(batch), metas)  # raises before any update when a reward fails
-        row_traj = torch.arange(len(scores))
-    else:
-        scores, row_traj = agent.scores, agent.traj_of_row
-    timings["reward_s"] = time.perf_counter() - t0
+    timings["reward_s"] = scored.reward_s
     t0 = time.perf_counter()
     # One update epoch over one mini-batch of a dense, dropout-free policy: the old-policy
     # log-probs are the update's own forward's (Actor.reuses_update_log_probs), one forward saved.
@@ -573,21 +362,20 @@ def train_on_batch(
     routing_metrics: dict[str, float] = {}
     if not reuse:
         old = actor.compute_log_probs(batch, calculate_entropy=True)
-        batch.set("old_log_probs", unpack(old["log_probs"].values(), batch["input_ids"]))
+        attach(batch, old_log_probs=old["log_probs"].values())
         routing, routing_metrics = routing_for_update(cfg.actor, batch, old)  # MoE: what the update replays or is measured against
         if routing is not None:
             batch.set(ROUTING_FIELD, routing)
     if reference is not None:
-        batch.set("ref_log_probs", unpack(reference.compute_log_probs(batch)["log_probs"].values(), batch["input_ids"]))
+        attach(batch, ref_log_probs=reference.compute_log_probs(batch)["log_probs"].values())
     mask = batch["loss_mask"].values()
     if critic is None:
         adv = torch.repeat_interleave(grpo_advantages(scores, torch.arange(len(scores)) // n)[row_traj], lengths) * mask
     else:
         values = critic.compute_values(batch)["values"].values() * mask
-        adv, returns = _gae_per_sequence(scores[row_traj], values, mask, batch["input_ids"].offsets(), cfg.algo)
-        batch.set("values", unpack(values, batch["input_ids"]))
-        batch.set("returns", unpack(returns, batch["input_ids"]))
-    batch.set("advantages", unpack(adv, batch["input_ids"]))
+        adv, returns = gae_per_sequence(scores[row_traj], values, mask, batch["input_ids"].offsets(), cfg.algo.gamma, cfg.algo.lam)
+        attach(batch, values=values, returns=returns)
+    attach(batch, advantages=adv)
     timings["prepare_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if reuse:
@@ -596,12 +384,12 @@ def train_on_batch(
         actor_m = actor.update(batch)
     critic_m = critic.update(batch) if critic is not None else []
     timings["update_s"] = time.perf_counter() - t0
-    parity = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), mask)
-    if agent is not None:  # per turn index too: a shifted or re-encoded turn shows here
-        for turn in sorted(set(agent.turns[mask > 0].tolist())):
-            per_turn = rollout_parity(old["log_probs"].values(), batch["rollout_log_probs"].values(), mask * (agent.turns == turn))
-            parity[f"rollout/logprob_abs_diff_max/turn_{turn}"] = per_turn["rollout/logprob_abs_diff_max"]
-        parity.update(agent.metrics)
+    trainer_lp, rollout_lp = old["log_probs"].values(), batch["rollout_log_probs"].values()
+    parity = rollout_parity(trainer_lp, rollout_lp, mask)
+    for turn in scored.turn_indices():  # per turn index too: a shifted or re-encoded turn shows here
+        per_turn = rollout_parity(trainer_lp, rollout_lp, mask * (scored.turns == turn))
+        parity[f"rollout/logprob_abs_diff_max/turn_{turn}"] = per_turn["rollout/logprob_abs_diff_max"]
+    parity.update(scored.metrics)
     parity.update(routing_metrics)
     parity["rollout/weight_version_lag"] = float(step + 1 - int(batch["rollout_weight_version"].min()))
     parity.update(rollout.last_sync)
@@ -625,7 +413,7 @@ def train_on_batch(
     if "kl" in actor_m[0]:
         out["kl"] = _mean([m["kl"] for m in actor_m])
     if samples:
-        out["samples"] = _sample_rows(batch, scores, source, samples, n) if agent is None else _trajectory_rows(agent, samples, n)
+        out["samples"] = scored.sample_rows(samples, n)
     if critic_m:
         out["critic_loss"] = _mean([m["loss"] for m in critic_m])
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
@@ -633,114 +421,22 @@ def train_on_batch(
     return out
 
 
-def _sample_rows(batch, scores: torch.Tensor, source, count: int, group: int) -> list[dict[str, Any]]:
-    """Text rows of ``count`` generations: the first response of each prompt group, then the
-    second of each, and so on."""
-    total = len(scores)
-    order = [g * group + k for k in range(group) for g in range(total // group)][:count]
-    rows = []
-    values, offsets, plen = batch["input_ids"].values(), batch["input_ids"].offsets().tolist(), batch["prompt_len"].tolist()
-    for i in order:
-        ids, cut = values[offsets[i] : offsets[i + 1]], int(plen[i])
-        rows.append(
-            {"prompt": source.decode(ids[:cut].tolist()), "response": source.decode(ids[cut:].tolist()), "reward": float(scores[i])}
-        )
-    return rows
+def _save(roles: dict, ckpt_dir: str, step: int, pipeline: Pipeline, source) -> None:
+    """The data order and the asynchronous state first, then the roles: a complete role
+    checkpoint has both (``posttrain.data_order``, ``posttrain.async_rl.state``)."""
+    if (dist.get_rank() if is_initialized() else 0) == 0:
+        save_order(ckpt_dir, source.data_order())
+    pipeline.save(ckpt_dir, step)
+    for name, role in roles.items():
+        role.save_checkpoint(os.path.join(ckpt_dir, name), global_step=step)
+    pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
 
 
-def _trajectory_rows(agent: AgentBatch, count: int, group: int) -> list[dict[str, Any]]:
-    """:func:`_sample_rows` of multi-turn trajectories (the conversation after the prompt)."""
-    total = len(agent.texts)
-    order = [g * group + k for k in range(group) for g in range(total // group)][:count]
-    return [agent.texts[i] for i in order]
-
-
-def rollout_parity(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the rollout engine's sampling log-probs are from the trainer's recomputed ones
-    over the response tokens (flat per-token values): mean and max of ``|trainer - rollout|``,
-    and ``kl_k3`` = mean of ``exp(r) - 1 - r`` with ``r = trainer - rollout``, Schulman's k3
-    estimate of KL(rollout || trainer) from the rollout's own samples."""
-    keep = mask > 0
-    r = (trainer - rollout)[keep].double()
-    if r.numel() == 0:
-        return {"rollout/logprob_abs_diff_mean": 0.0, "rollout/logprob_abs_diff_max": 0.0, "rollout/kl_k3": 0.0}
-    return {
-        "rollout/logprob_abs_diff_mean": float(r.abs().mean()),
-        "rollout/logprob_abs_diff_max": float(r.abs().max()),
-        "rollout/kl_k3": float((torch.expm1(r) - r).mean()),
-    }
-
-
-def _gae_per_sequence(scores, values, mask, offsets, algo: AlgoConfig):
-    """GAE over each sequence's response tokens, the score as the reward of the last one."""
-    adv = torch.zeros_like(values)
-    returns = torch.zeros_like(values)
-    for i in range(len(scores)):
-        idx = mask[offsets[i] : offsets[i + 1]].nonzero().squeeze(-1) + offsets[i]
-        rewards = torch.zeros(len(idx))
-        rewards[-1] = scores[i]
-        a, r = gae(rewards, values[idx], algo.gamma, algo.lam)
-        adv[idx], returns[idx] = a, r
-    return adv, returns
-
-
-def _resume(actor, critic, ckpt_dir: str, rank0: bool) -> int:
-    """Load the newest step that every role checkpointed completely and that verifies for
-    every role; 0 when the actor has no checkpoint (a fresh run). A save killed between the
-    actor's and the critic's checkpoint leaves the actor a step ahead (the common step is
-    loaded); a step that fails verification is skipped loudly
-    (``posttrain.trainer_utils.load_newest_valid``).
-
-    Raises:
-        ValueError: the actor has checkpoints but no step is complete for every role of this
-            run (a role's checkpoints are gone, or the run now has a critic the checkpoints
-            never had): before anything is written.
-    """
-    roles = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    roots = {name: os.path.join(ckpt_dir, name) for name in roles}
-    latest = ckpt_layout.latest_checkpoint(roots["actor"])
-    if latest is None:
-        return 0
-    newest = int(os.path.basename(latest)[len(ckpt_layout.PREFIX) :])  # honour `latest` (rollbacks)
-    have = {name: set(ckpt_layout.complete_steps(r)) for name, r in roots.items()}
-    common = set.intersection(*have.values())
-    steps = sorted((s for s in common if s <= newest), reverse=True)
-    if not steps:
-        # The actor has checkpoints but not every role of this run has one of the same step:
-        # starting over would overwrite the actor's checkpoints and the metrics. Stop first.
-        lacking = [name for name in roles if not have[name]]
-        why = (
-            f"the {' and '.join(lacking)} has no complete checkpoint in {', '.join(roots[n] for n in lacking)}"
-            if lacking
-            else "no step is checkpointed completely by every role (" + "; ".join(f"{n}: {sorted(have[n])}" for n in roles) + ")"
-        )
-        hint = (
-            " (were these checkpoints written by a GRPO run, which has no critic? resume with the run's own algo.advantage)"
-            if "critic" in lacking and not os.path.isdir(roots["critic"])
-            else ""
-        )
-        raise ValueError(
-            f"trainer.resume=true: the actor has checkpoints up to step {newest} in {roots['actor']}, but {why}{hint}; starting "
-            "over would overwrite them, so nothing was written; fix: restore the missing checkpoints, resume with the settings "
-            "of the run that wrote them, or start a fresh run in another trainer.output_dir"
-        )
-
-    def load_step(step: int) -> int:
-        for name, role in roles.items():
-            role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}"))
-        return step
-
-    def paths(step: int) -> str:
-        return ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
-
-    return load_newest_valid(steps, load_step, rank0, describe=paths)
-
-
-def _saved_at(ckpt_dir: str, critic, step: int) -> str:
+def _saved_at(ckpt_dir: str, roles: dict, step: int) -> str:
     """Where a stopped run's checkpoints of ``step`` are, for the message: the actor's, and the
     critic's only when there is one (GRPO has none)."""
-    roles = "{actor,critic}" if critic is not None else "actor"
-    return os.path.join(ckpt_dir, roles, f"{ckpt_layout.PREFIX}{step}")
+    names = "{" + ",".join(roles) + "}" if len(roles) > 1 else next(iter(roles))
+    return os.path.join(ckpt_dir, names, f"{ckpt_layout.PREFIX}{step}")
 
 
 def _mean(xs) -> float:

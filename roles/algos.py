@@ -41,6 +41,59 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     return advantages, advantages + values
 
 
+def gae_per_sequence(
+    scores: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gae` over each sequence's sampled tokens (flat per-token ``values`` and ``mask`` of a
+    jagged batch with ``offsets``), the sequence's score as the reward of its last sampled
+    token; ``(advantages, returns)`` flat, 0 off the sampled tokens."""
+    adv = torch.zeros_like(values)
+    returns = torch.zeros_like(values)
+    for i in range(len(scores)):
+        idx = mask[offsets[i] : offsets[i + 1]].nonzero().squeeze(-1) + offsets[i]
+        rewards = torch.zeros(len(idx))
+        rewards[-1] = scores[i]
+        a, r = gae(rewards, values[idx], gamma, lam)
+        adv[idx], returns[idx] = a, r
+    return adv, returns
+
+
+def rollout_parity(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's sampling log-probs are from the trainer's recomputed ones
+    over the response tokens (flat per-token values): mean and max of ``|trainer - rollout|``,
+    and ``kl_k3`` = mean of ``exp(r) - 1 - r`` with ``r = trainer - rollout``, Schulman's k3
+    estimate of KL(rollout || trainer) from the rollout's own samples."""
+    keep = mask > 0
+    r = (trainer - rollout)[keep].double()
+    if r.numel() == 0:
+        return {"rollout/logprob_abs_diff_mean": 0.0, "rollout/logprob_abs_diff_max": 0.0, "rollout/kl_k3": 0.0}
+    return {
+        "rollout/logprob_abs_diff_mean": float(r.abs().mean()),
+        "rollout/logprob_abs_diff_max": float(r.abs().max()),
+        "rollout/kl_k3": float((torch.expm1(r) - r).mean()),
+    }
+
+
+def no_signal_warning(step: int, n_samples: int, entropy_coef: float = 0.0, kl_coef: float = 0.0) -> str:
+    """The one-time warning of a GRPO step where every prompt group had identical rewards. What
+    it says about the update is what is true: without an entropy bonus or a KL term the loss and
+    the gradient are exactly 0; with either, they are all that moved the policy."""
+    terms = [f"the entropy bonus (actor.entropy_coef = {entropy_coef:g})"] * (entropy_coef > 0) + [
+        f"the KL penalty (actor.kl_coef = {kl_coef:g})"
+    ] * (kl_coef > 0)
+    update = (
+        f"the policy-gradient term is exactly 0, and only {' and '.join(terms)} moved the policy"
+        if terms
+        else "the loss and the gradient are exactly 0 and the policy did not change"
+    )
+    return (
+        f"GRPO step {step}: every prompt group's {n_samples} responses got the same reward (frac_reward_zero_std = 1), so "
+        f"every advantage is exactly 0: {update}; if this persists (see frac_reward_zero_std in the metrics) the run cannot "
+        "learn from the reward: use a denser reward (partial credit), more samples per prompt (algo.n_samples), or prompts "
+        "the model can sometimes solve"
+    )
+
+
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
     """GRPO: each sample's score minus its group's mean, divided by the group's std (unbiased,
     as in the GRPO paper) when ``norm_by_std``; a group of one gets advantage 0.

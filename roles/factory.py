@@ -21,7 +21,17 @@ from roles.reference import Reference
 
 # FLAG, FLAG_VALUES, use_legacy and legacy_problems live in roles.legacy_flag (which roles.legacy
 # imports too, so that it never imports this module); re-exported here.
-__all__ = ["FLAG", "FLAG_VALUES", "Roles", "RolesRecipeConfig", "build_roles", "critic_engine_config", "legacy_problems", "use_legacy"]
+__all__ = [
+    "FLAG",
+    "FLAG_VALUES",
+    "Roles",
+    "RolesRecipeConfig",
+    "build_roles",
+    "role_classes",
+    "critic_engine_config",
+    "legacy_problems",
+    "use_legacy",
+]
 
 
 class RolesRecipeConfig(Protocol):
@@ -61,6 +71,24 @@ def critic_engine_config(engine: EngineConfig, critic_lr: float) -> EngineConfig
     return dataclasses.replace(engine, model=model, optim=dataclasses.replace(engine.optim, lr=critic_lr))
 
 
+def role_classes(config: RolesRecipeConfig) -> dict[str, type]:
+    """The class of the ``actor``, ``critic`` and ``reference`` :func:`build_roles` builds for
+    ``config`` (the engine roles, or the legacy workers): what a driver needs to name their
+    methods when the roles live in other processes (``posttrain.placement.rl_host``)."""
+    if use_legacy(config.trainer.use_legacy_worker_impl):
+        legacy = _legacy()
+        return {"actor": legacy.LegacyActor, "critic": legacy.LegacyCritic, "reference": legacy.LegacyReference}
+    return {"actor": Actor, "critic": Critic, "reference": Reference}
+
+
+def _legacy():
+    """The legacy workers' package, imported here only: it imports FSDP and transformers, which
+    the engine roles must not."""
+    from roles import legacy
+
+    return legacy
+
+
 def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = None) -> Roles:
     """Build actor, critic (when ``algo.advantage == 'gae'``) and reference (when
     ``actor.kl_coef > 0``) on the implementation ``trainer.use_legacy_worker_impl`` selects.
@@ -86,9 +114,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
     critic_engine = critic_engine_config(config.engine, config.algo.critic_lr)
     frozen = dataclasses.replace(config.engine, frozen=True)
     if use_legacy(flag):
-        # Imported here: the legacy workers import FSDP and transformers; engine roles must not.
-        from roles import legacy
-
+        legacy = _legacy()
         legacy.warn_deprecated()
         return Roles(
             actor=legacy.LegacyActor(config.engine, config.actor) if with_actor else None,

@@ -385,13 +385,9 @@ def step_seeds(seed: int, seed_offset: int, count: int) -> list[int]:
 
 
 def samples_to_batch(prompts: Sequence[torch.Tensor], samples: Sequence[Sample], temperature: float) -> TensorDict:
-    """The protocol batch of ``prompts`` and their ``samples``: prompt + response with
-    ``loss_mask`` on the response tokens, the sampling log-probs as ``rollout_log_probs`` and
-    each token's weight version as ``rollout_token_versions`` (0 on the prompt), the
-    ``temperature`` metadata, and per sample ``prompt_len``, ``rollout_weight_version`` (the
-    OLDEST version that sampled any of its tokens: what its staleness counts from) and
-    ``rollout_truncated`` (1: ended at the length cap); the recorded routing
-    (``engine_api.moe.ROLLOUT_ROUTING_FIELD``) when the samples carry it."""
+    """The protocol batch of ``prompts`` and their ``samples`` (:func:`rl_batch`): prompt +
+    response, the loss mask and the sampling log-probs and versions on the response tokens, the
+    recorded routing when the samples carry it."""
     sequences, masks, lps, versions = [], [], [], []
     for prompt, s in zip(prompts, samples, strict=True):
         prompt = torch.as_tensor(prompt, dtype=torch.long)
@@ -400,18 +396,46 @@ def samples_to_batch(prompts: Sequence[torch.Tensor], samples: Sequence[Sample],
         masks.append(torch.cat([zeros, torch.ones(len(s.token_ids))]))
         lps.append(torch.cat([zeros, s.log_probs.float()]))
         versions.append(torch.cat([zeros.long(), s.versions()]))
-    extra = {}
-    if samples and samples[0].routed_experts is not None:
-        extra[ROLLOUT_ROUTING_FIELD] = [s.routed_experts for s in samples]
-    return make_batch(
+    routing = [s.routed_experts for s in samples] if samples and samples[0].routed_experts is not None else None
+    return rl_batch(
         sequences,
-        loss_mask=masks,
-        rollout_log_probs=lps,
-        rollout_token_versions=versions,
-        **extra,
+        masks,
+        lps,
+        versions,
         prompt_len=torch.tensor([len(p) for p in prompts]),
-        rollout_weight_version=torch.tensor([int(s.versions().min()) for s in samples]),
-        rollout_truncated=torch.tensor([int(s.finish_reason == "length") for s in samples]),
+        truncated=torch.tensor([int(s.finish_reason == "length") for s in samples]),
+        temperature=temperature,
+        routing=routing,
+    )
+
+
+def rl_batch(
+    ids: Sequence[torch.Tensor],
+    loss_mask: Sequence[torch.Tensor],
+    rollout_log_probs: Sequence[torch.Tensor],
+    token_versions: Sequence[torch.Tensor],
+    prompt_len: torch.Tensor,
+    truncated: torch.Tensor,
+    temperature: float,
+    routing: Sequence[torch.Tensor] | None = None,
+) -> TensorDict:
+    """The RL training batch: the one constructor of its schema, for single-turn samples and
+    multi-turn trajectories alike. Per token: ``input_ids``, ``loss_mask`` (1 exactly on the
+    sampled tokens), ``rollout_log_probs`` and ``rollout_token_versions`` (0 off the sampled
+    tokens), and the recorded routing (``engine_api.moe.ROLLOUT_ROUTING_FIELD``) when given; per
+    sample ``prompt_len``, ``rollout_truncated`` (1: ended at a length cap) and
+    ``rollout_weight_version``: the OLDEST version that sampled any of its tokens, which its
+    staleness counts from (the one place that rule is written); the ``temperature`` metadata."""
+    extra = {} if routing is None else {ROLLOUT_ROUTING_FIELD: list(routing)}
+    return make_batch(
+        list(ids),
+        loss_mask=list(loss_mask),
+        rollout_log_probs=list(rollout_log_probs),
+        rollout_token_versions=list(token_versions),
+        **extra,
+        prompt_len=prompt_len,
+        rollout_weight_version=torch.tensor([int(v[m > 0].min()) for v, m in zip(token_versions, loss_mask, strict=True)]),
+        rollout_truncated=truncated,
         temperature=temperature,
     )
 

@@ -356,3 +356,25 @@ def test_checker_sees_a_lazy_backend_import_from_the_library(tmp_path):
         "posttrain/bad.py:3: posttrain.bad imports recipes.common",
         "recipes/run.py:4: recipes.run imports backends",
     ]
+
+
+def private_imports_between_recipes(root: Path) -> list[str]:
+    """``path:line: statement`` for every import by a recipe of another recipe module's private
+    (``_``-prefixed) name: a recipe is a script; what two recipes share lives in ``posttrain``
+    (or is public in one of them), never reached for through the other's internals."""
+    found = []
+    for module, path in discover(root, ["recipes"]).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in all_imports(tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("recipes") or node.module == module:
+                continue
+            private = [alias.name for alias in node.names if alias.name.startswith("_")]
+            if private:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {module} imports {node.module}.{', '.join(private)}")
+    return found
+
+
+def test_no_recipe_imports_another_recipes_private_names(tmp_path):
+    assert private_imports_between_recipes(ROOT) == []
+    _tree(tmp_path, {"recipes/__init__.py": "", "recipes/a.py": "_x = 1\n", "recipes/b.py": "def f():\n    from recipes.a import _x, y\n"})
+    assert private_imports_between_recipes(tmp_path) == ["recipes/b.py:2: recipes.b imports recipes.a._x"]

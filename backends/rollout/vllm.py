@@ -439,6 +439,22 @@ class VLLMRollout(HFLayout, BaseRollout):
         return []
 
     @classmethod
+    def fit_to_machine(cls, dtype: str, cuda: bool) -> tuple[str, int | None, str | None]:
+        """On a machine without CUDA: float32 instead of bf16 / fp16 (vLLM's CPU kernels for them
+        compile for many minutes before the first step: measured, no step in 20 minutes with the
+        GRPO example) and heads of at least 32 (its CPU attention kernel refuses narrower ones).
+        With CUDA: as asked."""
+        if cuda:
+            return dtype, None, None
+        if dtype == "float32":
+            return dtype, 32, None
+        why = (
+            f"rollout.dtype = {dtype} with rollout.backend = vllm on a machine without CUDA: vLLM's CPU {dtype} kernels compile "
+            "for many minutes before the first step; using float32 (set rollout.dtype=float32 to silence this, or rollout.backend=hf)"
+        )
+        return "float32", 32, why
+
+    @classmethod
     def expected_max_model_len(cls, config: RolloutEngineConfig) -> int | None:
         """``config.max_model_len``, else the model's ``max_position_embeddings`` (what vLLM
         derives for a config without RoPE scaling; with scaling vLLM may allow more, so None:

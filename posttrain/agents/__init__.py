@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "AgentBatch": "posttrain.agents.loop",
     "AgentLoop": "posttrain.agents.loop",
+    "AgentProducer": "posttrain.agents.producer",
     "AgentRun": "posttrain.agents.loop",
     "EnvConfig": "posttrain.agents.config",
     "Environment": "posttrain.agents.env",

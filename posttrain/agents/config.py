@@ -125,3 +125,30 @@ class EnvConfig:
         if not isinstance(self.observation_role, str) or not self.observation_role:
             out.append(f"observation_role = {self.observation_role!r}: must be a chat role; fix: e.g. user")
         return out
+
+
+def multi_turn_problems(env: EnvConfig, from_files: bool, legacy_flag, max_model_len: int | None) -> list[str]:
+    """What multi-turn rollouts (``env.function``) cannot run with in an RL recipe, each named:
+    ``from_files`` (the data has a tokenizer and chat template), the legacy-worker flag
+    (``trainer.use_legacy_worker_impl``) and ``rollout.max_model_len``."""
+    if not env.enabled:
+        return []
+    from roles.legacy_flag import FLAG_VALUES, use_legacy
+
+    out = []
+    if not from_files:
+        out.append(
+            f"env.function = {env.function!r}: multi-turn rollouts need a tokenizer with a chat template (the sorting task has "
+            "none); fix: give data.train_files and engine.model.path"
+        )
+    if legacy_flag in FLAG_VALUES and use_legacy(legacy_flag):
+        out.append(
+            "trainer.use_legacy_worker_impl: the legacy workers train single-turn batches only, not env.function's multi-turn "
+            "trajectories; fix: trainer.use_legacy_worker_impl=auto"
+        )
+    if max_model_len is not None and max_model_len < env.max_tokens:
+        out.append(
+            f"env.max_tokens = {env.max_tokens} > rollout.max_model_len = {max_model_len}: a trajectory could outgrow the "
+            "rollout engine; fix: lower env.max_tokens or raise rollout.max_model_len"
+        )
+    return out

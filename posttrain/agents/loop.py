@@ -31,82 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine_api import make_batch
 from engine_api.dist import comm_device, is_initialized
-from engine_api.moe import ROLLOUT_ROUTING_FIELD
 from engine_api.rollout import Sample, sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
 from posttrain.agents.tool_runner import Tool, ToolRunner
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
 from posttrain.agents.trajectory import HistoryMismatch, Trajectory, bound_messages, message_list
+from posttrain.async_rl.producer import ScoredBatch, check_sample
 from posttrain.fencing import FencedTimeout, UserCodeError, fenced, load_callable, user_frame
 from posttrain.rewards import as_reward, compute_rewards
 from posttrain.trainer_utils import warn
-from roles.rollout import pack_samples, unpack_samples
+from roles.rollout import pack_samples, rl_batch, unpack_samples
 
 # How a paused trajectory's digest is computed (``_digest``): 2 covers log-probs and versions.
 DIGEST_VERSION = 2
-
-
-@dataclass
-class AgentBatch:
-    """A step's trajectories as training data.
-
-    Attributes:
-        batch: the protocol batch, one row per training sample (a trajectory split by
-            ``env.history_mismatch=split`` gives several).
-        traj_of_row: ``[rows]`` the trajectory of each row.
-        scores: ``[T]`` float64, each trajectory's reward.
-        turns: flat ``[tokens]`` (aligned with the batch's jagged values): the assistant turn
-            that sampled each token, -1 off the model's tokens.
-        metrics: ``env/*``.
-        texts: per trajectory ``{"prompt", "response", "reward"}`` (the conversation after the
-            prompt, decoded; rank 0 only).
-    """
-
-    batch: Any
-    traj_of_row: torch.Tensor
-    scores: torch.Tensor
-    turns: torch.Tensor
-    metrics: dict[str, float]
-    texts: list[dict[str, Any]] = field(default_factory=list)
-
-    # ------------------------------------------------------------------ checkpointing
-    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """``(tensors, meta)``: everything to rebuild it (``from_tensors``), for the asynchronous
-        pipeline's checkpoint (tensors and JSON only; nothing pickled)."""
-        b = self.batch
-        ids = b["input_ids"]
-        out = {
-            "lengths": ids.offsets().diff(),
-            "ids": ids.values(),
-            "turns": self.turns,
-            "traj_of_row": self.traj_of_row,
-            "scores": self.scores.double(),
-            "prompt_len": b["prompt_len"],
-            "rollout_truncated": b["rollout_truncated"],
-        }
-        for key in _TOKEN_FIELDS + ((ROLLOUT_ROUTING_FIELD,) if ROLLOUT_ROUTING_FIELD in b.keys() else ()):
-            out[key] = b[key].values()
-        meta = {"metrics": self.metrics, "texts": self.texts, "temperature": float(b["temperature"])}
-        return {k: v.contiguous().cpu() for k, v in out.items()}, meta
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> AgentBatch:
-        """The batch ``to_tensors`` described."""
-        split = tensors["lengths"].tolist()
-        rows = {k: list(tensors[k].split(split)) for k in ("ids", *_TOKEN_FIELDS) if k in tensors}
-        extra = {ROLLOUT_ROUTING_FIELD: list(tensors[ROLLOUT_ROUTING_FIELD].split(split))} if ROLLOUT_ROUTING_FIELD in tensors else {}
-        batch = _make(
-            rows["ids"],
-            {k: rows[k] for k in _TOKEN_FIELDS},
-            tensors["prompt_len"],
-            tensors["rollout_truncated"],
-            meta["temperature"],
-            extra,
-        )
-        return cls(batch, tensors["traj_of_row"], tensors["scores"], tensors["turns"], dict(meta["metrics"]), list(meta["texts"]))
 
 
 @dataclass
@@ -122,6 +61,7 @@ class AgentRun:
         trajs, envs: the trajectories and their environments (rank 0; None elsewhere).
         record: per trajectory the samples of its turns in order (rank 0): with the rows, all a
             checkpoint needs to rebuild the rest (``AgentLoop.replay``).
+        scored: the finished batch, once every trajectory has ended and been scored.
         digests: per trajectory a SHA-256 of its state when saved (set by ``from_tensors``).
         digest_version: how ``digests`` were computed (``_digest``).
     """
@@ -135,6 +75,7 @@ class AgentRun:
     record: list[list[Sample]] | None = None
     digests: list[str] = field(default_factory=list)
     digest_version: int = DIGEST_VERSION
+    scored: ScoredBatch | None = None
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``(tensors, meta)`` of a paused run (rank 0; tensors and JSON only, nothing pickled):
@@ -234,7 +175,7 @@ class AgentLoop:
         return {f"env.{k}": _jsonable(getattr(self.cfg, k)) for k in keys}
 
     # ------------------------------------------------------------------ one step
-    def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int, state: AgentRun | None = None) -> AgentBatch:
+    def run(self, rollout, metas: Sequence, seeds: Sequence[int], max_new_tokens: int, state: AgentRun | None = None) -> ScoredBatch:
         """The trajectories of ``metas`` (``posttrain.text_data.PromptSample``, one per
         trajectory: a GRPO group's prompt repeated), trajectory ``i`` seeded ``seeds[i]``, every
         turn left run now (``state``: a run already advanced by ``advance``). Collective over
@@ -322,7 +263,7 @@ class AgentLoop:
         )
         return None
 
-    def finish(self, run: AgentRun) -> AgentBatch:
+    def finish(self, run: AgentRun) -> ScoredBatch:
         """The training batch of a run whose trajectories have all ended. Collective."""
         if not run.finished:
             raise RuntimeError(f"AgentLoop.finish: the run is at turn {run.turn} with trajectories unfinished")
@@ -331,14 +272,15 @@ class AgentLoop:
         scores = self._scores(trajs, envs, metas, len(metas))
         segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
         fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
-        extra = {ROLLOUT_ROUTING_FIELD: routing} if routing else {}
-        batch = _make(
+        batch = rl_batch(
             fields["ids"],
-            {k: fields[k] for k in _TOKEN_FIELDS},
+            fields["loss_mask"],
+            fields["rollout_log_probs"],
+            fields["rollout_token_versions"],
             torch.tensor(prompt_lens, dtype=torch.long),
             torch.tensor(truncated, dtype=torch.long),
             self.temperature,
-            extra,
+            routing or None,
         )
         texts = []
         if self.rank0:
@@ -346,7 +288,7 @@ class AgentLoop:
                 {"prompt": m.text, "response": t.text[len(m.text) :] if t.text.startswith(m.text) else t.text, "reward": float(r)}
                 for m, t, r in zip(metas, trajs, scores.tolist(), strict=True)
             ]
-        return AgentBatch(batch, torch.tensor(traj_of_row, dtype=torch.long), scores, torch.cat(fields["turns"]), metrics, texts)
+        return ScoredBatch(batch, scores, torch.tensor(traj_of_row, dtype=torch.long), torch.cat(fields["turns"]), metrics, texts)
 
     # ------------------------------------------------------------------ rank 0's parts
     def _start(self, metas: Sequence) -> tuple[list[Trajectory], list]:
@@ -539,26 +481,6 @@ class AgentLoop:
         return env_scores + compute_rewards(fn, batched, prompts, responses, columns, sources, name=spec, timeout_s=timeout_s)
 
 
-_TOKEN_FIELDS = ("loss_mask", "rollout_log_probs", "rollout_token_versions")
-
-
-def _make(ids, fields, prompt_len, truncated, temperature: float, extra) -> Any:
-    """The protocol batch of training samples (``AgentBatch.batch``)."""
-    versions, mask = fields["rollout_token_versions"], fields["loss_mask"]
-    return make_batch(
-        ids,
-        loss_mask=mask,
-        rollout_log_probs=fields["rollout_log_probs"],
-        rollout_token_versions=versions,
-        prompt_len=prompt_len,
-        # The oldest version that sampled a token of the sample: what its staleness counts from.
-        rollout_weight_version=torch.tensor([int(v[m > 0].min()) for v, m in zip(versions, mask, strict=True)]),
-        rollout_truncated=truncated,
-        temperature=temperature,
-        **extra,
-    )
-
-
 _DTYPES = {
     "ids": torch.long,
     "loss_mask": torch.float32,
@@ -604,20 +526,6 @@ def _digest(t: Trajectory, version: int = DIGEST_VERSION) -> str:
     segments = [[s.ids, s.prompt_len, s.mask] + ([s.log_probs, s.versions] if version >= 2 else []) for s in (*t.closed, t.current)]
     state = {"segments": segments, "rewards": t.rewards, "flags": [t.turns, t.calls, t.errors, t.done, t.truncated, t.splits]}
     return hashlib.sha256(json.dumps(state).encode()).hexdigest()
-
-
-def check_sample(s: Sample, max_version: int | None, what: str) -> None:
-    """A saved sample's weight versions (``0 .. max_version``) and sampling log-probs (finite,
-    at most 0) are in range.
-
-    Raises:
-        ValueError: naming what holds it and the value.
-    """
-    versions, lps = s.versions(), s.log_probs
-    if len(versions) and (int(versions.min()) < 0 or (max_version is not None and int(versions.max()) > max_version)):
-        raise ValueError(f"{what}: a sample holds weight versions {int(versions.min())}..{int(versions.max())}, outside 0..{max_version}")
-    if len(lps) and (not bool(torch.isfinite(lps).all()) or float(lps.max()) > 1e-4):
-        raise ValueError(f"{what}: a sample holds sampling log-probs that are not finite numbers <= 0 (max {float(lps.max())})")
 
 
 def _longest_token(tokenizer) -> int:
@@ -671,5 +579,8 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
         raise RuntimeError(f"the multi-turn rollout failed on rank 0 ({value}); this rank stops too")
     return value
 
+
+# The multi-turn finished batch is the producers' ScoredBatch (its name before the producer seam).
+AgentBatch = ScoredBatch
 
 __all__ = ["AgentBatch", "AgentLoop", "AgentRun", "ToolCall"]

@@ -24,7 +24,6 @@ A result longer than the observation bound is cut there (``ToolResult.truncated`
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import queue
@@ -39,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from posttrain.agents.tool_worker import content_of
-from posttrain.agents.tools import ToolCall, ToolResult
+from posttrain.agents.tools import ToolCall, ToolResult, call_problem
 
 ISOLATION = ("process", "thread")
 
@@ -180,19 +179,8 @@ class ToolRunner:
 
 def _check(call: ToolCall, registry: Mapping[str, Tool]) -> Tool | ToolResult:
     """The tool to run for ``call``, or the error observation it gets without running."""
-    if call.error is not None:
-        return ToolResult(call.name, f"Error: malformed tool call: {call.error}.", True)
-    tool = registry.get(call.name)
-    if tool is None:
-        known = ", ".join(sorted(registry)) or "none"
-        return ToolResult(call.name, f"Error: unknown tool {call.name!r}; available tools: {known}.", True)
-    try:
-        inspect.signature(tool.fn).bind(**call.arguments)
-    except TypeError as exc:
-        return ToolResult(call.name, f"Error: bad arguments for {call.name!r}: {exc}.", True)
-    except ValueError:
-        pass  # not introspectable: the call itself will say
-    return tool
+    problem = call_problem(call, {name: tool.fn for name, tool in registry.items()})
+    return problem if problem is not None else registry[call.name]
 
 
 def _describe(exc: BaseException) -> str:

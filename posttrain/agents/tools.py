@@ -201,14 +201,9 @@ class ToolResult:
     truncated: bool = False
 
 
-def run_tool(
-    call: ToolCall, registry: Mapping[str, Callable[..., Any]], timeout_s: float | None, max_chars: int | None = None
-) -> ToolResult:
-    """Execute ``call`` with ``registry``'s callable of its name in a daemon thread of this
-    process, fenced (module docstring); the result cut to ``max_chars`` characters (None: whole).
-    The loop runs a turn's calls through ``posttrain.agents.tool_runner`` instead (stoppable)."""
-    from posttrain.agents.tool_worker import content_of
-
+def call_problem(call: ToolCall, registry: Mapping[str, Callable[..., Any]]) -> ToolResult | None:
+    """The error observation ``call`` gets without running (malformed, an unknown tool, arguments
+    its callable does not take), or None when it can run."""
     if call.error is not None:
         return ToolResult(call.name, f"Error: malformed tool call: {call.error}.", True)
     fn = registry.get(call.name)
@@ -221,6 +216,21 @@ def run_tool(
         return ToolResult(call.name, f"Error: bad arguments for {call.name!r}: {exc}.", True)
     except ValueError:
         pass  # not introspectable: the call itself will say
+    return None
+
+
+def run_tool(
+    call: ToolCall, registry: Mapping[str, Callable[..., Any]], timeout_s: float | None, max_chars: int | None = None
+) -> ToolResult:
+    """Execute ``call`` with ``registry``'s callable of its name in a daemon thread of this
+    process, fenced (module docstring); the result cut to ``max_chars`` characters (None: whole).
+    The loop runs a turn's calls through ``posttrain.agents.tool_runner`` instead (stoppable)."""
+    from posttrain.agents.tool_worker import content_of
+
+    problem = call_problem(call, registry)
+    if problem is not None:
+        return problem
+    fn = registry[call.name]
     limit = max_chars if max_chars is not None else 1 << 62
     try:
         text, cut = fenced(lambda: content_of(fn(**call.arguments), limit), timeout_s)

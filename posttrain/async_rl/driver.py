@@ -11,24 +11,30 @@ One step ``s`` (the actor has made ``s`` updates: its weights are version ``s + 
 3. the responses of step ``s``'s batch that are still unfinished are finished now (the trainer
    waits for this part: ``async/trainer_wait_frac``);
 4. one round of generation for the admitted batches ``s + 1 .. s + K``, under version ``s + 1``:
-   with partial rollouts each unfinished response of batch ``b`` advances by
-   ``ceil(remaining tokens / (b - s))``, its budget spread over the steps it has left
-   (multi-turn trajectories: by ``ceil(turns left / (b - s))`` whole turns, ``env.max_turns``
-   being the budget, pausing between turns); without, a batch is generated whole in its first
-   round. On a layout where the rollout has a Ray pool
-   of its own this round runs WHILE step 5 trains (a driver thread); elsewhere before it;
-5. the actor (and critic) train on batch ``s`` (``recipes.ppo.train_on_batch``).
+   with partial rollouts each unfinished batch ``b`` advances by ``ceil(units left / (b - s))``
+   of its producer's budget units, spread over the steps it has left (single-turn: new tokens
+   of every unfinished response, ``rollout.max_new_tokens`` being the budget; multi-turn: whole
+   turns, ``env.max_turns`` being the budget, pausing between turns); without, a batch is
+   generated whole in its first round. On a layout where the rollout has a Ray pool of its own
+   this round runs WHILE step 5 trains (a driver thread); elsewhere before it;
+5. the batch of step ``s`` is finished by its producer (scored) and the actor (and critic)
+   train on it (the recipe's ``train``).
 
 So batch ``b``'s tokens come from versions ``b + 1 - K .. b + 1`` and it is trained by version
 ``b + 1``: staleness (trainer version minus the OLDEST version of any of its tokens) <= K, and
 a guard raises if it ever is not. K = 0 is the synchronous loop: batch ``s`` is generated whole
-in step 3 with version ``s + 1``, with the seeds and calls of ``recipes.ppo.rl_step``.
+in step 3 with version ``s + 1``, with the seeds of ``Rollout.generate(prompts, seed_offset=s)``.
+
+What produces a batch is a ``posttrain.async_rl.producer.Producer`` (single-turn sampling, or
+the multi-turn agent loop): the driver plans rounds in its budget units and never learns which
+one runs.
 
 The schedule depends on the step, the data order and the settings only (never on timing),
 so a run is reproducible bit for bit, and its state at a step boundary (the admitted batches and
 their kept tokens, log-probs and versions) is checkpointed with the roles and restored on
-resume (``posttrain.async_rl.state``; multi-turn trajectories paused between turns are
-rebuilt by replaying their kept turns through fresh environments: ``AgentLoop.replay``).
+resume (``posttrain.async_rl.state``; the producer restores its own work: multi-turn
+trajectories paused between turns are rebuilt by replaying their kept turns through fresh
+environments, ``AgentLoop.restore``).
 """
 
 from __future__ import annotations
@@ -39,53 +45,74 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine_api.rollout import Sample
+from posttrain.async_rl.config import AsyncConfig
+from posttrain.async_rl.producer import Producer, ScoredBatch
 from posttrain.async_rl.state import Pending, has_state, load_state, prune_states, save_state, saved_batches
 from posttrain.trainer_utils import truncate_metrics, warn
-from roles.rollout import samples_to_batch, step_seeds
+from roles.rollout import step_seeds
 
 LEDGER_FILE = "prompt_ledger.jsonl"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the pipeline reads of a run besides its ``async`` section.
+
+    Attributes:
+        batch_size: prompts per step (``data.batch_size``).
+        n_samples: responses (trajectories) per prompt (``algo.n_samples``).
+        seed: the rollout's base seed (``rollout.seed``).
+        total_steps: the run's steps (``trainer.total_steps``): nothing past the last is admitted.
+        output_dir: where the prompt ledger goes (``trainer.output_dir``).
+    """
+
+    batch_size: int
+    n_samples: int
+    seed: int
+    total_steps: int
+    output_dir: str
 
 
 class Pipeline:
     """The asynchronous driver of one RL run (module docstring).
 
     Args:
-        cfg: the recipe config (``async``, ``rollout``, ``algo``, ``data``, ``trainer``).
+        async_cfg: the ``async`` section.
+        schedule: the rest of what it reads (:class:`Schedule`).
+        producer: what makes and scores the batches (single-turn sampling, multi-turn
+            trajectories).
         rollout: the ``Rollout`` role, or its Ray stand-in (``sample``, ``sync_weights``,
             ``release``; ``overlaps``: whether it runs on a pool of its own).
         source: the task (``prompts_at``).
         rank0: whether this process writes the ledger.
         score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
             ``async.check_version_parity`` probe; None: no probe.
-        agent: multi-turn rollouts (``posttrain.agents.AgentLoop``): each batch is its
-            trajectories. At K = 0 they are generated whole in step 3. At K >= 1 with partial
-            rollouts a trajectory pauses between turns (never inside one): each round advances
-            batch ``b``'s unfinished trajectories by ``ceil(turns left / (b - s))`` turns
-            (``env.max_turns`` being the budget), so a trajectory may span weight versions
-            across turns (staleness counted from its oldest token); a batch whose trajectories
-            have all ended is scored there and then. Without partial rollouts a batch's
-            trajectories are generated whole in its first round.
     """
 
-    def __init__(self, cfg, rollout, source, rank0: bool, score: Callable[[Any], torch.Tensor] | None = None, agent=None) -> None:
-        a = cfg.async_
-        self.k, self.partial = a.max_staleness, a.partial_rollouts
-        self.max_new = cfg.rollout.max_new_tokens
-        self.n, self.batch_size = cfg.algo.n_samples, cfg.data.batch_size
-        self.seed, self.temperature = cfg.rollout.seed, cfg.rollout.temperature
-        self.rollout, self.source, self.rank0 = rollout, source, rank0
-        self.score = score if a.check_version_parity else None
+    def __init__(
+        self,
+        async_cfg: AsyncConfig,
+        schedule: Schedule,
+        producer: Producer,
+        rollout,
+        source,
+        rank0: bool,
+        score: Callable[[Any], torch.Tensor] | None = None,
+    ) -> None:
+        self.k, self.partial = async_cfg.max_staleness, async_cfg.partial_rollouts
+        self.n, self.batch_size, self.seed = schedule.n_samples, schedule.batch_size, schedule.seed
+        self.producer, self.rollout, self.source, self.rank0 = producer, rollout, source, rank0
+        self.score = score if async_cfg.check_version_parity else None
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
-        self.agent = agent
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
-        self.last = cfg.trainer.total_steps - 1  # the last step: nothing past it is admitted
-        self.ledger = os.path.join(cfg.trainer.output_dir, LEDGER_FILE)
+        self.last = schedule.total_steps - 1  # the last step: nothing past it is admitted
+        self.ledger = os.path.join(schedule.output_dir, LEDGER_FILE)
         if self.k and not self.overlap:
             warn(
                 [
@@ -99,14 +126,14 @@ class Pipeline:
 
     def settings(self) -> dict[str, Any]:
         """What a saved state depends on (a resume with other values regenerates instead)."""
-        out = {"max_staleness": self.k, "partial_rollouts": self.partial, "max_new_tokens": self.max_new, "n_samples": self.n}
-        return {**out, "multi_turn": True, **self.agent.settings()} if self.agent is not None else out
+        out = {"max_staleness": self.k, "partial_rollouts": self.partial, "n_samples": self.n}
+        return {**out, **self.producer.settings()}
 
     # ------------------------------------------------------------------ checkpoint
     def save(self, ckpt_dir: str, step: int) -> None:
         """Checkpoint the state after ``step`` updates (before the roles' own checkpoints)."""
         if self.k and self.rank0:
-            save_state(ckpt_dir, step, [self.pending[b] for b in sorted(self.pending)], self.settings())
+            save_state(ckpt_dir, step, [self.pending[b] for b in sorted(self.pending)], self.settings(), self.producer.save)
 
     def after_save(self, ckpt_dir: str, step: int, role_steps: set[int]) -> None:
         """Drop saved states whose role checkpoints retention removed."""
@@ -116,13 +143,15 @@ class Pipeline:
     def resume(self, ckpt_dir: str, start: int) -> None:
         """Restore the state saved with checkpoint step ``start`` and rewind the ledger.
 
-        A run saved without in-flight batches (synchronous, or another K / response budget)
-        resumes with an empty pipeline: the batches from ``start`` on are generated again with
-        the resumed weights, each still trained once (said in a warning); so does a synchronous
-        resume (K = 0) of a checkpoint that has batches in flight, and a resume that raised
-        ``trainer.total_steps`` generates the batches the saving run never admitted (warned).
-        The data order itself (``data.batch_size``, the seed, the files) is checked before,
-        by ``posttrain.data_order``.
+        A run saved without in-flight batches (synchronous, or other settings) resumes with an
+        empty pipeline: the batches from ``start`` on are generated again with the resumed
+        weights, each still trained once (said in a warning, naming each setting that changed);
+        so does a synchronous resume (K = 0) of a checkpoint that has batches in flight, and a
+        resume that raised ``trainer.total_steps`` generates the batches the saving run never
+        admitted (warned). A batch whose producer cannot continue its work (a multi-turn
+        environment that does not replay) is generated again (the producer warns). The data
+        order itself (``data.batch_size``, the seed, the files) is checked before, by
+        ``posttrain.data_order``.
 
         Raises:
             ValueError: the state does not verify, or its prompts are not the data's.
@@ -170,8 +199,16 @@ class Pipeline:
                     "the data gives now (data files, data.seed or data.batch_size changed); nothing was loaded; fix: resume with the "
                     "run's own data settings"
                 )
-            if p.agent_run is not None:  # trajectories paused between turns: rebuilt by replaying their kept turns
-                p.agent_run = self.agent.replay(p.agent_run, self._metas(p.step))  # (multi_turn is in the settings)
+            if p.saved is not None:
+                tensors, meta = p.saved
+                try:
+                    p.work = self.producer.restore(tensors, meta, p.prompts, self._metas(p.step), p.seeds, start)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ValueError(
+                        f"trainer.resume: the asynchronous state of checkpoint step {start}, batch of step {p.step}, does not describe "
+                        f"its work ({type(exc).__name__}: {exc}); nothing was loaded; fix: resume from another checkpoint step"
+                    ) from None
+                p.saved = None
             self.pending[p.step] = p
         self.cursor = max([start, *(b + 1 for b in self.pending)])
         ahead = min(start - 1 + self.k, self.last) + 1  # what an uninterrupted run of this length has admitted by now
@@ -186,38 +223,31 @@ class Pipeline:
             )
 
     # ------------------------------------------------------------------ one step
-    def step(self, step: int, train: Callable[[Any, list, dict], dict[str, Any]]) -> dict[str, Any]:
-        """Run step ``step`` (module docstring); ``train(batch, metas, timings)`` is the
-        training half (``recipes.ppo.train_on_batch``). Returns its metrics plus ``async/*``."""
+    def step(self, step: int, train: Callable[[ScoredBatch, dict], dict[str, Any]]) -> dict[str, Any]:
+        """Run step ``step`` (module docstring); ``train(scored, timings)`` is the training half
+        (the recipe's). Returns its metrics plus ``async/*``."""
         began = time.perf_counter()
         self.rollout.sync_weights(version=step + 1)
         while self.cursor <= min(step + self.k, self.last):
             self.pending[self.cursor] = self._admitted(self.cursor)
             self.cursor += 1
-        current = self.pending[step]
-        metas = self._metas(step)
-        trajectories = None
-        if self.agent is not None:
-            if current.trajectories is None:  # K = 0, a batch with turns left, or one whose round has not run (a resume)
-                current.trajectories = self.agent.run(self.rollout, metas, current.seeds, self.max_new, state=current.agent_run)
-                current.agent_run = None
-            trajectories = current.trajectories
-        else:
-            self._advance([(current, i, self.max_new) for i in range(len(current.prompts))])
+        current = self._started(self.pending[step])
+        if not self.producer.finished(current.work):
+            self.producer.advance(self.rollout, [(current.work, None)])
         finished = time.perf_counter()
-        work = self._round_work(step)
+        plan = self._round_plan(step)
         round_s, error = [0.0], []
 
         def round_() -> None:
             t0 = time.perf_counter()
             try:
-                self._advance(work)
+                self.producer.advance(self.rollout, plan)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the driver's thread
                 error.append(exc)
             round_s[0] = time.perf_counter() - t0
 
         thread = None
-        if work and self.overlap:
+        if plan and self.overlap:
             thread = threading.Thread(target=round_, name=f"rollout-round-{step}", daemon=True)
             thread.start()
         else:
@@ -228,16 +258,13 @@ class Pipeline:
         waited = time.perf_counter() - began  # the sync, the finish and a round that could not overlap
         try:
             del self.pending[step]
-            if trajectories is None:
-                batch = samples_to_batch(current.prompts, current.samples, self.temperature)
-            else:
-                batch = trajectories.batch
+            scored = self.producer.finish(current.work)
+            batch = scored.batch
             probe = self._version_parity(step, batch) if self.score is not None else {}
             stale = (step + 1) - batch["rollout_weight_version"]
             if int(stale.max()) > self.k:  # the schedule guarantees it; a bug must not train silently
                 raise RuntimeError(f"async: a sample of step {step + 1} has staleness {int(stale.max())} > async.max_staleness {self.k}")
-            extra = {} if trajectories is None else {"agent": trajectories}
-            m = train(batch, metas, {"rollout_s": waited}, **extra)
+            m = train(scored, {"rollout_s": waited})
         except BaseException as exc:
             if thread is not None:
                 thread.join()
@@ -269,72 +296,38 @@ class Pipeline:
         """Step ``step``'s prompt rows, one per response (each ``n_samples`` times)."""
         return [m for m in self.source.prompts_at(step)[1] for _ in range(self.n)]
 
-    def _round_work(self, step: int) -> list[tuple[Pending, int, int]]:
-        """``(batch, row, new tokens)`` of this step's background round (module docstring);
-        multi-turn: ``(batch, -1, turns)`` for each admitted batch whose trajectories have not all
-        ended (``turns``: 0 for the whole of them, without partial rollouts)."""
-        if self.agent is not None:
-            work = []
-            for b in sorted(self.pending):
-                p = self.pending[b]
-                if b > step and p.trajectories is None:
-                    left = self.agent.cfg.max_turns - (0 if p.agent_run is None else p.agent_run.turn)
-                    work.append((p, -1, math.ceil(left / (b - step)) if self.partial else 0))
-            return work
-        work = []
+    def _started(self, p: Pending) -> Pending:
+        if p.work is None:
+            p.work = self.producer.start(p.step, p.prompts, self._metas(p.step), p.seeds)
+        return p
+
+    def _round_plan(self, step: int) -> list[tuple[Any, int | None]]:
+        """``(work, units)`` of this step's background round (module docstring): every admitted
+        batch after ``step`` whose work is unfinished, by ``ceil(units left / steps left)`` with
+        partial rollouts; without, a batch not started yet, whole (None)."""
+        plan = []
         for b in sorted(self.pending):
             if b <= step:
                 continue
-            p, left = self.pending[b], b - step
-            for i, s in enumerate(p.samples):
-                if p.done(i, self.max_new):
-                    continue
-                kept = 0 if s is None else len(s.token_ids)
-                if self.partial:
-                    work.append((p, i, math.ceil((self.max_new - kept) / left)))
-                elif s is None:
-                    work.append((p, i, self.max_new))
-        return work
-
-    def _advance(self, work: list[tuple[Pending, int, int]]) -> None:
-        """Generate ``work``'s new tokens (one sampler call per distinct token count), each row
-        continuing from its kept tokens; rows already finished are skipped. Multi-turn: each
-        batch's trajectories by its number of turns (0: whole), scored once all have ended."""
-        if self.agent is not None:
-            for p, _, turns in work:
-                if p.agent_run is None:
-                    p.agent_run = self.agent.start(self._metas(p.step), p.seeds)
-                self.agent.advance(self.rollout, p.agent_run, self.max_new, turns or None)
-                if p.agent_run.finished:
-                    p.trajectories, p.agent_run = self.agent.finish(p.agent_run), None
-            return
-        by_amount: dict[int, list[tuple[Pending, int]]] = {}
-        for p, i, amount in work:
-            if not p.done(i, self.max_new):
-                kept = p.samples[i]
-                budget = self.max_new - (0 if kept is None else len(kept.token_ids))
-                by_amount.setdefault(min(amount, budget), []).append((p, i))
-        for amount, rows in sorted(by_amount.items()):
-            kept: list[Sample | None] = [p.samples[i] for p, i in rows]
-            out = self.rollout.sample(
-                [p.prompts[i] for p, i in rows],
-                [p.seeds[i] for p, i in rows],
-                kept=kept if any(k is not None for k in kept) else None,
-                max_new_tokens=amount,
-            )
-            for (p, i), s in zip(rows, out, strict=True):
-                p.samples[i] = s
+            p = self.pending[b]
+            fresh = p.work is None
+            work = self._started(p).work
+            if self.producer.finished(work):
+                continue
+            if self.partial:
+                plan.append((work, math.ceil((self.producer.budget - self.producer.used(work)) / (b - step))))
+            elif fresh:
+                plan.append((work, None))
+        return plan
 
     def _version_parity(self, step: int, batch) -> dict[str, float]:
         """The ``check_version_parity`` probe: the trainer (version ``step + 1``) against the
         rollout's log-probs of the tokens version ``step + 1`` sampled, in ``batch`` and in
         flight (the round has run: the probe turns the overlap off)."""
-        rows = [
-            (p.prompts[i], s) for b in sorted(self.pending) for p in [self.pending[b]] for i, s in enumerate(p.samples) if s is not None
-        ]
         batches = [batch]
-        if rows:
-            batches.append(samples_to_batch([r[0] for r in rows], [r[1] for r in rows], self.temperature))
+        rows = self.producer.in_flight([self.pending[b].work for b in sorted(self.pending) if self.pending[b].work is not None])
+        if rows is not None:
+            batches.append(rows)
         worst, tokens = 0.0, 0
         for b in batches:
             gap = (self.score(b).values() - b["rollout_log_probs"].values()).abs()

@@ -12,6 +12,11 @@ tensors and, in its header, the layout; nothing pickled, nothing executed) with 
 layout again, for people, and the file's SHA-256, verified before anything is read; the
 layout used is the hashed one), written to a temporary name and renamed, before the
 roles' checkpoints of the same step: a complete role checkpoint always has its state.
+
+Format 3: per batch its prompts, seeds and the producer's in-flight work
+(``Producer.save``: ``{k}.work.*`` tensors, the layout's ``work`` entry). Format 2 (before the
+producer seam) is read too: its single-turn ``samples``, multi-turn ``traj`` (a scored batch) and
+``run`` (trajectories paused between turns) are the same tensors under other names.
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine_api.rollout import Sample
-from roles.rollout import pack_rows, pack_samples, unpack_rows, unpack_samples
+from roles.rollout import pack_rows, unpack_rows
 
-FORMAT = "enginekit-async-state/2"
+FORMAT = "enginekit-async-state/3"
+FORMAT_2 = "enginekit-async-state/2"  # read, never written
 DIR = "async"
 
 
@@ -40,32 +46,16 @@ class Pending:
         prompt_ids: its prompts' positions in the data order (one per prompt, not per response).
         prompts: one entry per response (each prompt ``n_samples`` times).
         seeds: each response's seed (the synchronous loop's: ``Rollout.seeds(step, ...)``).
-        samples: each response so far (None: not started).
-        trajectories: multi-turn rollouts (``env.function``): the batch's trajectories once
-            they have all ended and been scored (``posttrain.agents.AgentBatch``), else None.
-        agent_run: multi-turn with partial rollouts: the trajectories while some are unfinished
-            (``posttrain.agents.AgentRun``, paused between turns), else None.
+        work: the producer's in-flight work (``posttrain.async_rl.producer``; None: not started).
+        saved: work read from a checkpoint and not yet restored: ``(tensors, meta)``.
     """
 
     step: int
     prompt_ids: list[int]
     prompts: list[torch.Tensor]
     seeds: list[int]
-    samples: list[Sample | None] = field(default_factory=list)
-    trajectories: Any = None
-    agent_run: Any = None
-
-    def __post_init__(self) -> None:
-        if not self.samples:
-            self.samples = [None] * len(self.prompts)
-
-    def done(self, i: int, max_new_tokens: int) -> bool:
-        """Whether response ``i`` is finished (stopped, or at the length cap)."""
-        s = self.samples[i]
-        return s is not None and (s.finish_reason == "stop" or len(s.token_ids) >= max_new_tokens)
-
-    def complete(self, max_new_tokens: int) -> bool:
-        return all(self.done(i, max_new_tokens) for i in range(len(self.prompts)))
+    work: Any = None
+    saved: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
 
 
 def path_of(ckpt_dir: str, step: int) -> str:
@@ -73,9 +63,10 @@ def path_of(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, DIR, f"global_step_{step}")
 
 
-def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict) -> None:
+def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict, save_work: Callable[[Any], tuple[dict, dict]]) -> None:
     """Write the state of the pipeline after ``step`` updates (atomically: tensors, then the
-    JSON that names their hash; a reader finds both or neither)."""
+    JSON that names their hash; a reader finds both or neither). ``save_work``: the
+    producer's ``save`` of a batch's in-flight work."""
     from safetensors.torch import save_file
 
     base = path_of(ckpt_dir, step)
@@ -83,18 +74,14 @@ def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict)
     tensors: dict[str, torch.Tensor] = {}
     batches = []
     for k, p in enumerate(pending):
-        parts = {"prompts": pack_rows(p.prompts), "samples": pack_samples(p.samples)}
-        tensors.update({f"{k}.{part}.{name}": t for part, packed in parts.items() for name, t in packed.items()})
+        tensors.update({f"{k}.prompts.{name}": t for name, t in pack_rows(p.prompts).items()})
         tensors[f"{k}.seeds"] = torch.tensor(p.seeds, dtype=torch.long)
-        batches.append({"step": p.step, "prompt_ids": list(p.prompt_ids)})
-        if p.trajectories is not None:  # generated trajectories: kept, so a resume trains them as they are
-            traj, meta = p.trajectories.to_tensors()
-            tensors.update({f"{k}.traj.{name}": t for name, t in traj.items()})
-            batches[-1]["trajectories"] = meta
-        elif p.agent_run is not None:  # paused between turns: the kept turns, replayed on resume
-            run, meta = p.agent_run.to_tensors()
-            tensors.update({f"{k}.run.{name}": t for name, t in run.items()})
-            batches[-1]["agent_run"] = meta
+        entry: dict[str, Any] = {"step": p.step, "prompt_ids": list(p.prompt_ids)}
+        if p.work is not None:
+            work, meta = save_work(p.work)
+            tensors.update({f"{k}.work.{name}": t for name, t in work.items()})
+            entry["work"] = meta
+        batches.append(entry)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     # The layout rides in the tensors file's own header, so the hash covers it too; the JSON
     # repeats it for people and holds the hash.
@@ -139,16 +126,17 @@ def load_state(ckpt_dir: str, step: int) -> tuple[list[Pending], dict] | None:
     try:
         with open(where) as f:
             meta = json.load(f)
-        if meta.get("format") != FORMAT or meta.get("step") != step:
+        if meta.get("format") not in (FORMAT, FORMAT_2) or meta.get("step") != step:
             raise ValueError(f"format {meta.get('format')!r} / step {meta.get('step')!r}, expected {FORMAT!r} / {step}")
         if _sha256(base + ".safetensors") != meta["sha256"]:
             raise ValueError("its tensors file does not match the recorded SHA-256 (changed or truncated)")
         with safe_open(base + ".safetensors", "pt") as f:
             layout = json.loads((f.metadata() or {})["layout"])
-        if layout.get("format") != FORMAT or layout.get("step") != step:
+        if layout.get("format") != meta["format"] or layout.get("step") != step:
             raise ValueError(f"the tensors file holds format {layout.get('format')!r} / step {layout.get('step')!r}")
         tensors = load_file(base + ".safetensors")
-        pending = [_batch(k, b, tensors, step) for k, b in enumerate(layout["batches"])]
+        read = _batch if layout["format"] == FORMAT else _batch_v2
+        pending = [read(k, b, tensors) for k, b in enumerate(layout["batches"])]
     except (OSError, KeyError, TypeError, RuntimeError, ValueError) as exc:
         raise ValueError(f"async state {where} does not verify ({type(exc).__name__}: {exc}); nothing was loaded; fix: {fix}") from None
     return pending, layout["settings"]
@@ -189,38 +177,36 @@ def prune_states(ckpt_dir: str, keep_steps: set[int], newest: int) -> None:
             os.remove(os.path.join(root, name))
 
 
-def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor], step: int) -> Pending:
-    """Batch ``k`` of a state saved after ``step`` updates: its samples' weight versions can be
-    ``step`` at most (the round that sampled them ran with version ``step``), checked with their
-    log-probs (``posttrain.agents.loop.check_sample``)."""
-    from posttrain.agents.loop import check_sample
+def _part(tensors: dict[str, torch.Tensor], head: str) -> dict[str, torch.Tensor]:
+    return {key[len(head) :]: t for key, t in tensors.items() if key.startswith(head)}
 
-    def part(name: str) -> dict[str, torch.Tensor]:
-        head = f"{k}.{name}."
-        return {key[len(head) :]: t for key, t in tensors.items() if key.startswith(head)}
 
-    prompts, samples = unpack_rows(part("prompts")), unpack_samples(part("samples"))
-    seeds = tensors[f"{k}.seeds"].tolist()
-    if not (len(prompts) == len(samples) == len(seeds)):
-        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds, {len(samples)} response rows")
-    for s in samples:
-        if s is not None:
-            check_sample(s, step, f"batch {k}")
-    trajectories = None
+def _batch(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
+    """Batch ``k`` of a format-3 state; its work is restored by the producer (``Pipeline.resume``)."""
+    prompts, seeds = unpack_rows(_part(tensors, f"{k}.prompts.")), tensors[f"{k}.seeds"].tolist()
+    if len(prompts) != len(seeds):
+        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds")
+    saved = (_part(tensors, f"{k}.work."), dict(meta["work"])) if "work" in meta else None
+    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], saved=saved)
+
+
+def _batch_v2(k: int, meta: dict, tensors: dict[str, torch.Tensor]) -> Pending:
+    """Batch ``k`` of a format-2 state, its work renamed to what the producers save today:
+    single-turn ``samples`` as they are (none started: no work), a multi-turn scored batch
+    (``traj``) or paused run (``run``) under ``traj.`` / ``run.`` with their meta."""
+    prompts, seeds = unpack_rows(_part(tensors, f"{k}.prompts.")), tensors[f"{k}.seeds"].tolist()
+    if len(prompts) != len(seeds):
+        raise ValueError(f"batch {k}: {len(prompts)} prompts, {len(seeds)} seeds")
+    samples = _part(tensors, f"{k}.samples.")
     if "trajectories" in meta:
-        from posttrain.agents.loop import AgentBatch
-
-        trajectories = AgentBatch.from_tensors(part("traj"), meta["trajectories"])
-    agent_run = None
-    if "agent_run" in meta:
-        from posttrain.agents.loop import AgentRun
-
-        agent_run = AgentRun.from_tensors(part("run"), meta["agent_run"], max_version=step)
-        if agent_run.seeds != [int(s) for s in seeds]:
-            raise ValueError(f"batch {k}: its paused trajectories carry other seeds than the batch")
-    return Pending(
-        int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], samples, trajectories, agent_run
-    )
+        saved = ({f"traj.{n}": t for n, t in _part(tensors, f"{k}.traj.").items()}, {"trajectories": meta["trajectories"]})
+    elif "agent_run" in meta:
+        saved = ({f"run.{n}": t for n, t in _part(tensors, f"{k}.run.").items()}, {"agent_run": meta["agent_run"]})
+    elif any(samples["started"].tolist()):
+        saved = (samples, {})
+    else:
+        saved = None
+    return Pending(int(meta["step"]), [int(x) for x in meta["prompt_ids"]], prompts, [int(s) for s in seeds], saved=saved)
 
 
 def _sha256(path: str) -> str:

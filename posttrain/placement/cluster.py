@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.placement.config import PlacementConfig
-from posttrain.placement.worker import Worker
+from posttrain.placement.worker import Method, Worker, path_of
 
 # Passed on to every worker: a joined cluster's workers do not inherit the driver's environment.
 _FORWARDED_ENV = ("ENGINEKIT_", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH", "OMP_", "MKL_", "CUDA_LAUNCH")
@@ -202,10 +202,13 @@ class RayCluster:
                 "fewer workers, or more nodes"
             )
 
-    def build(self, group: WorkerGroup, factory: str, *args: Any, **kwargs: Any) -> None:
-        """Build every rank's host object: ``factory(*args, **kwargs)`` (``module:function``) in each worker."""
+    def build(self, group: WorkerGroup, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Build every rank's host object: ``factory(*args, **kwargs)`` in each worker (a class
+        or a module-level function, passed as itself: it travels as its module and qualified
+        name, ``worker.path_of``, so the call sites are imports a reader and the import-graph
+        test see)."""
         args = tuple(_put(a) for a in args)
-        self._collect(group, [w.build.remote(factory, *args, **kwargs) for w in group.workers])
+        self._collect(group, [w.build.remote(path_of(factory), *args, **kwargs) for w in group.workers])
 
     def spawn(self, pool: str) -> WorkerGroup:
         """Start the pool's workers and join them into one ``torch.distributed`` world."""
@@ -253,15 +256,20 @@ class RayCluster:
         return path
 
     # ------------------------------------------------------------------------------ calls
-    def call(self, group: WorkerGroup, path: str, *args: Any, **kwargs: Any) -> Any:
-        """``path(*args, **kwargs)`` on every rank of ``group`` (on its host object); rank 0's result."""
-        return self.call_many([(group, path, args, kwargs)])[0]
+    def call(self, group: WorkerGroup, method: Callable[..., Any] | Method, *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` on every rank of ``group``; rank 0's result. ``method`` is
+        a function defined on a class, passed as itself (``RLHost.send_weights``,
+        ``Rollout.sync_weights``), or a ``worker.Method`` (a class and the name of a method it
+        has, inherited ones too): it runs on the host object when the host is of that class,
+        else on the host's one attribute of that class (``worker.owner_of``)."""
+        return self.call_many([(group, method, args, kwargs)])[0]
 
-    def call_many(self, calls: Sequence[tuple[WorkerGroup, str, tuple, dict]]) -> list[Any]:
+    def call_many(self, calls: Sequence[tuple[WorkerGroup, Callable[..., Any], tuple, dict]]) -> list[Any]:
         """Several group calls running at the same time (e.g. the two ends of a weight
         transfer); each one's rank-0 result, in order."""
         refs, owners = [], []
-        for group, path, args, kwargs in calls:
+        for group, method, args, kwargs in calls:
+            path = path_of(method)
             args = tuple(_put(a) for a in args)
             kwargs = {k: _put(v) for k, v in kwargs.items()}
             for rank, worker in enumerate(group.workers):

@@ -1,10 +1,13 @@
 """The Ray actor one rank of a worker group runs in (``posttrain.placement.cluster`` spawns it).
 
 A worker joins its group's own ``torch.distributed`` world (gloo on CPU, NCCL when Ray gave
-it a GPU), builds the objects of the roles placed on its pool through a factory the driver
-names (``module:function``), and then runs the driver's calls on them. Only rank 0 of a group
-returns a call's result: every rank computes the same global outputs (the roles gather
-them), so one copy travels back.
+it a GPU), builds the objects of the roles placed on its pool with the host class the driver
+passes (``RayCluster.build(group, RLHost, ...)``: the class itself travels as its module and
+qualified name), and then runs the driver's calls on them: a method named by the driver as a
+function (``RayCluster.call(group, RLHost.send_weights, ...)``, or a role's method such as
+``Actor.update``, run on the host's one attribute of that class). Only rank 0 of a group returns
+a call's result: every rank computes the same global outputs (the roles gather them), so one
+copy travels back.
 
 The world's rendezvous is a ``TCPStore`` that rank 0 opens on port 0 of its node (the OS picks
 a free port; never a fixed one) and the others join; the usual launcher variables (``RANK``,
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -24,9 +29,57 @@ import torch.distributed as dist
 
 
 def resolve(path: str) -> Any:
-    """The object at ``module:attr``."""
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The object at ``module:qualified.name`` (a class, a function, or a class's method)."""
+    module, _, name = path.partition(":")
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class Method:
+    """Method ``name`` as class ``cls`` has it (defined there or inherited): a remote call's
+    target when the class that defines the function is not the one to find on the host (both an
+    ``Actor`` and a ``Critic`` inherit ``compute_log_probs``)."""
+
+    cls: type
+    name: str
+
+
+def path_of(obj: Any) -> str:
+    """``module:qualified.name`` of a class, a function defined at module level or on a class,
+    or a :class:`Method` (what :func:`resolve` finds again in another process). A class of the
+    script run as ``python -m pkg.mod`` is named by its module, not ``__main__``.
+
+    Raises:
+        ValueError: a lambda or a function defined inside another (not reachable by name).
+    """
+    if isinstance(obj, Method):
+        return f"{path_of(obj.cls)}.{obj.name}"
+    qualname = getattr(obj, "__qualname__", None)
+    module = getattr(obj, "__module__", None)
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None and spec.name else module
+    if not qualname or not module or "<" in qualname or module == "__main__":
+        raise ValueError(f"{obj!r}: a remote call names a class or a method defined at module level of a module; fix: define it there")
+    return f"{module}:{qualname}"
+
+
+def owner_of(host: Any, cls: type) -> Any:
+    """The object on ``host`` a method of class ``cls`` is called on: the host itself when it is
+    of that class, else the one public attribute of the host that is.
+
+    Raises:
+        ValueError: none or several of the host's attributes are of that class.
+    """
+    if isinstance(host, cls):
+        return host
+    found = [v for k, v in vars(host).items() if not k.startswith("_") and isinstance(v, cls)]
+    if len(found) != 1:
+        raise ValueError(f"{type(host).__name__} holds {len(found)} objects of class {cls.__qualname__}; a remote call needs exactly one")
+    return found[0]
 
 
 def master_store(size: int, timeout_s: float) -> tuple[dist.TCPStore, str, int]:
@@ -88,16 +141,15 @@ class Worker:
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
 
     def build(self, factory: str, *args: Any, **kwargs: Any) -> None:
-        """Build this rank's objects: ``factory(*args, **kwargs)`` (``module:function``)."""
+        """Build this rank's objects: ``factory(*args, **kwargs)`` (``module:qualified.name`` of a
+        class or function: ``path_of``)."""
         self.host = resolve(factory)(*args, **kwargs)
 
-    def call(self, path: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``host.<path>(*args, **kwargs)`` (a dotted path; a plain attribute is read);
-        the result on rank 0, None on the others."""
-        target = self.host
-        for name in path.split("."):
-            target = getattr(target, name)
-        out = target(*args, **kwargs) if callable(target) else target
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (``module:Class.method``: ``path_of``) on the host's object of that class
+        (``owner_of``) with ``*args, **kwargs``; the result on rank 0, None on the others."""
+        owner, _, name = method.rpartition(".")
+        out = getattr(owner_of(self.host, resolve(owner)), name)(*args, **kwargs)
         return out if self.rank == 0 else None
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from posttrain.agents.builtin_tools import calculator
 from posttrain.agents.tool_runner import Tool, ToolRunner
 from posttrain.agents.tools import ToolCall
 from tests.agents import light_tools
-from tests.agents.test_trajectories import HERMES, Scripted, _chat_tokenizer, _loop, _meta
+from tests.agents.scripted import HERMES, Scripted, _chat_tokenizer, _loop, _meta
 
 LIGHT = "tests.agents.light_tools"
 
@@ -309,15 +309,15 @@ def test_a_raising_environment_is_reported_by_its_own_line_not_a_traceback(capsy
     """Issue 60 item 11: the command prints the summary and the user's frame (it printed a
     59-line traceback through the library on every rank); ``ENGINEKIT_TRACEBACK=1`` keeps it all."""
     from posttrain.trainer_utils import run_cli
-    from tests.agents import test_trajectories
+    from tests.agents import scripted
 
     tok = _chat_tokenizer(HERMES)
-    loop = _loop(tok, function="tests.agents.test_trajectories:Raises")
+    loop = _loop(tok, function="tests.agents.scripted:Raises")
     monkeypatch.delenv("ENGINEKIT_TRACEBACK", raising=False)
     with pytest.raises(SystemExit) as stop:
         run_cli(lambda: loop.run(Scripted(tok, lambda p: "a"), [_meta("k")], [0], max_new_tokens=4))
     err = capsys.readouterr().err
     assert stop.value.code == 1
-    assert "error: env.function = 'tests.agents.test_trajectories:Raises' (row test.jsonl:k), turn 0: raised KeyError('boom')" in err
-    assert f'File "{test_trajectories.__file__}"' in err and 'raise KeyError("boom")' in err
+    assert "error: env.function = 'tests.agents.scripted:Raises' (row test.jsonl:k), turn 0: raised KeyError('boom')" in err
+    assert f'File "{scripted.__file__}"' in err and 'raise KeyError("boom")' in err
     assert len(err.strip().splitlines()) == 4, err  # summary, frame, its source line, the hint

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 from engine_api.typed_config import load_typed
-from posttrain.async_rl import Pipeline
+from posttrain.async_rl import Pipeline, Schedule, SingleTurn
 from posttrain.tasks import build_task
 from recipes import ppo
 from recipes.common import with_model_path
 from roles.factory import build_roles
+from tests.support.rl_loop import rl_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s", "rollout/sync_s"}
@@ -28,7 +29,7 @@ def config(out: str, strategy: str, *extra: str) -> ppo.PPOConfig:
 
 def _roles(cfg):
     roles = build_roles(cfg)
-    source = build_task(cfg)
+    source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
     return roles, source, ppo.build_rollout_role(cfg, roles.actor, source)
 
 
@@ -37,9 +38,9 @@ def _weights(role) -> dict[str, torch.Tensor]:
 
 
 def sync_loop(cfg, steps: int) -> tuple[list[dict], dict]:
-    """``recipes.ppo.rl_step`` (the synchronous loop, unchanged) for ``steps`` steps."""
+    """``tests.support.rl_loop.rl_step`` (the synchronous loop, unchanged) for ``steps`` steps."""
     roles, source, rollout = _roles(cfg)
-    metrics = [ppo.rl_step(cfg, s, roles.actor, roles.critic, roles.reference, rollout, source) for s in range(steps)]
+    metrics = [rl_step(cfg, s, roles.actor, roles.critic, roles.reference, rollout, source) for s in range(steps)]
     return metrics, _weights(roles.actor)
 
 
@@ -47,12 +48,17 @@ def pipelined(cfg, steps: int, rank: int = 0) -> dict:
     """``steps`` steps of the asynchronous driver with the recipe's training half."""
     roles, source, rollout = _roles(cfg)
     actor = roles.actor
-    pipe = Pipeline(cfg, rollout, source, rank0=rank == 0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"])
-    train = functools.partial(
-        ppo.train_on_batch, actor=actor, critic=roles.critic, reference=roles.reference, rollout=rollout, source=source
-    )
+    pipe = pipeline_of(cfg, rollout, source, rank == 0, score=lambda batch: actor.compute_log_probs(batch)["log_probs"])
+    train = functools.partial(ppo.train_on_batch, actor=actor, critic=roles.critic, reference=roles.reference, rollout=rollout)
     metrics = [pipe.step(step, functools.partial(train, cfg, step)) for step in range(steps)]
     return {"metrics": metrics, "weights": _weights(actor)}
+
+
+def pipeline_of(cfg, rollout, source, rank0: bool = True, score=None, producer=None) -> Pipeline:
+    """The recipe's pipeline of an RL config (single-turn unless ``producer`` is given)."""
+    schedule = Schedule(cfg.data.batch_size, cfg.algo.n_samples, cfg.rollout.seed, cfg.trainer.total_steps, cfg.trainer.output_dir)
+    producer = producer or SingleTurn(source, cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+    return Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score)
 
 
 def differences(a: list[dict], b: list[dict]) -> list:

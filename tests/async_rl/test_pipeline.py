@@ -1,6 +1,6 @@
 """Issue 43: the asynchronous driver (``posttrain.async_rl``) on the FSDP actor in process.
 
-* K = 0 is the synchronous loop (``recipes.ppo.rl_step``, unchanged), bit for bit: every
+* K = 0 is the synchronous loop (``tests.support.rl_loop.rl_step``, unchanged), bit for bit: every
   metric but the timings, and the final weights;
 * K = 2 with partial rollouts: staleness 0, 1, then exactly 2 (never more), responses spanning
   two versions, and each token's rollout log-prob equal, at float noise, to the trainer's at the
@@ -78,17 +78,16 @@ def test_admission_never_passes_the_last_step(tmp_path):
     """K far past the run's length (issue 53 item 10: K = 1e9 admitted every step up to
     ``step + K`` and hung): only the run's own steps are admitted and generated, each once."""
     from engine_api.typed_config import load_typed
-    from posttrain.async_rl import Pipeline
     from posttrain.tasks import build_task
     from recipes.ppo import PPOConfig
     from roles.rollout import step_seeds
-    from tests.async_rl.async_workers import ROOT, SMALL
+    from tests.async_rl.async_workers import ROOT, SMALL, pipeline_of
 
     over = [*SMALL, "async.max_staleness=64", "async.partial_rollouts=false", "trainer.total_steps=3", f"trainer.output_dir={tmp_path}"]
     cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", over)
     rollout = _CountingRollout()
-    pipe = Pipeline(cfg, rollout, build_task(cfg), rank0=True)
+    pipe = pipeline_of(cfg, rollout, build_task(cfg.data, cfg.engine.model.path, cfg.reward))
     for step in range(3):
-        pipe.step(step, lambda batch, metas, timings: {})
+        pipe.step(step, lambda scored, timings: {})
         assert max(pipe.pending, default=-1) <= 2 and pipe.cursor == 3, sorted(pipe.pending)
     assert rollout.seeds == [s for step in range(3) for s in step_seeds(cfg.rollout.seed, step, 16)]  # each step's batch once

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from engine_api.rollout import Sample
-from posttrain.async_rl import LEDGER_FILE
-from posttrain.async_rl.state import Pending, load_state, path_of, save_state
+from posttrain.async_rl import LEDGER_FILE, SingleTurn
+from posttrain.async_rl.state import Pending, load_state, path_of
+from posttrain.async_rl.state import save_state as _save_state
 from tests.support.launch import REPO, launch_env, run_script
 
 TOTAL = 9
@@ -110,11 +111,25 @@ def test_faults_then_resumes_train_each_prompt_once_and_equal_the_uninterrupted_
     assert _rows(out, LEDGER_FILE) == _rows(ref, LEDGER_FILE) and len(_rows(out)) == TOTAL
 
 
+PRODUCER = SingleTurn(None, 8, 1.0)  # what the state's single-turn work is saved and restored with
+
+
 def _pending() -> list[Pending]:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 9, (3,), generator=g) for _ in range(4)]
     kept = Sample(torch.tensor([4, 5]), torch.tensor([-0.5, -1.5]), "length", 2, token_versions=torch.tensor([1, 2]))
-    return [Pending(5, [20, 21], prompts, [11, 12, 13, 14], [kept, None, kept, None])]
+    seeds = [11, 12, 13, 14]
+    work = PRODUCER.start(5, prompts, [None] * 4, seeds)
+    work.samples = [kept, None, kept, None]
+    return [Pending(5, [20, 21], prompts, seeds, work)]
+
+
+def save_state(ckpt_dir: str, step: int, pending: list[Pending], settings: dict) -> None:
+    _save_state(ckpt_dir, step, pending, settings, PRODUCER.save)
+
+
+def _samples(p: Pending, step: int) -> list:
+    return PRODUCER.restore(*p.saved, p.prompts, [None] * len(p.prompts), p.seeds, step).samples
 
 
 def test_the_state_round_trips_and_a_tampered_file_is_refused_by_name(tmp_path):
@@ -123,8 +138,9 @@ def test_the_state_round_trips_and_a_tampered_file_is_refused_by_name(tmp_path):
     want = _pending()[0]
     assert (back.step, back.prompt_ids, back.seeds, settings) == (want.step, want.prompt_ids, want.seeds, {"max_staleness": 2})
     assert all(torch.equal(a, b) for a, b in zip(back.prompts, want.prompts, strict=True))
-    assert back.samples[1] is None and torch.equal(back.samples[0].versions(), torch.tensor([1, 2]))
-    assert torch.equal(back.samples[2].log_probs, want.samples[2].log_probs) and back.samples[2].finish_reason == "length"
+    samples = _samples(back, 4)
+    assert samples[1] is None and torch.equal(samples[0].versions(), torch.tensor([1, 2]))
+    assert torch.equal(samples[2].log_probs, torch.tensor([-0.5, -1.5])) and samples[2].finish_reason == "length"
     assert load_state(str(tmp_path), 3) is None
     meta = Path(path_of(str(tmp_path), 4) + ".json")  # the JSON's copy of the layout is for people: edits are ignored
     meta.write_text(meta.read_text().replace('"prompt_ids": [20, 21]', '"prompt_ids": [7, 8]'))
@@ -154,15 +170,14 @@ def test_a_synchronous_resume_of_batches_in_flight_says_it_drops_them(tmp_path, 
     """A K = 2 checkpoint resumed with K = 0: the saved batches are dropped and generated again,
     with the warning docs/async.md promises (issue 53 item 11: it was silent)."""
     from engine_api.typed_config import load_typed
-    from posttrain.async_rl import Pipeline
     from posttrain.tasks import build_task
     from recipes.ppo import PPOConfig
-    from tests.async_rl.async_workers import ROOT, SMALL
+    from tests.async_rl.async_workers import ROOT, SMALL, pipeline_of
 
     ckpt = str(tmp_path / "checkpoints")
     save_state(ckpt, 4, _pending(), {"max_staleness": 2})
     cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", [*SMALL, f"trainer.output_dir={tmp_path}"])
-    Pipeline(cfg, None, build_task(cfg), rank0=True).resume(ckpt, 4)
+    pipeline_of(cfg, None, build_task(cfg.data, cfg.engine.model.path, cfg.reward)).resume(ckpt, 4)
     err = capsys.readouterr().err
     assert "checkpoint step 4 holds 1 batch(es) in flight, saved by an asynchronous run; async.max_staleness = 0 drops them" in err
     assert "fix: resume with the saving run's async.max_staleness" in err
@@ -174,33 +189,33 @@ def test_a_resume_with_other_settings_names_them_and_a_state_out_of_range_is_ref
     determinism); saved log-probs and weight versions outside what the checkpoint's step can
     hold are refused when read, naming the batch."""
     from engine_api.typed_config import load_typed
-    from posttrain.async_rl import Pipeline
     from posttrain.tasks import build_task
     from recipes.ppo import PPOConfig
-    from tests.async_rl.async_workers import ROOT, SMALL
+    from tests.async_rl.async_workers import ROOT, SMALL, pipeline_of
 
-    class Agent:  # what the pipeline asks of the multi-turn loop here: its settings
+    class Agent(SingleTurn):  # a producer whose settings are a multi-turn run's
         def settings(self):
-            return {"env.max_turns": 3, "env.max_tokens": 256}
+            return {**super().settings(), "env.max_turns": 3, "env.max_tokens": 256}
 
     ckpt = str(tmp_path / "checkpoints")
     cfg = load_typed(PPOConfig, ROOT / "configs" / "grpo_tiny.yaml", [*SMALL, f"trainer.output_dir={tmp_path}", "async.max_staleness=2"])
-    pipeline = Pipeline(cfg, None, build_task(cfg), rank0=True, agent=Agent())
+    source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
+    pipeline = pipeline_of(cfg, None, source, producer=Agent(source, cfg.rollout.max_new_tokens, 1.0))
     save_state(ckpt, 4, _pending(), {**pipeline.settings(), "env.max_turns": 4})
     pipeline.resume(ckpt, 4)
     err = capsys.readouterr().err
     assert "its asynchronous state was made with other settings (env.max_turns: saved 4, now 3)" in err
     assert not pipeline.pending  # regenerated, not continued
     save_state(ckpt, 1, _pending(), {"max_staleness": 2})  # versions 1-2 cannot come from a run at step 1
-    with pytest.raises(
-        ValueError, match=r"global_step_1\.json does not verify .*batch 0: a sample holds weight versions 1..2, outside 0..1"
-    ):
-        load_state(ckpt, 1)
+    (saved,), _ = load_state(ckpt, 1)
+    with pytest.raises(ValueError, match=r"a batch in flight: a sample holds weight versions 1..2, outside 0..1"):
+        _samples(saved, 1)
     bad = _pending()
-    bad[0].samples[0] = Sample(torch.tensor([4]), torch.tensor([float("nan")]), "length", 2)
+    bad[0].work.samples = [Sample(torch.tensor([4]), torch.tensor([float("nan")]), "length", 2)] + [None] * 3
     save_state(ckpt, 3, bad, {"max_staleness": 2})
+    (saved,), _ = load_state(ckpt, 3)
     with pytest.raises(ValueError, match="log-probs that are not finite"):
-        load_state(ckpt, 3)
+        _samples(saved, 3)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from recipes import ppo
 from recipes.common import with_model_path
 from roles.factory import build_roles
 from tests.support.launch import run_distributed
+from tests.support.rl_loop import rl_step
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = {"rollout_s", "reward_s", "prepare_s", "update_s", "tokens_per_s", "rollout/sync_s"}
@@ -38,11 +39,11 @@ ONE_STEP = [
 
 def _run(cfg: ppo.PPOConfig, steps: int):
     roles = build_roles(cfg)
-    rollout = ppo.build_rollout_role(cfg, roles.actor, build_task(cfg))
+    rollout = ppo.build_rollout_role(cfg, roles.actor, build_task(cfg.data, cfg.engine.model.path, cfg.reward))
     forwards = []
     infer = roles.actor.engine.infer_batch
     roles.actor.engine.infer_batch = lambda batch: forwards.append(1) or infer(batch)
-    metrics = [ppo.rl_step(cfg, step, roles.actor, roles.critic, roles.reference, rollout) for step in range(steps)]
+    metrics = [rl_step(cfg, step, roles.actor, roles.critic, roles.reference, rollout) for step in range(steps)]
     return roles, metrics, len(forwards)
 
 

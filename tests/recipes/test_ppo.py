@@ -89,7 +89,7 @@ def test_vllm_in_low_precision_on_a_cpu_runs_in_float32_with_one_warning(capsys,
     machine without CUDA vLLM would compile its bf16 CPU kernels for many minutes before the first
     step, so the rollout runs in float32 and one line names the key. With CUDA, or on Ray (whose
     workers may have GPUs), the config is left alone."""
-    from recipes.ppo import _fit_rollout_to_cpu
+    from posttrain.rl_setup import fit_rollout_to_machine
 
     data = tmp_path / "x.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n')
@@ -97,11 +97,11 @@ def test_vllm_in_low_precision_on_a_cpu_runs_in_float32_with_one_warning(capsys,
     cfg = load_typed(PPOConfig, "configs/examples/qwen2.5-1.5b-grpo-gsm8k.yaml", overrides)
     assert (cfg.rollout.backend, cfg.rollout.dtype) == ("vllm", "bfloat16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    fitted = _fit_rollout_to_cpu(cfg, rank0=True)
+    fitted = fit_rollout_to_machine(cfg, rank0=True)
     err = capsys.readouterr().err
     assert fitted.rollout.dtype == "float32" and fitted.rollout.backend == "vllm" and fitted.engine == cfg.engine
     assert err.count("WARNING") == 1 and "rollout.dtype = bfloat16 with rollout.backend = vllm on a machine without CUDA" in err
     ray = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, launcher="ray"))
-    assert _fit_rollout_to_cpu(ray, rank0=True).rollout.dtype == "bfloat16"
+    assert fit_rollout_to_machine(ray, rank0=True).rollout.dtype == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert _fit_rollout_to_cpu(cfg, rank0=True) is cfg
+    assert fit_rollout_to_machine(cfg, rank0=True) is cfg

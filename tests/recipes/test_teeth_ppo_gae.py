@@ -5,7 +5,7 @@ mask keeps), and GAE runs over the response tokens only: prompt tokens, and toke
 response that the mask drops, get advantage and return 0. Putting the score on the first
 response token, on the last prompt token or on a dropped trailing token, or running GAE over
 the whole sequence, changes every advantage the actor is trained with. ``rl_step`` calls
-``recipes.ppo._gae_per_sequence`` with the flat per-token values, mask and the batch offsets;
+``roles.algos.gae_per_sequence`` with the flat per-token values, mask and the batch offsets;
 the expected numbers are worked by hand below (gamma = lam = 0.5, so gamma * lam = 0.25).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.ppo import AlgoConfig, _gae_per_sequence
+from roles.algos import gae_per_sequence
 
 # Sequence A: 2 prompt tokens, 3 response tokens, score 1.0, response values 0.1 0.2 0.3.
 #   t=2: delta = 1 + 0 - 0.3 = 0.7                        A = 0.7
@@ -35,12 +35,13 @@ WANT_RET = [0, 0, 0.13125, 0.325, 1.0] + [0, -0.55, -2.0, 0]
 
 
 def _run(scores, values, mask, offsets, gamma=0.5, lam=0.5):
-    return _gae_per_sequence(
+    return gae_per_sequence(
         torch.tensor(scores),
         torch.tensor(values, dtype=torch.float32),
         torch.tensor(mask, dtype=torch.float32),
         torch.tensor(offsets),
-        AlgoConfig(gamma=gamma, lam=lam),
+        gamma,
+        lam,
     )
 
 

@@ -580,7 +580,7 @@ def test_the_no_signal_warning_says_what_moved_the_policy():
     """With an entropy bonus or a KL term a flat-reward GRPO step still has a gradient (measured
     from the outside: grad norm 0.0045): the warning must not say the policy did not change
     (issue 53, item 3)."""
-    from recipes.ppo import no_signal_warning
+    from roles.algos import no_signal_warning
 
     assert "the policy did not change" in no_signal_warning(1, 4)
     for coefs, named in (((0.01, 0.0), "actor.entropy_coef = 0.01"), ((0.0, 0.05), "actor.kl_coef = 0.05")):

@@ -18,6 +18,7 @@ from recipes import ppo
 from recipes.common import with_model_path
 from roles import legacy
 from roles.factory import build_roles, use_legacy
+from tests.support.rl_loop import rl_step
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"
@@ -93,8 +94,8 @@ def test_only_the_factory_imports_the_legacy_package():
 
 def _run(cfg: ppo.PPOConfig, steps: int):
     roles = build_roles(cfg)
-    rollout = ppo.build_rollout_role(cfg, roles.actor, build_task(cfg))
-    metrics = [ppo.rl_step(cfg, step, roles.actor, roles.critic, roles.reference, rollout) for step in range(steps)]
+    rollout = ppo.build_rollout_role(cfg, roles.actor, build_task(cfg.data, cfg.engine.model.path, cfg.reward))
+    metrics = [rl_step(cfg, step, roles.actor, roles.critic, roles.reference, rollout) for step in range(steps)]
     return roles, metrics
 
 

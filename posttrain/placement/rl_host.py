@@ -1,11 +1,13 @@
-"""``recipes.ppo`` on Ray (``trainer.launcher=ray``): the roles in worker groups on the pools of
+"""An RL run on Ray (``trainer.launcher=ray``): the roles in worker groups on the pools of
 ``trainer.placement``, the recipe's process driving them (a single controller).
 
-Each pool's workers host the roles placed on it (``RLHost``: the same ``build_roles`` /
+Each pool's workers host the roles placed on it (:class:`RLHost`: the same ``build_roles`` /
 ``build_rollout_role`` as a torchrun rank, restricted to those roles); the driver holds
-``RemoteRole`` / ``RemoteRollout`` stand-ins with the same methods, so ``recipes.ppo.run`` and
-``rl_step`` are unchanged. A rollout on the actor's pool syncs in process; on its own pool its
-weights come over a transfer group from the actor's rank 0 (``posttrain.placement.transfer``).
+``RemoteRole`` / :class:`RemoteRollout` stand-ins with the same methods, so the recipe's loop is
+unchanged. A rollout on the actor's pool syncs in process; on its own pool its weights come over
+a transfer group from the actor's rank 0 (``posttrain.placement.transfer``). Every remote call
+names its target as a function (``RLHost.send_weights``, ``Rollout.sync_weights``,
+``Actor.update``), never as a string.
 """
 
 from __future__ import annotations
@@ -15,22 +17,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine_api import EngineConfig
 from posttrain.export import save_hf
-from posttrain.placement.cluster import RayCluster
-from posttrain.placement.remote import RemoteRole, RemoteRollout
+from posttrain.placement.cluster import RayCluster, WorkerGroup
+from posttrain.placement.remote import RemoteRole
 from posttrain.placement.transfer import ReceivedWeights, TransferGroup, send_weights
 from posttrain.placement.worker import master_store
+from posttrain.rl_setup import build_rollout_role, rl_placement_problems, rl_roles
 from posttrain.tasks import build_task
-from recipes.rl_roles import build_rollout_role, rl_placement_problems, rl_roles
-from roles.factory import build_roles
-from roles.rollout import pack_samples, unpack_rows, unpack_samples
-
-# What the driver may call on each role (the methods recipes.ppo uses).
-_METHODS = {
-    "actor": ("compute_log_probs", "update", "reuses_update_log_probs", "update_on_policy", "save_checkpoint", "load_checkpoint"),
-    "critic": ("compute_values", "update", "save_checkpoint", "load_checkpoint"),
-    "reference": ("compute_log_probs",),
-}
+from roles.factory import build_roles, role_classes
+from roles.rollout import Rollout, pack_rows, pack_samples, unpack_rows, unpack_samples
 
 
 class RLHost:
@@ -44,7 +40,7 @@ class RLHost:
 
     def __init__(self, cfg, hosted: tuple[str, ...]) -> None:
         self.cfg, self.hosted = cfg, hosted
-        self.source = build_task(cfg)
+        self.source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
         roles = build_roles(cfg, include=[r for r in hosted if r != "rollout"])
         self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
         self.transfer: TransferGroup | None = None
@@ -81,6 +77,10 @@ class RLHost:
         pairs = self.actor.export_adapter_weights() if adapter else self.actor.export_weights(bucket_mb=bucket_mb)
         return send_weights(pairs, self.transfer, bucket_mb)
 
+    def last_sync(self) -> dict[str, float]:
+        """The rollout's last sync's seconds and MB (``Rollout.last_sync``)."""
+        return self.rollout.last_sync
+
     def sample_packed(self, prompts: dict, seeds: list[int], kept: dict | None, max_new_tokens: int | None) -> dict:
         """``Rollout.sample`` with prompts and samples packed (``roles.rollout.pack_samples``):
         what ``RemoteRollout.sample`` calls."""
@@ -109,7 +109,7 @@ class RayRoles:
     actor_group: Any
 
     def save_hf(self, out_dir: str, fmt: str) -> str:
-        return self.cluster.call(self.actor_group, "save_hf", out_dir, fmt)
+        return self.cluster.call(self.actor_group, RLHost.save_hf, out_dir, fmt)
 
     def close(self) -> None:
         self.cluster.close()
@@ -134,16 +134,18 @@ def place_on_ray(cfg) -> RayRoles:
     try:
         groups = {p: cluster.spawn(p) for p in pools}
         for pool, hosted in pools.items():
-            cluster.build(groups[pool], "recipes.ppo_ray:RLHost", cfg, hosted)
+            cluster.build(groups[pool], RLHost, cfg, hosted)
         actor_group, rollout_group = groups[where["actor"]], groups[where["rollout"]]
         split = actor_group is not rollout_group
         if split:
             size = 1 + rollout_group.size
-            addr, port = cluster.call(actor_group, "open_transfer", size, cluster.timeout_s)
-            cluster.call_many([(g, "join_transfer", (addr, port, size, cluster.timeout_s), {}) for g in (actor_group, rollout_group)])
-        adapter = cluster.call(rollout_group, "adapter_sync")
+            addr, port = cluster.call(actor_group, RLHost.open_transfer, size, cluster.timeout_s)
+            join = (addr, port, size, cluster.timeout_s)
+            cluster.call_many([(g, RLHost.join_transfer, join, {}) for g in (actor_group, rollout_group)])
+        adapter = cluster.call(rollout_group, RLHost.adapter_sync)
+        classes = role_classes(cfg)
         handles = {
-            role: RemoteRole(cluster, groups[where[role]], role, _METHODS[role]) if role in where else None
+            role: RemoteRole(cluster, groups[where[role]], classes[role]) if role in where else None
             for role in ("actor", "critic", "reference")
         }
         alone = pools[where["rollout"]] == ("rollout",)
@@ -153,3 +155,87 @@ def place_on_ray(cfg) -> RayRoles:
     except BaseException:
         cluster.close(graceful=False)
         raise
+
+
+class RemoteRollout:
+    """The ``roles.rollout.Rollout`` of a worker group, with the methods a recipe calls.
+
+    Args:
+        cluster: the run's cluster.
+        group: the rollout's worker group.
+        actor_group: the actor's group, when it is another one (then weights travel over the
+            transfer group); None: colocated.
+        adapter: sync only the LoRA adapters (the rollout's ``adapter_sync``).
+        bucket_mb: ``rollout.sync_bucket_mb``.
+        alone: the rollout's group hosts no other role.
+    """
+
+    def __init__(
+        self,
+        cluster: RayCluster,
+        group: WorkerGroup,
+        actor_group: WorkerGroup | None,
+        adapter: bool,
+        bucket_mb: float | None,
+        alone: bool = False,
+    ) -> None:
+        self._cluster, self._group, self._actor_group = cluster, group, actor_group
+        self._adapter, self._bucket_mb = adapter, bucket_mb
+        #: whether generation can run while the other roles train: the rollout's group hosts
+        #: no other role (calls from two driver threads never queue on the same workers)
+        self.overlaps = bool(alone and actor_group is not None)
+        #: the last sync's seconds and MB (``rollout/sync_s``, ``rollout/sync_mb``)
+        self.last_sync: dict[str, float] = {}
+
+    def sync_weights(self, version: int | None = None) -> None:
+        """The actor's weights into the rollout engines as ``version`` (see ``Rollout.sync_weights``)."""
+        receive = (self._group, Rollout.sync_weights, (version,), {})
+        if self._actor_group is None:
+            self._cluster.call_many([receive])
+        else:
+            send = (self._actor_group, RLHost.send_weights, (self._adapter, self._bucket_mb), {})
+            self._cluster.call_many([send, receive])
+        self.last_sync = self._cluster.call(self._group, RLHost.last_sync)
+
+    def generate(self, prompts, seed_offset: int | None = None):
+        """One response per prompt, sampled across the rollout group (see ``Rollout.generate``)."""
+        return self._cluster.call(self._group, Rollout.generate, prompts, seed_offset=seed_offset)
+
+    def sample(self, prompts, seeds, kept=None, max_new_tokens: int | None = None):
+        """One ``Sample`` per prompt across the rollout group (see ``Rollout.sample``); prompts
+        and samples travel packed in a few flat tensors (``roles.rollout.pack_samples``)."""
+        packed = self._cluster.call(
+            self._group, RLHost.sample_packed, pack_rows(prompts), list(seeds), None if kept is None else pack_samples(kept), max_new_tokens
+        )
+        return unpack_samples(packed)
+
+    def release(self) -> None:
+        """Free the engines' memory for training (see ``Rollout.release``)."""
+        self._cluster.call(self._group, Rollout.release)
+
+
+@dataclass
+class LocalRoles:
+    """The roles in this process (``trainer.launcher=torchrun``: every role on every rank)."""
+
+    actor: Any
+    critic: Any
+    reference: Any
+    rollout: Rollout
+    engine_config: EngineConfig
+
+    def save_hf(self, out_dir: str, fmt: str) -> str:
+        return save_hf(self.actor, self.engine_config, out_dir, fmt)
+
+    def close(self) -> None:
+        self.rollout.engine.shutdown()
+
+
+def place_roles(cfg, source):
+    """The run's roles: built in this process (``trainer.launcher=torchrun``), or in worker
+    groups on a Ray cluster driven from here (``ray``: :func:`place_on_ray`). Both
+    have ``actor``, ``critic``, ``reference``, ``rollout``, ``save_hf`` and ``close``."""
+    if cfg.trainer.launcher == "ray":
+        return place_on_ray(cfg)
+    roles = build_roles(cfg)
+    return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)

@@ -1,11 +1,29 @@
-"""What an RL run's roles are and how its rollout role is built: shared by the recipe
-(``recipes.ppo``, every role in this process) and its Ray workers (``recipes.ppo_ray``)."""
+"""An RL run's roles and how they are built and placed: what the RL recipe (``recipes.ppo``,
+every role in this process) and its Ray workers (``posttrain.placement.rl_host``) share.
+
+* which roles a run has (:func:`rl_roles`) and whether its placement can hold them;
+* the rollout engine's settings, the rollout role (:func:`build_rollout_role`) and what the
+  rollout backend refuses about the user's model from its files, before any engine;
+* :func:`fit_rollout_to_machine`: the backend's own needs on this machine applied to the config
+  (``BaseRollout.fit_to_machine``: vLLM on a CPU samples in float32 with heads of >= 32);
+* :func:`resume_roles`: the newest step every role checkpointed completely and that verifies.
+
+``posttrain.placement.rl_host.place_roles`` places the roles (this process, or Ray).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from engine_api import ckpt_layout
 from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout, get_rollout_class
 from posttrain.placement import placement_problems
+from posttrain.trainer_utils import load_newest_valid, warn
 from roles.rollout import Rollout
 
 
@@ -106,3 +124,71 @@ def build_rollout_role(cfg, actor, source) -> Rollout:
         raise ValueError(budget)
     lora_settings = {"r": lora.rank, "lora_alpha": lora.alpha} if lora.enabled else None
     return Rollout(actor, engine, r, stop_token_ids=source.stop_ids or (), stop=r.stop_strings, lora=lora_settings)
+
+
+def fit_rollout_to_machine(cfg, rank0: bool):
+    """``cfg`` with what its rollout backend needs on this machine (``BaseRollout.fit_to_machine``):
+    the rollout's dtype (e.g. vLLM without CUDA: float32, with a one-line warning naming the key)
+    and the built tiny model's head width (no ``engine.model.path``, no ``tiny_model.head_dim``).
+    A Ray run keeps its dtype (its workers may have GPUs the driver does not see); every other
+    setting is left alone. Works for any RL config (``rollout``, ``tiny_model``, ``engine``,
+    ``trainer``)."""
+    r, tm = cfg.rollout, cfg.tiny_model
+    dtype, head, why = get_rollout_class(r.backend).fit_to_machine(r.dtype, torch.cuda.is_available())
+    if dtype != r.dtype and cfg.trainer.launcher != "ray":
+        warn([why], rank0)
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(r, dtype=dtype))
+    if head and cfg.engine.model.path is None and tm.head_dim is None and tm.hidden_size // tm.num_heads < head:
+        cfg = dataclasses.replace(cfg, tiny_model=dataclasses.replace(tm, head_dim=head))
+    return cfg
+
+
+def resume_roles(roles: dict[str, Any], ckpt_dir: str, rank0: bool) -> int:
+    """Load the newest step that every role (``{"actor": ..., "critic": ...}``, each checkpointed
+    under ``ckpt_dir/<name>``) checkpointed completely and that verifies for every role; 0 when
+    the actor has no checkpoint (a fresh run). A save killed between the actor's and the critic's
+    checkpoint leaves the actor a step ahead (the common step is loaded); a step that fails
+    verification is skipped loudly (``posttrain.trainer_utils.load_newest_valid``).
+
+    Raises:
+        ValueError: the actor has checkpoints but no step is complete for every role of this
+            run (a role's checkpoints are gone, or the run now has a critic the checkpoints
+            never had): before anything is written.
+    """
+    roots = {name: os.path.join(ckpt_dir, name) for name in roles}
+    latest = ckpt_layout.latest_checkpoint(roots["actor"])
+    if latest is None:
+        return 0
+    newest = int(os.path.basename(latest)[len(ckpt_layout.PREFIX) :])  # honour `latest` (rollbacks)
+    have = {name: set(ckpt_layout.complete_steps(r)) for name, r in roots.items()}
+    common = set.intersection(*have.values())
+    steps = sorted((s for s in common if s <= newest), reverse=True)
+    if not steps:
+        # The actor has checkpoints but not every role of this run has one of the same step:
+        # starting over would overwrite the actor's checkpoints and the metrics. Stop first.
+        lacking = [name for name in roles if not have[name]]
+        why = (
+            f"the {' and '.join(lacking)} has no complete checkpoint in {', '.join(roots[n] for n in lacking)}"
+            if lacking
+            else "no step is checkpointed completely by every role (" + "; ".join(f"{n}: {sorted(have[n])}" for n in roles) + ")"
+        )
+        hint = (
+            " (were these checkpoints written by a GRPO run, which has no critic? resume with the run's own algo.advantage)"
+            if "critic" in lacking and not os.path.isdir(roots["critic"])
+            else ""
+        )
+        raise ValueError(
+            f"trainer.resume=true: the actor has checkpoints up to step {newest} in {roots['actor']}, but {why}{hint}; starting "
+            "over would overwrite them, so nothing was written; fix: restore the missing checkpoints, resume with the settings "
+            "of the run that wrote them, or start a fresh run in another trainer.output_dir"
+        )
+
+    def load_step(step: int) -> int:
+        for name, role in roles.items():
+            role.load_checkpoint(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}"))
+        return step
+
+    def paths(step: int) -> str:
+        return ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
+
+    return load_newest_valid(steps, load_step, rank0, describe=paths)
