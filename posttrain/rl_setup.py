@@ -22,6 +22,8 @@ import torch
 from engine_api import ckpt_layout
 from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout, get_rollout_class
+from posttrain.data_order import save_order
+from posttrain.dist import rank
 from posttrain.placement import placement_problems
 from posttrain.trainer_utils import load_newest_valid, warn
 from roles.rollout import Rollout
@@ -192,3 +194,21 @@ def resume_roles(roles: dict[str, Any], ckpt_dir: str, rank0: bool) -> int:
         return ", ".join(os.path.join(roots[name], f"{ckpt_layout.PREFIX}{step}") for name in roles)
 
     return load_newest_valid(steps, load_step, rank0, describe=paths)
+
+
+def save_roles(roles: dict, ckpt_dir: str, step: int, pipeline, source) -> None:
+    """The data order and the asynchronous state first, then the roles: a complete role
+    checkpoint has both (``posttrain.data_order``, ``posttrain.async_rl.state``)."""
+    if rank() == 0:
+        save_order(ckpt_dir, source.data_order())
+    pipeline.save(ckpt_dir, step)
+    for name, role in roles.items():
+        role.save_checkpoint(os.path.join(ckpt_dir, name), global_step=step)
+    pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
+
+
+def saved_at(ckpt_dir: str, roles: dict, step: int) -> str:
+    """Where a stopped run's checkpoints of ``step`` are, for the message: the actor's, and the
+    critic's only when there is one (GRPO has none)."""
+    names = "{" + ",".join(roles) + "}" if len(roles) > 1 else next(iter(roles))
+    return os.path.join(ckpt_dir, names, f"{ckpt_layout.PREFIX}{step}")

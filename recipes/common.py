@@ -74,6 +74,11 @@ class TrainerConfig:
             ``ray start --address=HOST:PORT`` on the others).
         placement: with ``launcher=ray``: the resource pools and the pool of each role
             (``posttrain.placement.PlacementConfig``).
+        setup: ``package.module:function`` called with no arguments before the rest of the
+            config is checked, once per machine (ranks take turns under a file lock), e.g. to
+            build a demo's model and data files when they are missing
+            (``posttrain.agents.demo:build_default_assets``); null: none. The user's own code,
+            named in the config, never anything read from a checkpoint.
     """
 
     total_steps: int = 800
@@ -96,6 +101,7 @@ class TrainerConfig:
     launcher: str = "torchrun"
     ray_address: str | None = None
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    setup: str | None = None
 
     def _problems(self) -> list[str]:
         # A chosen logger whose package is missing is refused here, at config load, not after

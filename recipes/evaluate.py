@@ -34,7 +34,7 @@ import torch.distributed as dist
 from engine_api.dist import is_initialized
 from engine_api.typed_config import load_typed
 from posttrain.agents.loop import load_env_code
-from posttrain.agents.producer import build_producer
+from posttrain.agents.producer import build_producer, producer_sections
 from posttrain.cli import parse_recipe_args
 from posttrain.dist import init_distributed, rank
 from posttrain.evaluation import mean_reward, validation_batches
@@ -122,7 +122,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     if cfg.env.enabled:
         load_env_code(cfg.env)  # a misspelt environment fails before the data and the engine
     source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
-    producer = build_producer(cfg.env, cfg.reward, cfg.data, cfg.rollout, source)
+    producer = build_producer(source, **producer_sections(cfg))
     rollout, _, step = load_policy(cfg, cfg.eval.checkpoint, source)
     try:
         prompts, metas = source.val_prompts()

@@ -38,12 +38,13 @@ from engine_api.typed_config import load_typed
 from posttrain.agents import EnvConfig
 from posttrain.agents.config import multi_turn_problems
 from posttrain.agents.loop import load_env_code
-from posttrain.agents.producer import build_producer
+from posttrain.agents.producer import build_producer, producer_sections
 from posttrain.async_rl import AsyncConfig, Pipeline, Schedule, ScoredBatch
-from posttrain.cli import parse_recipe_args
-from posttrain.data_order import check_order, save_order
+from posttrain.cli import parse_recipe_args, run_setup
+from posttrain.data_order import check_order
 from posttrain.dist import init_distributed, rank
 from posttrain.evaluation import validate
+from posttrain.gateway.config import AgentConfig, gateway_problems
 from posttrain.placement.rl_host import place_roles
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
@@ -55,6 +56,8 @@ from posttrain.rl_setup import (  # noqa: F401 (build_rollout_role, rl_roles and
     rl_placement_problems,
     rl_roles,
     rollout_model_problems,
+    save_roles,
+    saved_at,
 )
 from posttrain.tasks import build_task
 from posttrain.text_data import DataConfig
@@ -151,7 +154,9 @@ class PPOConfig:
         async_: the asynchronous mode (config key ``async``): how far the rollout may run
             ahead of training (``posttrain.async_rl``).
         env: multi-turn rollouts with an environment and tools (``posttrain.agents``); off
-            unless ``env.function`` is set.
+            unless ``env.function`` is set. Its token rules also bind ``agent`` sessions.
+        agent: an external agent behind the OpenAI-compatible gateway (``posttrain.gateway``);
+            off unless ``agent.function`` is set.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -166,15 +171,17 @@ class PPOConfig:
     # The config key is ``async`` (a Python keyword, so the field is ``async_``).
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def _problems(self) -> list[str]:
         out = data_model_problems(self)
-        if self.data.from_files and self.reward.function is None and not self.env.enabled:
+        if self.data.from_files and self.reward.function is None and not (self.env.enabled or self.agent.enabled):
             out.append(
-                "reward.function = None: prompts from data.train_files need a reward function (or an environment that gives "
-                "rewards); fix: reward.function=file.py:fn, or env.function"
+                "reward.function = None: prompts from data.train_files need a reward function (or an environment or agent that "
+                "gives rewards); fix: reward.function=file.py:fn, env.function or agent.function"
             )
         out += multi_turn_problems(self.env, self.data.from_files, self.trainer.use_legacy_worker_impl, self.rollout.max_model_len)
+        out += gateway_problems(self)
         if not self.data.from_files and self.reward.function is not None:
             out.append(
                 f"reward.function = {self.reward.function!r}: the built-in sorting task (no data.train_files) has no text to score; "
@@ -207,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config_path, overrides = parse_recipe_args(
         argv, prog="python -m recipes.ppo", description=__doc__.split("\n\n")[0], config_cls=PPOConfig, default_config=DEFAULT_CONFIG
     )
+    run_setup(config_path, overrides)  # e.g. a demo's model and data, built on first use
     cfg = load_typed(PPOConfig, config_path, overrides)
     started = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
     # Before with_model_path fills in the built tiny model: only the user's own model is warned about.
@@ -246,7 +254,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         load_env_code(cfg.env)  # a misspelt environment or tool fails now, not after the data load
     guard_fresh_run(t.output_dir, t.resume, t.overwrite, rank0)
     source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)  # before the roles: bad data or a bad reward function fails fast
-    producer = build_producer(cfg.env, cfg.reward, cfg.data, cfg.rollout, source)  # likewise a bad environment or tool
+    producer = build_producer(source, **producer_sections(cfg))  # likewise a bad environment, tool or agent
     ckpt_dir = os.path.join(t.output_dir, "checkpoints")
     if t.resume and ckpt_layout.latest_checkpoint(os.path.join(ckpt_dir, "actor")) is not None:
         check_order(ckpt_dir, source.data_order(), rank0)  # a step is a position in the data order: refused before any engine
@@ -295,12 +303,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 guard.update(step + 1, m["actor_skipped"] == 1.0 or m.get("critic_skipped", 0.0) == 1.0)
                 saved = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
                 if saved:
-                    _save(roles, ckpt_dir, step + 1, pipeline, source)
+                    save_roles(roles, ckpt_dir, step + 1, pipeline, source)
                 signum = preemption.stop_requested()
                 if signum is not None:
                     if not saved:
-                        _save(roles, ckpt_dir, step + 1, pipeline, source)
-                    raise Preempted(signum, step + 1, _saved_at(ckpt_dir, roles, step + 1))
+                        save_roles(roles, ckpt_dir, step + 1, pipeline, source)
+                    raise Preempted(signum, step + 1, saved_at(ckpt_dir, roles, step + 1))
         hf_dir = None
         if t.save_hf:  # a signal during the export: it finishes, then the run stops with its state saved
             with PreemptionGuard() as late:
@@ -308,8 +316,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 signum = late.stop_requested()
             if signum is not None:
                 if not ((t.checkpoint_every and t.total_steps % t.checkpoint_every == 0) or start >= t.total_steps):
-                    _save(roles, ckpt_dir, t.total_steps, pipeline, source)
-                raise Preempted(signum, t.total_steps, _saved_at(ckpt_dir, roles, t.total_steps))
+                    save_roles(roles, ckpt_dir, t.total_steps, pipeline, source)
+                raise Preempted(signum, t.total_steps, saved_at(ckpt_dir, roles, t.total_steps))
     finally:
         if bar is not None:
             bar.close()
@@ -370,7 +378,7 @@ def train_on_batch(
         attach(batch, ref_log_probs=reference.compute_log_probs(batch)["log_probs"].values())
     mask = batch["loss_mask"].values()
     if critic is None:
-        adv = torch.repeat_interleave(grpo_advantages(scores, torch.arange(len(scores)) // n)[row_traj], lengths) * mask
+        adv = torch.repeat_interleave(grpo_advantages(scores, scored.group_ids(n))[row_traj], lengths) * mask
     else:
         values = critic.compute_values(batch)["values"].values() * mask
         adv, returns = gae_per_sequence(scores[row_traj], values, mask, batch["input_ids"].offsets(), cfg.algo.gamma, cfg.algo.lam)
@@ -397,7 +405,7 @@ def train_on_batch(
     out = {
         "step": step + 1,
         "reward": float(scores.mean()),
-        **group_reward_stats(scores, torch.arange(len(scores)) // n),
+        **group_reward_stats(scores, scored.group_ids(n)),
         "entropy": float((old["entropy"].values() * mask).sum() / mask.sum()),
         "response_len": float(mask.sum() / len(scores)),  # sampled tokens per response (trajectory)
         "actor_loss": _mean([m["loss"] for m in actor_m]),
@@ -419,24 +427,6 @@ def train_on_batch(
         out["critic_grad_norm"] = _mean([m["grad_norm"] for m in critic_m])
         out["critic_skipped"] = _mean([m.get("step_skipped", 0.0) for m in critic_m])
     return out
-
-
-def _save(roles: dict, ckpt_dir: str, step: int, pipeline: Pipeline, source) -> None:
-    """The data order and the asynchronous state first, then the roles: a complete role
-    checkpoint has both (``posttrain.data_order``, ``posttrain.async_rl.state``)."""
-    if (dist.get_rank() if is_initialized() else 0) == 0:
-        save_order(ckpt_dir, source.data_order())
-    pipeline.save(ckpt_dir, step)
-    for name, role in roles.items():
-        role.save_checkpoint(os.path.join(ckpt_dir, name), global_step=step)
-    pipeline.after_save(ckpt_dir, step, set(ckpt_layout.complete_steps(os.path.join(ckpt_dir, "actor"))))
-
-
-def _saved_at(ckpt_dir: str, roles: dict, step: int) -> str:
-    """Where a stopped run's checkpoints of ``step`` are, for the message: the actor's, and the
-    critic's only when there is one (GRPO has none)."""
-    names = "{" + ",".join(roles) + "}" if len(roles) > 1 else next(iter(roles))
-    return os.path.join(ckpt_dir, names, f"{ckpt_layout.PREFIX}{step}")
 
 
 def _mean(xs) -> float:

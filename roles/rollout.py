@@ -231,14 +231,18 @@ class Rollout:
         seeds: Sequence[int],
         kept: Sequence[Sample | None] | None = None,
         max_new_tokens: int | None = None,
+        stop: Sequence[str] | None = None,
     ) -> list[Sample]:
         """One ``Sample`` per prompt, on every rank, in prompt order: prompt ``i`` drawn with
         ``seeds[i]`` on the rank whose block holds it. ``kept`` continues unfinished samples of
         an earlier call (partial rollouts: ``BaseRollout.generate``); ``max_new_tokens``: the
-        new tokens this call may draw (default ``rollout.max_new_tokens``). Collective over the
-        rollout group."""
+        new tokens this call may draw (default ``rollout.max_new_tokens``); ``stop``: stop
+        strings of this call, added to the run's (``rollout.stop_strings``; a request of an
+        agent through the gateway). Collective over the rollout group."""
         prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
         params = self.params if max_new_tokens is None else replace(self.params, max_tokens=int(max_new_tokens))
+        if stop:
+            params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *stop))))
         size, rank = group_size(self.group), group_rank(self.group)
         begin, end = _block(len(prompts), size, rank)
         mine = None if kept is None else list(kept[begin:end])

@@ -15,7 +15,8 @@ Endpoints (all under ``/api/v1``; every one but ``healthz`` needs an ``X-API-Key
 
 Tenants, limits and logging: :mod:`~tinker_server.registry`. Routers: ``routes.service`` (client
 setup, sessions, futures), ``routes.training``, ``routes.weights`` (save / load), ``routes.sampling``,
-``routes.listings`` (REST checkpoints).
+``routes.listings`` (REST checkpoints), ``routes.openai`` (``/oai/api/v1``: OpenAI-compatible
+chat and text completions over a base model or a saved sampler).
 
 Client setup and sessions
     ``POST client/config``               feature flags: API-key auth (no JWT), plain httpx, client-side custom
@@ -51,6 +52,10 @@ Sampling
     ``POST join_sampling_session``       a clone id for an unpickled SamplingClient
     ``POST asample``                     JSON request, protobuf result (``compute_logprobs`` is an asample with
                                          ``prompt_logprobs``; ``prompt_logprobs_last_n`` honoured)
+OpenAI-compatible (``/oai/api/v1``; ``model``: a base model or a ``sampler_weights`` path; key as a bearer token)
+    ``POST chat/completions``            chat template, ``tools`` / ``tool_calls``, ``n``, ``logprobs``, ``stream``
+    ``POST completions``                 ``prompt`` as text or token ids
+    ``GET  models``                      the served base models
 Futures
     ``POST retrieve_future``             the result; held open up to ``poll_timeout_s``, then ``try_again``
 Checkpoints (REST)
@@ -88,7 +93,7 @@ from tinker_server import wire
 from tinker_server.contract import RunFactory, ServerSettings, UserError
 from tinker_server.guard import BodyTooLarge, Guard, too_large_body
 from tinker_server.registry import HttpError, Registry
-from tinker_server.routes import listings, sampling, service, training, weights
+from tinker_server.routes import listings, openai, sampling, service, training, weights
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +115,7 @@ def build_app(settings: ServerSettings, factory: RunFactory) -> FastAPI:
         (405, _bad_method),
     ):
         app.add_exception_handler(error, handler)
-    for area in (service, training, weights, sampling, listings):
+    for area in (service, training, weights, sampling, listings, openai):
         app.include_router(area.router)
     return app
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -141,10 +141,29 @@ class TrainingRun(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class ChatModel:
+    """What the OpenAI-compatible endpoint needs of a base model to serve chats.
+
+    Attributes:
+        tokenizer: its HF tokenizer (chats need its chat template; ``/completions`` does not).
+        stop_token_ids: the ids that end an answer (EOS and the template's end of turn).
+        tool_format: how its answers write tool calls (``hermes``, ``llama3``), None if unknown.
+    """
+
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    tool_format: str | None
+
+
 class RunFactory(Protocol):
     """Builds runs and samplers for the models the server serves."""
 
     def served_models(self) -> list[str]: ...
+
+    def chat_model(self, base_model: str) -> ChatModel:
+        """``base_model``'s tokenizer and chat facts (:class:`UserError` when it has no tokenizer)."""
+        ...
 
     def create_run(self, base_model: str, lora: LoraIn) -> TrainingRun: ...
 

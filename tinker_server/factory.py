@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from tinker_server.config import RunSettings
-from tinker_server.contract import LoraIn, TrainingRun, UserError
+from tinker_server.contract import ChatModel, LoraIn, TrainingRun, UserError
 from tinker_server.engines import RunEngine
 from tinker_server.ray_engine import RayEngine
 from tinker_server.shared_engine import SharedEngine
@@ -71,10 +71,32 @@ class EngineFactory:
         #: every run built, in order (tests reach a served run's engine through it)
         self.created: list[TrainingRun] = []
         self.engines: list[RunEngine] = []  # the engines held (in process, or Ray worker groups)
+        self.chats: dict[str, ChatModel] = {}
 
     def served_models(self) -> list[str]:
         """The base model names this server trains and samples."""
         return sorted(self.models)
+
+    def chat_model(self, base_model: str) -> ChatModel:
+        """``contract.RunFactory.chat_model``: the tokenizer of ``base_model``'s directory (loaded
+        once; no remote code), its stop ids (``posttrain.data.tokenizer.stop_token_ids``) and the
+        tool-call format its chat template writes (``posttrain.agents.tools.detect_format``)."""
+        if base_model not in self.chats:
+            from transformers import AutoTokenizer
+
+            from posttrain.agents.tools import detect_format
+            from posttrain.data.tokenizer import stop_token_ids
+
+            model_dir = self._dir(base_model)
+            try:
+                tok = AutoTokenizer.from_pretrained(model_dir)
+            except Exception as exc:  # noqa: BLE001 - a directory without a tokenizer: the client's request cannot be served
+                raise UserError(
+                    f"model = {base_model!r} has no tokenizer here ({type(exc).__name__}); fix: sample it with token ids"
+                ) from None
+            template = getattr(tok, "chat_template", None)
+            self.chats[base_model] = ChatModel(tok, tuple(stop_token_ids(tok, model_dir)), detect_format(template) if template else None)
+        return self.chats[base_model]
 
     def _dir(self, base_model: str) -> str:
         if base_model not in self.models:

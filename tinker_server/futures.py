@@ -286,8 +286,15 @@ class OrderedWorker:
         for fail in waiting:
             fail(reason)
 
-    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run ``fn`` on the worker (control work: closing runs); its result as a future."""
+    def call(self, fn: Callable[[], object], key: str | None = None) -> concurrent.futures.Future:
+        """Run ``fn`` on the worker; its result (or what it raised) as a future. ``key``: the
+        (open, unordered) queue it waits in, taking its turn as that key's calls do; None:
+        control work (closing runs), in a queue of its own that never waits behind a busy key.
+        A queue closed before ``fn`` ran fails the future with :class:`QueueClosed`.
+
+        Raises:
+            QueueClosed: ``key``'s queue is not open.
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def job() -> None:
@@ -297,8 +304,14 @@ class OrderedWorker:
                 except Exception as e:  # noqa: BLE001 - handed to the waiter
                     future.set_exception(e)
 
-        self.open("__control__", ordered=False, owner="__control__")  # a tenant of its own: never waits behind a busy key
-        self.submit("__control__", None, job, lambda msg: future.set_exception(QueueClosed(msg)))
+        def fail(message: str) -> None:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(QueueClosed(message))
+
+        if key is None:
+            key = "__control__"
+            self.open(key, ordered=False, owner=key)  # a tenant of its own
+        self.submit(key, None, job, fail)
         return future
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -1,5 +1,6 @@
-"""What every request passes before a handler sees it: the API key, the body size limit (counted
-as the body arrives, also after zstd decompression) and the JSON nesting limit.
+"""What every request passes before a handler sees it: the API key (``X-API-Key``, or a bearer
+token for OpenAI clients), the body size limit (counted as the body arrives, also after zstd
+decompression) and the JSON nesting limit.
 
 :class:`Guard` is ASGI middleware: an unknown key is answered 401 and a body over
 ``server.max_body_mb`` 413 before the app runs; it serves the rest of the request as the key's
@@ -42,9 +43,12 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_keys and scope["path"] != "/api/v1/healthz" and headers.get("x-api-key") not in self.api_keys:
-            shown = "missing" if "x-api-key" not in headers else "not one of this server's keys"
-            body = wire.error_body(f"X-API-Key: {shown}; pass api_key= (or TINKER_API_KEY) with a key from the server's api_keys")
+        key = api_key_of(headers)
+        if self.api_keys and scope["path"] != "/api/v1/healthz" and key not in self.api_keys:
+            shown = "missing" if key is None else "not one of this server's keys"
+            body = wire.error_body(
+                f"X-API-Key (or Authorization: Bearer): {shown}; pass api_key= (or TINKER_API_KEY) with a key from the server's api_keys"
+            )
             return await _send_json(send, 401, body)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
@@ -59,11 +63,20 @@ class Guard:
                 raise BodyTooLarge()
             return message
 
-        token = tenants.enter(tenants.tag_of(headers.get("x-api-key")), self.enforced)
+        token = tenants.enter(tenants.tag_of(key), self.enforced)
         try:
             return await self.app(scope, counted, send)
         finally:
             tenants.leave(token)
+
+
+def api_key_of(headers: dict[str, str]) -> str | None:
+    """The request's API key: ``X-API-Key`` (the Tinker SDK's), else an ``Authorization: Bearer``
+    token (what OpenAI clients of ``/oai/api/v1`` send)."""
+    if "x-api-key" in headers:
+        return headers["x-api-key"]
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 async def _send_json(send, status: int, body: dict) -> None:

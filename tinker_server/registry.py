@@ -294,6 +294,16 @@ class Registry:
             raise UserError(f"{what}: {e}") from None
         return {"request_id": request_id, **extra}
 
+    async def answer(self, key: str, work: Callable[[], object], what: str) -> object:
+        """Run ``work`` on the worker in ``key``'s queue (its turn among the tenants, as
+        :meth:`submit`'s calls) and await its result: for the endpoints that answer in the
+        response (``/oai/api/v1``) instead of through a future. Raises what ``work`` raised, or a
+        :class:`UserError` when the queue closed first."""
+        try:
+            return await asyncio.wrap_future(self.worker.call(work, key))
+        except QueueClosed as e:
+            raise UserError(f"{what}: {e}") from None
+
     async def sequenced(self, model_id: object, seq_id: int | None, what: str, prepare: Callable[[Model], object]) -> dict:
         """A model's request: runs in ``seq_id`` order. ``prepare`` checks the request and returns
         the work (or an awaitable of it). A request refused here still uses up its ``seq_id``, so
@@ -333,6 +343,17 @@ class Registry:
             raise UserError("create_sampling_session: give model_path or base_model")
         await self.check_base_model(base_model, "base_model")
         return SamplerSession(sid, session_id, base_model)
+
+    async def direct_sampler(self, base_model: str | None, model_path: str | None) -> SamplerSession:
+        """The sampler of a request that names its weights itself (``asample`` without a session,
+        ``/oai/api/v1``): one per tenant and base model or path, registered on first use."""
+        key = f"direct:{tenants.current()}:{model_path or base_model}"
+        entry = self.samplers.get(key)
+        if entry is None:
+            entry = self.register_sampler(await self.new_sampler_session(None, key, base_model, model_path))
+        if entry.gone:
+            raise UserError(f"sampling_session_id: {entry.id} can no longer sample: {entry.gone}")
+        return entry
 
     def register_sampler(self, entry: SamplerSession) -> SamplerSession:
         """Register ``entry`` (or return the one registered under its id first) and its queue."""

@@ -9,6 +9,7 @@ from posttrain.agents.tool_runner import ISOLATION
 from posttrain.agents.tools import TOOL_FORMATS
 
 HISTORY_MISMATCH = ("error", "split")
+SCHEDULES = ("per_trajectory", "lockstep")
 TURN_REWARDS = ("sum", "last")
 BUILTIN_ENVS = ("tools",)
 OBSERVATION_OVERFLOW = ("truncate", "error")
@@ -60,6 +61,13 @@ class EnvConfig:
             reasoning): ``error`` (stop, naming the turn and the first differing token) or
             ``split`` (the trajectory's next turns start a new training sample whose prompt is
             the re-rendered conversation).
+        schedule: how the trajectories' model calls are served (``posttrain.agents.scheduler``):
+            ``per_trajectory`` (each trajectory asks for its next call as soon as it is ready and
+            the rollout serves whatever waits: no trajectory waits for another's tools; which
+            calls share a rollout call depends on timing, so reruns agree to float rounding of
+            the rollout's log-probs) or ``lockstep`` (a turn's calls are served together once
+            every trajectory has asked: reruns and resumes bit-identical, each turn as slow as
+            its slowest tool). Also the gateway's sessions (``agent.function``).
         turn_rewards: how the environment's per-turn rewards combine: ``sum`` or ``last``;
             ``reward.function`` (when set) adds its score of the final answer.
         observation_role: the chat role of an observation given as plain text (``user``, or
@@ -80,6 +88,7 @@ class EnvConfig:
     observation_overflow: str = "truncate"
     step_timeout_s: float | None = 300.0
     history_mismatch: str = "error"
+    schedule: str = "per_trajectory"
     turn_rewards: str = "sum"
     observation_role: str = "user"
 
@@ -120,6 +129,8 @@ class EnvConfig:
                 out.append(f"{key} = {value!r}: must be > 0 seconds or null (no limit); fix: e.g. 30")
         if self.history_mismatch not in HISTORY_MISMATCH:
             out.append(f"history_mismatch = {self.history_mismatch!r}: unknown; fix: one of {', '.join(HISTORY_MISMATCH)}")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule = {self.schedule!r}: unknown; fix: one of {', '.join(SCHEDULES)}")
         if self.turn_rewards not in TURN_REWARDS:
             out.append(f"turn_rewards = {self.turn_rewards!r}: unknown; fix: one of {', '.join(TURN_REWARDS)}")
         if not isinstance(self.observation_role, str) or not self.observation_role:

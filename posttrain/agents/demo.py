@@ -103,6 +103,12 @@ def build_assets(root: str | os.PathLike = DEFAULT_ASSETS, rows: int = 256, seed
     return str(root)
 
 
+def build_default_assets() -> str:
+    """:func:`build_assets` into :data:`DEFAULT_ASSETS` (what ``configs/agent_tiny.yaml`` and
+    ``configs/agent_gateway_tiny.yaml`` point at; their ``trainer.setup``)."""
+    return build_assets(DEFAULT_ASSETS)
+
+
 def is_demo_model(path: str | os.PathLike | None) -> bool:
     """Whether ``path`` is the demo's model directory (built by :func:`build_assets`): a
     freshly initialised tiny model, for which the demo config's settings are right."""

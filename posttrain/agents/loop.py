@@ -24,6 +24,7 @@ import json
 import math
 import numbers
 import statistics
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from engine_api.dist import comm_device, is_initialized
 from engine_api.rollout import Sample, sample_seed
 from posttrain.agents.config import EnvConfig
 from posttrain.agents.env import StepResult, ToolEnv, Turn
+from posttrain.agents.scheduler import CallScheduler, RoundFailed
 from posttrain.agents.tool_runner import Tool, ToolRunner
 from posttrain.agents.tools import ToolCall, check_declared_tools, detect_format, parse_tool_calls, schema_name, tool_schema
 from posttrain.agents.trajectory import HistoryMismatch, Trajectory, bound_messages, message_list
@@ -146,6 +148,7 @@ class AgentLoop:
         self.tools: dict[str, Tool] = {}
         self.runner: ToolRunner | None = None
         self.max_observation_chars = 0
+        self._lock = threading.Lock()
         if self.rank0:  # user code: loaded where it runs
             self.factory, self.tools = load_env_code(env)
             self.runner = ToolRunner(
@@ -198,30 +201,61 @@ class AgentLoop:
 
     def advance(self, rollout, run: AgentRun, max_new_tokens: int, turns: int | None = None) -> None:
         """Sample up to ``turns`` more assistant turns of every unfinished trajectory of ``run``
-        (None: until every trajectory has ended), each answered by its environment. Turn ``t``'s
-        samples are seeded ``sample_seed(seed, t)`` whenever it runs, so a run paused between
-        turns (the asynchronous pipeline's weight updates) samples what an unpaused one would
-        under the same weights. Collective."""
+        (None: until every trajectory has ended), each answered by its environment. Each
+        trajectory runs on its own (a thread on rank 0) and asks for its next turn as soon as its
+        environment and tools have answered; the rollout serves every waiting call together
+        (``posttrain.agents.scheduler``), so no trajectory waits for another's tools. Turn ``t``'s
+        sample is seeded ``sample_seed(seed, t)`` whenever it runs, so a run paused between turns
+        (the asynchronous pipeline's weight updates) samples what an unpaused one would under the
+        same weights. Collective."""
         stop = self.cfg.max_turns if turns is None else min(self.cfg.max_turns, run.turn + turns)
-        while not run.finished and run.turn < stop:
-            plan = _on_rank0(lambda: self._plan(run.trajs, max_new_tokens))
-            if not plan:
-                run.finished = True
-                break
-            turn = run.turn
-            for amount, rows in sorted(plan.items()):
-                samples = rollout.sample(
-                    [torch.tensor(ids, dtype=torch.long) for _, ids in rows],
-                    [sample_seed(run.seeds[i], turn) for i, _ in rows],
-                    max_new_tokens=amount,
-                )
-                if self.rank0:
-                    for (i, _), s in zip(rows, samples, strict=True):
-                        run.trajs[i].add_turn(s)
-                        run.record[i].append(s)
-            run.turn += 1
-            run.finished = _on_rank0(lambda plan=plan, turn=turn: self._respond(run.trajs, run.envs, run.metas, plan, turn))
+        if not run.finished and run.turn < stop:
+            scheduler = CallScheduler(rollout, lockstep=self.cfg.schedule == "lockstep")
+            if self.rank0:
+                self._run_round(scheduler, run, stop - run.turn, max_new_tokens)
+            else:
+                scheduler.follow()
+            ended = _on_rank0(lambda: all(t.done for t in run.trajs))
+            run.turn, run.finished = stop, ended
         run.finished = run.finished or run.turn >= self.cfg.max_turns
+
+    def _run_round(self, scheduler: CallScheduler, run: AgentRun, allowance: int, max_new_tokens: int) -> None:
+        """Rank 0: a thread per unfinished trajectory, each taking up to ``allowance`` turns,
+        served by ``scheduler`` until all have stopped; the first failure stops every rank."""
+        live = [i for i, t in enumerate(run.trajs) if not t.done]
+        scheduler.started(len(live))
+        threads = [
+            threading.Thread(target=self._trajectory, args=(scheduler, run, i, allowance, max_new_tokens), daemon=True) for i in live
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            scheduler.serve()
+        finally:
+            for thread in threads:
+                thread.join()
+
+    def _trajectory(self, scheduler: CallScheduler, run: AgentRun, i: int, allowance: int, max_new_tokens: int) -> None:
+        """One trajectory's turns of a round (a thread): sample, keep, answer; a failure is handed
+        to the scheduler, which stops the round."""
+        t = run.trajs[i]
+        try:
+            for _ in range(allowance):
+                amount = t.next_turn_tokens(max_new_tokens)
+                if amount is None:
+                    break
+                turn = t.turns
+                sample = scheduler.sample(list(t.current.ids), sample_seed(run.seeds[i], turn), amount, order=(i,))
+                with self._lock:  # the tokenizer and template are shared by every trajectory's thread
+                    t.add_turn(sample)
+                run.record[i].append(sample)
+                self._respond_one(run.trajs, run.envs, run.metas, i, turn)
+        except RoundFailed:
+            pass  # another trajectory or the rollout failed: the scheduler raises that
+        except BaseException as exc:  # noqa: BLE001 (an environment's error: stops the run, on every rank)
+            scheduler.fail(exc)
+        finally:
+            scheduler.ended()
 
     def replay(self, saved: AgentRun, metas: Sequence) -> AgentRun | None:
         """A run paused by a checkpoint (``AgentRun.from_tensors``), live again: its prompts
@@ -243,7 +277,7 @@ class AgentLoop:
                 for i in rows:
                     run.trajs[i].add_turn(saved.record[i][turn])
                     run.record[i].append(saved.record[i][turn])
-                self._respond(run.trajs, run.envs, run.metas, plan, turn)
+                    self._respond_one(run.trajs, run.envs, run.metas, i, turn)
             for i, (t, digest) in enumerate(zip(run.trajs, saved.digests, strict=True)):
                 if _digest(t, saved.digest_version) != digest:
                     return f"trajectory {i} (row {run.metas[i].source}) differs after its {len(saved.record[i])} kept turn(s)"
@@ -270,25 +304,13 @@ class AgentLoop:
         trajs, envs, metas = run.trajs, run.envs, run.metas
         rows = _on_rank0(lambda: self._rows(trajs))
         scores = self._scores(trajs, envs, metas, len(metas))
-        segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
-        fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
-        batch = rl_batch(
-            fields["ids"],
-            fields["loss_mask"],
-            fields["rollout_log_probs"],
-            fields["rollout_token_versions"],
-            torch.tensor(prompt_lens, dtype=torch.long),
-            torch.tensor(truncated, dtype=torch.long),
-            self.temperature,
-            routing or None,
-        )
         texts = []
         if self.rank0:
             texts = [
                 {"prompt": m.text, "response": t.text[len(m.text) :] if t.text.startswith(m.text) else t.text, "reward": float(r)}
                 for m, t, r in zip(metas, trajs, scores.tolist(), strict=True)
             ]
-        return ScoredBatch(batch, scores, torch.tensor(traj_of_row, dtype=torch.long), torch.cat(fields["turns"]), metrics, texts)
+        return scored_batch(rows, scores, self.temperature, texts)
 
     # ------------------------------------------------------------------ rank 0's parts
     def _start(self, metas: Sequence) -> tuple[list[Trajectory], list]:
@@ -335,53 +357,42 @@ class AgentLoop:
     def _plan(self, trajs: list[Trajectory], max_new_tokens: int) -> dict[int, list[tuple[int, list[int]]]]:
         plan: dict[int, list[tuple[int, list[int]]]] = {}
         for i, t in enumerate(trajs):
-            if t.done:
-                continue
-            amount = min(max_new_tokens, t.room())
-            if amount < 1:
-                t.truncated, t.done = True, True
-                continue
-            plan.setdefault(amount, []).append((i, list(t.current.ids)))
+            amount = t.next_turn_tokens(max_new_tokens)
+            if amount is not None:
+                plan.setdefault(amount, []).append((i, list(t.current.ids)))
         return plan
 
-    def _respond(self, trajs, envs, metas, plan, turn: int) -> bool:
-        rows = [i for _, group in plan.items() for i, _ in group]
-        calls = {i: parse_tool_calls(trajs[i].last_text, self.fmt) if self.fmt else [] for i in rows}
-        results = self._run_tools(trajs, rows, calls)
-        for i in rows:
-            t, m = trajs[i], metas[i]
-            text, cut = t.last_text, t.last_finish == "length"
-            done_by_turns = turn + 1 >= self.cfg.max_turns
-            step = Turn(turn, text, calls[i], cut, results.get(i, ()))
-            result = self._fence(lambda env=envs[i], step=step: env.step(step), m.source, f"turn {turn}")
-            result = _check_result(result, self.cfg.function, m.source)
-            t.rewards.append(float(as_reward(result.reward)))
-            t.calls += len(calls[i])
-            t.errors += int(result.tool_errors) + sum(r.error for r in results.get(i, ()))
-            t.cut_observations += any(r.truncated for r in results.get(i, ()))
-            if result.done or done_by_turns or t.truncated:
-                t.done = True
-                continue
-            observation = message_list(result.observation, self.cfg.observation_role, m.source, str(self.cfg.function))
-            if observation is None:
-                raise ValueError(
-                    f"env.function = {self.cfg.function!r} (row {m.source}), turn {turn}: no observation but not done; fix: "
-                    "return an observation, or done=True"
-                )
+    def _respond_one(self, trajs, envs, metas, i: int, turn: int) -> None:
+        """Trajectory ``i``'s answer to its assistant turn ``turn``: its tool calls run (when the
+        loop runs its environment's tools), its environment's ``step``, the observation kept."""
+        t, m = trajs[i], metas[i]
+        calls = parse_tool_calls(t.last_text, self.fmt) if self.fmt else []
+        results = self._run_tools(t, calls)
+        step = Turn(turn, t.last_text, calls, t.last_finish == "length", results)
+        result = self._fence(lambda env=envs[i], step=step: env.step(step), m.source, f"turn {turn}")
+        result = _check_result(result, self.cfg.function, m.source)
+        t.rewards.append(float(as_reward(result.reward)))
+        t.calls += len(calls)
+        t.errors += int(result.tool_errors) + sum(r.error for r in results)
+        t.cut_observations += any(r.truncated for r in results)
+        if result.done or turn + 1 >= self.cfg.max_turns or t.truncated:
+            t.done = True
+            return
+        observation = message_list(result.observation, self.cfg.observation_role, m.source, str(self.cfg.function))
+        if observation is None:
+            raise ValueError(
+                f"env.function = {self.cfg.function!r} (row {m.source}), turn {turn}: no observation but not done; fix: "
+                "return an observation, or done=True"
+            )
+        with self._lock:
             if not self._observe(t, observation, m.source, turn):
                 t.done = True
-        return all(t.done for t in trajs)
 
-    def _run_tools(self, trajs, rows: list[int], calls: dict[int, list[ToolCall]]) -> dict[int, list]:
-        """Every tool call of this turn (the trajectories whose tools the loop runs), at once."""
-        jobs = [(i, c) for i in rows if trajs[i].tools is not None for c in calls[i]]
-        if not jobs:
-            return {}
-        done = self.runner.run([(c, trajs[i].tools) for i, c in jobs], [self.max_observation_chars] * len(jobs))
-        out: dict[int, list] = {}
-        for (i, _), r in zip(jobs, done, strict=True):
-            out.setdefault(i, []).append(r)
-        return out
+    def _run_tools(self, t: Trajectory, calls: list[ToolCall]) -> list:
+        """A turn's tool calls, run at once (the loop runs the environment's tools), or none."""
+        if t.tools is None or not calls:
+            return []
+        return self.runner.run([(c, t.tools) for c in calls], [self.max_observation_chars] * len(calls))
 
     def _observe(self, t: Trajectory, observation: list[dict], source: str, turn: int) -> bool:
         """Append an observation to ``t`` (bounded by ``env.max_observation_chars`` before the
@@ -433,32 +444,7 @@ class AgentLoop:
             ) from exc
 
     def _rows(self, trajs: list[Trajectory]):
-        segments = {k: [] for k in _DTYPES}
-        traj_of_row, prompt_lens, truncated, routing = [], [], [], []
-        for i, t in enumerate(trajs):
-            for s in t.segments():
-                routed = s.routed_experts()
-                if routed is not None:
-                    routing.append(routed)
-                columns = {"ids": s.ids, "loss_mask": s.mask, "rollout_log_probs": s.log_probs, "rollout_token_versions": s.versions}
-                for k, v in {**columns, "turns": s.turns}.items():
-                    segments[k].append(list(v))
-                traj_of_row.append(i)
-                prompt_lens.append(s.prompt_len)
-                truncated.append(int(t.truncated))
-        turns = [t.turns for t in trajs]
-        metrics = {
-            "env/turns_mean": statistics.mean(turns),
-            "env/turns_max": float(max(turns)),
-            "env/tool_calls_mean": statistics.mean(t.calls for t in trajs),
-            "env/tool_errors_sum": float(sum(t.errors for t in trajs)),
-            "env/observations_truncated": float(sum(t.cut_observations for t in trajs)),
-            "env/truncated_frac": statistics.mean(float(t.truncated) for t in trajs),
-            "env/split_frac": statistics.mean(float(t.splits > 0) for t in trajs),
-        }
-        if routing and len(routing) != len(traj_of_row):
-            raise RuntimeError("the rollout recorded MoE routing for some trajectories' samples and not others")
-        return segments, traj_of_row, prompt_lens, truncated, metrics, routing
+        return trajectory_rows(trajs)
 
     def _scores(self, trajs, envs, metas, count: int) -> torch.Tensor:
         env_scores = torch.zeros(count, dtype=torch.float64)
@@ -517,6 +503,57 @@ def _check_result(result: object, name: object, source: str) -> StepResult:
             "observations the environment put in this turn's observation (0 when none)"
         )
     return result
+
+
+def scored_batch(rows, scores: torch.Tensor, temperature: float, texts: list, groups: torch.Tensor | None = None) -> ScoredBatch:
+    """The ``ScoredBatch`` of :func:`trajectory_rows`' ``rows`` and each trajectory's score
+    (``groups``: each trajectory's GRPO group, when not ``index // n_samples``)."""
+    segments, traj_of_row, prompt_lens, truncated, metrics, routing = rows
+    fields = {k: [torch.tensor(v, dtype=d) for v in segments[k]] for k, d in _DTYPES.items()}
+    batch = rl_batch(
+        fields["ids"],
+        fields["loss_mask"],
+        fields["rollout_log_probs"],
+        fields["rollout_token_versions"],
+        torch.tensor(prompt_lens, dtype=torch.long),
+        torch.tensor(truncated, dtype=torch.long),
+        temperature,
+        routing or None,
+    )
+    traj = torch.tensor(traj_of_row, dtype=torch.long)
+    return ScoredBatch(batch, scores, traj, torch.cat(fields["turns"]), metrics, texts, groups=groups)
+
+
+def trajectory_rows(trajs: list[Trajectory]):
+    """The training rows of ``trajs`` (every segment holding a sampled token: ids, loss mask,
+    sampling log-probs, versions, turn of each token), the trajectory, prompt length and
+    truncation of each row, the ``env/*`` metrics and the recorded routing (empty when none)."""
+    segments = {k: [] for k in _DTYPES}
+    traj_of_row, prompt_lens, truncated, routing = [], [], [], []
+    for i, t in enumerate(trajs):
+        for s in t.segments():
+            routed = s.routed_experts()
+            if routed is not None:
+                routing.append(routed)
+            columns = {"ids": s.ids, "loss_mask": s.mask, "rollout_log_probs": s.log_probs, "rollout_token_versions": s.versions}
+            for k, v in {**columns, "turns": s.turns}.items():
+                segments[k].append(list(v))
+            traj_of_row.append(i)
+            prompt_lens.append(s.prompt_len)
+            truncated.append(int(t.truncated))
+    turns = [t.turns for t in trajs]
+    metrics = {
+        "env/turns_mean": statistics.mean(turns),
+        "env/turns_max": float(max(turns)),
+        "env/tool_calls_mean": statistics.mean(t.calls for t in trajs),
+        "env/tool_errors_sum": float(sum(t.errors for t in trajs)),
+        "env/observations_truncated": float(sum(t.cut_observations for t in trajs)),
+        "env/truncated_frac": statistics.mean(float(t.truncated) for t in trajs),
+        "env/split_frac": statistics.mean(float(t.splits > 0) for t in trajs),
+    }
+    if routing and len(routing) != len(traj_of_row):
+        raise RuntimeError("the rollout recorded MoE routing for some trajectories' samples and not others")
+    return segments, traj_of_row, prompt_lens, truncated, metrics, routing
 
 
 def _digest(t: Trajectory, version: int = DIGEST_VERSION) -> str:

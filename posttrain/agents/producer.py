@@ -89,12 +89,21 @@ class AgentProducer:
         """Stop the loop's tool worker processes."""
         self.loop.close()
 
+    def ledger(self, work: AgentRun) -> dict[str, Any]:
+        return {}
 
-def build_producer(env, reward, data, rollout, source) -> Producer:
-    """The producer of an RL run's batches from its sections: multi-turn trajectories when
-    ``env.function`` is set (the environment and tools loaded and checked now: a bad one fails
-    before any engine), else single-turn sampling; both score their batches with ``source``
-    (``posttrain.tasks``) and ``reward.function``."""
+
+def build_producer(source, *, env, agent, reward, rollout, data, n_samples: int, log_dir: str | None) -> Producer:
+    """The producer of an RL run's batches from its sections: an external agent's sessions
+    behind the gateway when ``agent.function`` is set (``posttrain.gateway``: the server starts
+    now, on rank 0), multi-turn trajectories when ``env.function`` is (the environment and tools
+    loaded and checked now: a bad one fails before any engine), else single-turn sampling; each
+    scores its batches with ``source`` (``posttrain.tasks``) and ``reward.function``.
+    ``log_dir``: where the agents' output goes."""
+    if agent.enabled:
+        from posttrain.gateway.producer import GatewayProducer
+
+        return GatewayProducer(agent, env, reward, rollout, data, source, log_dir, n_samples)
     if not env.enabled:
         return SingleTurn(source, rollout.max_new_tokens, rollout.temperature)
     scorer = None
@@ -102,3 +111,18 @@ def build_producer(env, reward, data, rollout, source) -> Producer:
         scorer = (source.reward_fn, reward.function, reward.batched, reward.timeout_s)
     loop = AgentLoop(env, source.tokenizer, data.chat_template_kwargs, source.stop_ids, rollout.temperature, scorer)
     return AgentProducer(loop, rollout.max_new_tokens)
+
+
+def producer_sections(cfg) -> dict:
+    """The sections of an RL config :func:`build_producer` reads (``recipes.ppo.PPOConfig``)."""
+    import os
+
+    return {
+        "env": cfg.env,
+        "agent": cfg.agent,
+        "reward": cfg.reward,
+        "rollout": cfg.rollout,
+        "data": cfg.data,
+        "n_samples": cfg.algo.n_samples,
+        "log_dir": os.path.join(cfg.trainer.output_dir, "agent_logs"),
+    }

@@ -24,13 +24,7 @@ A result longer than the observation bound is cut there (``ToolResult.truncated`
 
 from __future__ import annotations
 
-import json
-import os
 import queue
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -39,6 +33,7 @@ from dataclasses import dataclass
 
 from posttrain.agents.tool_worker import content_of
 from posttrain.agents.tools import ToolCall, ToolResult, call_problem
+from posttrain.workers import Exited, Timeout, WorkerPool
 
 ISOLATION = ("process", "thread")
 
@@ -74,10 +69,11 @@ class ToolRunner:
     ) -> None:
         self.timeout_s, self.concurrency, self.turn_timeout_s = timeout_s, concurrency, turn_timeout_s
         self.isolation, self.max_abandoned = isolation, max_abandoned
-        self._pool = _WorkerPool() if isolation == "process" else None
+        self._pool = WorkerPool("posttrain.agents.tool_worker", name="tool") if isolation == "process" else None
         self._abandoned: list[tuple[threading.Thread, str]] = []
+        self._abandoned_lock = threading.Lock()  # trajectories' threads run calls at the same time
         # Workers stop with the runner, or at interpreter exit at the latest.
-        self._finalizer = weakref.finalize(self, _WorkerPool.close, self._pool) if self._pool is not None else None
+        self._finalizer = weakref.finalize(self, WorkerPool.close, self._pool) if self._pool is not None else None
 
     def run(self, jobs: Sequence[tuple[ToolCall, Mapping[str, Tool]]], max_chars: Sequence[int]) -> list[ToolResult]:
         """The results of ``jobs`` (each a call and the registry it may use), in order, every
@@ -142,8 +138,17 @@ class ToolRunner:
             limit = left if limit is None else min(limit, left)
         why = "" if limit == self.timeout_s else " (the turn's deadline for tool calls)"
         if self._pool is not None and tool.spec is not None:
-            return self._pool.call(tool, call, limit, max_chars, why)
+            return self._in_process(tool, call, limit, max_chars, why)
         return self._in_thread(tool, call, limit, max_chars, why)
+
+    def _in_process(self, tool: Tool, call: ToolCall, limit: float | None, max_chars: int, why: str) -> ToolResult:
+        request = {"spec": tool.spec, "name": call.name, "args": dict(call.arguments), "max_chars": max_chars}
+        out = self._pool.call(request, limit)
+        if isinstance(out, Timeout):
+            return ToolResult(call.name, f"Error: tool {call.name!r} did not return within {limit:g} s{why}; it was stopped.", True)
+        if isinstance(out, Exited):
+            return ToolResult(call.name, f"Error: tool {call.name!r} ended its process (exit code {out.code}).", True)
+        return ToolResult(call.name, _clean(out["content"]), not out["ok"], bool(out.get("truncated")))
 
     def _in_thread(self, tool: Tool, call: ToolCall, limit: float | None, max_chars: int, why: str) -> ToolResult:
         box: dict[str, object] = {}
@@ -158,7 +163,8 @@ class ToolRunner:
         thread.start()
         thread.join(limit)
         if thread.is_alive():
-            self._abandoned.append((thread, call.name))
+            with self._abandoned_lock:
+                self._abandoned.append((thread, call.name))
             return ToolResult(call.name, f"Error: tool {call.name!r} did not return within {limit:g} s{why}.", True)
         if "error" in box:
             return ToolResult(call.name, f"Error: tool {call.name!r} raised {_describe(box['error'])}", True)
@@ -166,11 +172,13 @@ class ToolRunner:
         return ToolResult(call.name, _clean(text), False, cut)
 
     def _check_abandoned(self) -> None:
-        self._abandoned = [(t, name) for t, name in self._abandoned if t.is_alive()]
-        if len(self._abandoned) > self.max_abandoned:
-            names = sorted({name for _, name in self._abandoned})
+        with self._abandoned_lock:
+            self._abandoned = [(t, name) for t, name in self._abandoned if t.is_alive()]
+            alive = list(self._abandoned)
+        if len(alive) > self.max_abandoned:
+            names = sorted({name for _, name in alive})
             raise RuntimeError(
-                f"env.tools: {len(self._abandoned)} tool calls that ran past their time are still running in the trainer's threads "
+                f"env.tools: {len(alive)} tool calls that ran past their time are still running in the trainer's threads "
                 f"(tools {', '.join(map(repr, names))}), above env.max_abandoned_tools = {self.max_abandoned}: they hold its cores "
                 "and can hold Python itself; fix: make the tools return in time, name them by import path in env.tools with "
                 "env.tool_isolation=process (a call past its time is then stopped), or raise env.max_abandoned_tools"
@@ -198,136 +206,3 @@ def _clean(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "replace").decode("utf-8")
-
-
-# ---------------------------------------------------------------------------------- worker processes
-class _Worker:
-    """One ``tool_worker`` process and its pipes."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the tool's own children too
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.kill()
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-
-
-class _WorkerPool:
-    """Idle workers, handed out one per call; a worker that timed out or died is replaced.
-    Workers are started by one long-lived thread, so ``PR_SET_PDEATHSIG`` (which follows the
-    starting thread) fires when the trainer process ends, not when a round's thread does."""
-
-    def __init__(self) -> None:
-        self._idle: list[_Worker] = []
-        self._all: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._requests: queue.Queue = queue.Queue()
-        self._closed = False
-        self._spawner: threading.Thread | None = None
-
-    def call(self, tool: Tool, call: ToolCall, limit: float | None, max_chars: int, why: str) -> ToolResult:
-        worker = self._take()
-        request = json.dumps({"spec": tool.spec, "name": call.name, "args": dict(call.arguments), "max_chars": max_chars})
-        try:
-            worker.proc.stdin.write((request + "\n").encode())
-            worker.proc.stdin.flush()
-            ready = select.select([worker.proc.stdout], [], [], limit)[0] if limit is not None else [worker.proc.stdout]
-            line = worker.proc.stdout.readline() if ready else None
-        except (BrokenPipeError, OSError, ValueError):
-            line = b""
-        if line is None:  # past its time: stopped, and replaced by a fresh worker on the next call
-            self._drop(worker)
-            return ToolResult(call.name, f"Error: tool {call.name!r} did not return within {limit:g} s{why}; it was stopped.", True)
-        if not line:
-            code = worker.proc.poll()
-            self._drop(worker)
-            return ToolResult(call.name, f"Error: tool {call.name!r} ended its process (exit code {code}).", True)
-        self._give_back(worker)
-        out = json.loads(line)
-        return ToolResult(call.name, _clean(out["content"]), not out["ok"], bool(out.get("truncated")))
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            workers, self._all, self._idle = self._all, [], []
-        for w in workers:
-            w.kill()
-        if self._spawner is not None:
-            self._requests.put(None)
-
-    # ------------------------------------------------------------------ internals
-    def _take(self) -> _Worker:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the tool runner is closed")
-            while self._idle:
-                w = self._idle.pop()
-                if w.alive():
-                    return w
-                self._all.remove(w)
-            if self._spawner is None:
-                self._spawner = threading.Thread(target=self._spawn_loop, name="enginekit-tool-spawner", daemon=True)
-                self._spawner.start()
-        box: queue.Queue = queue.Queue()
-        self._requests.put(box)
-        worker = box.get()
-        if isinstance(worker, BaseException):
-            raise worker
-        with self._lock:
-            self._all.append(worker)
-            if self._closed:
-                worker.kill()
-                raise RuntimeError("the tool runner is closed")
-        return worker
-
-    def _give_back(self, worker: _Worker) -> None:
-        with self._lock:
-            if self._closed:
-                worker.kill()
-            else:
-                self._idle.append(worker)
-
-    def _drop(self, worker: _Worker) -> None:
-        worker.kill()
-        with self._lock:
-            if worker in self._all:
-                self._all.remove(worker)
-
-    def _spawn_loop(self) -> None:
-        while True:
-            box = self._requests.get()
-            if box is None:
-                return
-            try:
-                box.put(_Worker(_start_worker()))
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-                box.put(exc)
-
-
-def _start_worker() -> subprocess.Popen:
-    """A new worker process that imports what this process imports (its ``sys.path``)."""
-    env = dict(os.environ)
-    paths = [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
-    return subprocess.Popen(
-        [sys.executable, "-m", "posttrain.agents.tool_worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # its own process group: a timeout kills the tool's children too
-    )

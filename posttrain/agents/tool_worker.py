@@ -12,29 +12,14 @@ has none. It exits when its stdin closes, and (Linux) when the thread that start
 (``PR_SET_PDEATHSIG``), so a killed trainer leaves no tool running. SIGINT is ignored: a Ctrl-C
 in the terminal is the trainer's to handle, which then stops its workers.
 
-Imports only the standard library and ``posttrain.fencing`` (no torch), so it starts in tens of
+Imports only the standard library, ``posttrain.fencing`` and ``posttrain.workers`` (its loop,
+``serve``; no torch), so it starts in tens of
 milliseconds; a tool's own imports are paid once per worker.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent goes (best effort elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def content_of(value: object, max_chars: int) -> tuple[str, bool]:
@@ -77,18 +62,9 @@ def answer(request: dict, cache: dict) -> dict:
 
 
 def main() -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="surrogatepass")
-    os.dup2(2, 1)  # the tool's prints go to stderr
-    sys.stdout = sys.stderr
-    cache: dict = {}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        out = answer(json.loads(line), cache)
-        protocol.write(json.dumps(out) + "\n")
-        protocol.flush()
+    from posttrain.workers import serve
+
+    serve(answer)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,18 @@ class Trajectory:
         """Tokens the next assistant turn may add within the budget."""
         return self.budget - len(self.current.ids)
 
+    def next_turn_tokens(self, max_new_tokens: int) -> int | None:
+        """How many tokens the next assistant turn may sample (``max_new_tokens`` within the
+        budget); None when the trajectory cannot go on (ended, or out of budget: then flagged
+        truncated and ended)."""
+        if self.done:
+            return None
+        amount = min(max_new_tokens, self.room())
+        if amount < 1:
+            self.truncated, self.done = True, True
+            return None
+        return amount
+
     def add_turn(self, sample: Sample) -> str:
         """Keep one sampled assistant turn; returns its text: the decoded tokens, an ending stop
         token left out (``last_text``; ``last_answer``: special tokens left out, what
@@ -181,7 +193,19 @@ class Trajectory:
         Raises:
             HistoryMismatch: the template rewrote the kept history and the mode is ``error``.
         """
-        self.messages.extend(messages)
+        return self.continue_with([*self.messages, *messages])
+
+    def continue_with(self, messages: list[dict]) -> bool:
+        """The conversation is now ``messages`` (the kept one, its assistant turns as the raw
+        text of their sampled tokens, and what came after them: an observation, or what an
+        agent sent): its rendering with the next generation prompt must extend the kept text,
+        and the rest is appended (module docstring); returns whether the trajectory can go on
+        (False: the budget ends it, flagged truncated, nothing appended).
+
+        Raises:
+            HistoryMismatch: the template rewrote the kept history and the mode is ``error``.
+        """
+        self.messages = [dict(m) for m in messages]
         rendered = self.render(self.messages)
         if rendered.startswith(self.text):
             suffix = rendered[len(self.text) :]

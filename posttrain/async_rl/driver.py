@@ -357,7 +357,7 @@ class Pipeline:
         if not self.rank0 or not self.k:
             return
         with open(self.ledger, "a") as f:
-            f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids}) + "\n")
+            f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids, **self.producer.ledger(batch.work)}) + "\n")
 
 
 def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> str:

@@ -51,6 +51,7 @@ class ScoredBatch:
             costs more than the few rows a run logs).
         reward_s: seconds the reward took.
         describe: trajectory index -> its text row, when ``texts`` is empty.
+        groups: ``[T]`` each trajectory's GRPO group, when not ``index // n_samples``.
     """
 
     batch: Any
@@ -61,6 +62,12 @@ class ScoredBatch:
     texts: list[dict[str, Any]] = field(default_factory=list)
     reward_s: float = 0.0
     describe: Callable[[int], dict[str, Any]] | None = None
+    groups: torch.Tensor | None = None
+
+    def group_ids(self, n: int) -> torch.Tensor:
+        """``[T]`` each trajectory's GRPO group: ``groups`` when the producer says (a batch whose
+        failed sessions were left out), else consecutive groups of ``n`` (a prompt's samples)."""
+        return self.groups if self.groups is not None else torch.arange(len(self.scores)) // n
 
     def text(self, i: int) -> dict[str, Any]:
         """Trajectory ``i`` as ``{"prompt", "response", "reward"}`` (texts are made on rank 0:
@@ -196,6 +203,10 @@ class Producer(Protocol):
     def close(self) -> None:
         """Release what the producer holds (worker processes); idempotent."""
 
+    def ledger(self, work: Any) -> dict[str, Any]:
+        """What the prompt ledger records of a trained batch besides its prompt ids (e.g. which
+        sessions a resume started again); empty for most producers."""
+
 
 # ---------------------------------------------------------------------------------- single turn
 @dataclass
@@ -301,6 +312,9 @@ class SingleTurn:
 
     def close(self) -> None:
         pass
+
+    def ledger(self, work: Responses) -> dict[str, Any]:
+        return {}
 
     def _describe(self, batch, scores: torch.Tensor, i: int) -> dict[str, Any]:
         ids = batch["input_ids"]

@@ -17,14 +17,16 @@ from posttrain.data.rows import column, read_rows
 
 @dataclass(frozen=True)
 class PromptSample:
-    """One RL prompt: its token ids, the rendered text, the other columns of its row and its
-    chat messages (None: a raw-text prompt; multi-turn rollouts re-render them every turn)."""
+    """One RL prompt: its token ids, the rendered text, the other columns of its row, its chat
+    messages (None: a raw-text prompt; multi-turn rollouts re-render them every turn) and the
+    prompt column's value as the file has it (what an external agent gets, ``posttrain.gateway``)."""
 
     ids: torch.Tensor
     text: str
     columns: Mapping[str, object]
     source: str
     messages: tuple | None = None
+    prompt: object = None
 
 
 class PromptDataset:
@@ -48,9 +50,8 @@ class PromptDataset:
                 ids = ids[-cfg.max_prompt_length :]
                 text = tokenizer.decode(ids)
             columns = {k: v for k, v in row.values.items() if k != cfg.prompt_key}
-            self.samples.append(
-                PromptSample(torch.tensor(ids, dtype=torch.long), text, columns, row.source, None if messages is None else tuple(messages))
-            )
+            messages = None if messages is None else tuple(messages)
+            self.samples.append(PromptSample(torch.tensor(ids, dtype=torch.long), text, columns, row.source, messages, value))
         self.counts.kept = len(self.samples)
         if not self.samples:
             raise ValueError(f"{key}: every row was dropped ({self.counts.line(key)}); fix: raise data.max_prompt_length")

@@ -81,10 +81,12 @@ class RLHost:
         """The rollout's last sync's seconds and MB (``Rollout.last_sync``)."""
         return self.rollout.last_sync
 
-    def sample_packed(self, prompts: dict, seeds: list[int], kept: dict | None, max_new_tokens: int | None) -> dict:
+    def sample_packed(
+        self, prompts: dict, seeds: list[int], kept: dict | None, max_new_tokens: int | None, stop: list[str] | None = None
+    ) -> dict:
         """``Rollout.sample`` with prompts and samples packed (``roles.rollout.pack_samples``):
         what ``RemoteRollout.sample`` calls."""
-        out = self.rollout.sample(unpack_rows(prompts), seeds, None if kept is None else unpack_samples(kept), max_new_tokens)
+        out = self.rollout.sample(unpack_rows(prompts), seeds, None if kept is None else unpack_samples(kept), max_new_tokens, stop)
         return pack_samples(out)
 
     # ------------------------------------------------------------- the run
@@ -201,12 +203,12 @@ class RemoteRollout:
         """One response per prompt, sampled across the rollout group (see ``Rollout.generate``)."""
         return self._cluster.call(self._group, Rollout.generate, prompts, seed_offset=seed_offset)
 
-    def sample(self, prompts, seeds, kept=None, max_new_tokens: int | None = None):
+    def sample(self, prompts, seeds, kept=None, max_new_tokens: int | None = None, stop=None):
         """One ``Sample`` per prompt across the rollout group (see ``Rollout.sample``); prompts
         and samples travel packed in a few flat tensors (``roles.rollout.pack_samples``)."""
-        packed = self._cluster.call(
-            self._group, RLHost.sample_packed, pack_rows(prompts), list(seeds), None if kept is None else pack_samples(kept), max_new_tokens
-        )
+        kept = None if kept is None else pack_samples(kept)
+        stop = list(stop) if stop else None
+        packed = self._cluster.call(self._group, RLHost.sample_packed, pack_rows(prompts), list(seeds), kept, max_new_tokens, stop)
         return unpack_samples(packed)
 
     def release(self) -> None:

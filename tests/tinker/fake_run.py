@@ -18,6 +18,7 @@ import torch
 
 from tinker_server.contract import (
     AdamIn,
+    ChatModel,
     DatumIn,
     ForwardBackwardOut,
     LoraIn,
@@ -47,6 +48,12 @@ class FakeSampler:
         self.factory.record(
             "sample", self.source, prompt=list(prompt), num_samples=num_samples, params=params, prompt_logprobs=prompt_logprobs
         )
+        if self.factory.replies is not None:  # scripted answers (the OpenAI endpoint's tests)
+            sequences = [
+                SequenceOut(tokens=list(r), logprobs=[-0.25 * (k + 1) for k in range(len(r))], stop_reason="stop")
+                for r in self.factory.replies[:num_samples]
+            ]
+            return SampleOut(sequences=sequences)
         n = params.max_tokens or DEFAULT_MAX_TOKENS
         sequences = [
             SequenceOut(
@@ -134,6 +141,8 @@ class FakeFactory:
         self.fail_saves = False  # save_state writes part of a checkpoint, then fails (a full disk)
         self.hold: threading.Event | None = None  # set: sample() and forward_backward() wait for it (keep the worker busy)
         self.entered = threading.Event()  # set when a call starts waiting for `hold` (the worker is in the call)
+        self.replies: list[list[int]] | None = None  # set: sample() answers these token lists (one per sample)
+        self._chat: ChatModel | None = None
 
     def wait_for_hold(self) -> None:
         if self.hold is not None:
@@ -150,6 +159,17 @@ class FakeFactory:
     def served_models(self) -> list[str]:
         self.record("served_models", None)
         return [MODEL, OTHER]
+
+    def chat_model(self, base_model: str) -> ChatModel:
+        """A ChatML character tokenizer with Qwen's tool-call tags (the agents' tests' own)."""
+        self.record("chat_model", base_model)
+        if self._chat is None:
+            from posttrain.agents.tools import detect_format
+            from tests.agents.scripted import HERMES, _chat_tokenizer
+
+            tok = _chat_tokenizer(HERMES)
+            self._chat = ChatModel(tok, (tok.convert_tokens_to_ids("<|im_end|>"),), detect_format(tok.chat_template))
+        return self._chat
 
     def create_run(self, base_model: str, lora: LoraIn) -> FakeRun:
         self.record("create_run", base_model)

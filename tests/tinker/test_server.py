@@ -330,3 +330,42 @@ def test_a_checkpoint_of_other_lora_targets_is_refused_as_a_user_error(server, s
     assert all(torch.equal(got[k], before[k]) for k in before)
     client.forward_backward(datums(71), "cross_entropy").result()
     assert math.isfinite(client.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"])
+
+
+def test_the_openai_endpoint_samples_what_asample_samples(server, service, models):
+    """``/oai/api/v1`` against the native ``asample`` of the same weights: a seeded chat
+    completion (its prompt rendered here with HF's ``apply_chat_template``) and a seeded text
+    completion give the tokens and log-probs the SDK's ``SamplingClient.sample`` gives for the
+    same prompt ids, seed and stop id, for the base model and for a ``tinker://`` sampler path
+    saved after a step (whose log-probs differ from the base's: the path's weights are used);
+    the streamed answer is the same text."""
+    import openai
+    from transformers import AutoTokenizer
+
+    url = server[0]
+    tok = AutoTokenizer.from_pretrained(models / "tiny")
+    client = service.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    client.forward_backward(datums(3), "cross_entropy").result()
+    client.optim_step(types.AdamParams(**{**ADAM, "learning_rate": 0.2})).result()
+    path = client.save_weights_for_sampler("oai").result().path
+    oai = openai.OpenAI(base_url=f"{url}/oai/api/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "12+7="}]
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    stop = [tok.eos_token_id]
+    answers = {}
+    for model in ("tiny", path):
+        native = service.create_sampling_client(**({"model_path": path} if model == path else {"base_model": "tiny"})).result()
+        params = types.SamplingParams(max_tokens=8, seed=11, temperature=1.0, stop=stop)
+        want = native.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result().sequences
+        got = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=11, logprobs=True, n=2)
+        for seq, c in zip(want, got.choices, strict=True):
+            ids = seq.tokens[:-1] if seq.stop_reason == "stop" else seq.tokens
+            assert c.message.content == tok.decode(ids)
+            assert [p.logprob for p in c.logprobs.content] == pytest.approx(seq.logprobs, abs=1e-6)
+            assert c.finish_reason == ("stop" if seq.stop_reason == "stop" else "length")
+        text = oai.completions.create(model=model, prompt=prompt, max_tokens=8, seed=11, logprobs=1, n=2)
+        assert [c.logprobs.token_logprobs for c in text.choices] == [pytest.approx(s.logprobs, abs=1e-6) for s in want]
+        streamed = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=11, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == got.choices[0].message.content
+        answers[model] = [p.logprob for p in got.choices[0].logprobs.content]
+    assert answers["tiny"] != pytest.approx(answers[path], abs=1e-4)

@@ -995,3 +995,42 @@ def test_the_per_key_and_ownership_settings_are_checked_at_start(tmp_path):
     for owner in (KEY, tenants.tag_of(KEY)):
         cfg = load_server_config(base[0], [base[1], f"server.api_keys=[{KEY},{OTHER_KEY}]", f"server.ownerless_runs_owner={owner}"])
         assert tenants.owner_tag(cfg.server_settings().ownerless_runs_owner) == tenants.tag_of(KEY)
+
+
+# ---------------------------------------------------------------------------------- /oai/api/v1
+def test_openai_chat_completions_render_the_template_and_return_tool_calls(server):
+    """``/oai/api/v1`` through the plain ``openai`` SDK (a bearer key): the prompt that reaches the
+    sampler is HF's rendering of the messages and tools, with the end-of-turn stop id; a sampled
+    hermes call comes back as ``tool_calls`` (``tool_choice: none``: as text); a wrong key is a
+    401, an unknown model a 404, ``n`` past ``server.max_num_samples`` a 400."""
+    import openai
+
+    chat = server.factory.chat_model(MODEL)
+    tok, end = chat.tokenizer, chat.stop_token_ids[0]
+    text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "system", "content": "use tools"}, {"role": "user", "content": "2+3?"}]
+    server.factory.replies = [tok(text, add_special_tokens=False)["input_ids"] + [end]]
+    client = openai.OpenAI(base_url=f"{server.url}/oai/api/v1", api_key=KEY, max_retries=0)
+    try:
+        got = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, logprobs=True, seed=5)
+        (picked,) = got.choices
+        assert picked.finish_reason == "tool_calls" and picked.message.content is None
+        (call,) = picked.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+        sent = [d for name, _, d, _ in server.factory.log if name == "sample"][-1]
+        want = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        assert sent["prompt"] == tok(want, add_special_tokens=False)["input_ids"]
+        assert sent["params"].stop_token_ids == (end,) and sent["params"].seed == 5
+        assert [p.logprob for p in picked.logprobs.content] == [-0.25 * (k + 1) for k in range(len(server.factory.replies[0]))]
+        plain = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none")
+        assert plain.choices[0].message.content == text and not plain.choices[0].message.tool_calls
+        assert [m.id for m in client.models.list().data] == [MODEL, OTHER]
+        with pytest.raises(openai.NotFoundError, match="not served"):
+            client.chat.completions.create(model="nope", messages=messages)
+        with pytest.raises(openai.BadRequestError, match="max_num_samples|n = "):
+            client.chat.completions.create(model=MODEL, messages=messages, n=server.settings.max_num_samples + 1)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/oai/api/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        server.factory.replies = None

@@ -1,6 +1,6 @@
 """The Tinker API's routers, one per area (``service``: client setup, sessions and futures;
 ``training``: models and their calls; ``weights``: saving and loading them; ``sampling``;
-``listings``: the REST checkpoint listings), each with module-level handlers over the
+``listings``: the REST checkpoint listings; ``openai``: OpenAI-compatible sampling), each with module-level handlers over the
 :class:`~tinker_server.registry.Registry`, which they reach as the dependency :data:`Server`.
 ``tinker_server.app`` includes them."""
 

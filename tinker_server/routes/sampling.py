@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from tinker_server import proto, tenants, wire
+from tinker_server import proto, wire
 from tinker_server.contract import UserError
 from tinker_server.futures import Outcome
 from tinker_server.guard import read_json
@@ -58,14 +58,10 @@ async def asample(request: Request, server: Server):
         raise UserError(f"prompt_logprobs_last_n: {last_n} needs prompt_logprobs and 1 <= n <= {len(prompt) - 1} (the prompt's length - 1)")
     if req.sampling_session_id is not None:
         entry = server.sampler_entry(req.sampling_session_id)
-    else:
-        # Sampling without a session: one shared sampler per base model or path.
-        key = f"direct:{tenants.current()}:{req.model_path or req.base_model}"
-        entry = server.samplers.get(key) or server.register_sampler(
-            await server.new_sampler_session(None, key, req.base_model, req.model_path)
-        )
-    if entry.gone:
-        raise UserError(f"sampling_session_id: {entry.id} can no longer sample: {entry.gone}")
+        if entry.gone:
+            raise UserError(f"sampling_session_id: {entry.id} can no longer sample: {entry.gone}")
+    else:  # sampling without a session: one shared sampler per base model or path
+        entry = await server.direct_sampler(req.base_model, req.model_path)
 
     def work() -> Outcome:
         out = server.sampler_of(entry).sample(prompt, req.num_samples, params, want_lp)
