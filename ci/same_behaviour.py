@@ -1,7 +1,7 @@
 """Same numbers before and after a restructuring: run a fixed set of short runs in this tree and
 in another revision's, and compare every metric they log, bit for bit, timings left out.
 
-    python ci/same_behaviour.py --against REV [--only NAME ...] [--keep DIR] [--this-extra KEY=VALUE ...]
+    python ci/same_behaviour.py --against REV [--only NAME ...] [--keep DIR] [--this-extra KEY=VALUE ...] [--extra KEY=VALUE ...]
 
 REV's tree is checked out with ``git worktree`` into a temporary directory and its runs use it
 (``PYTHONPATH`` and the working directory: this venv's Python, that revision's code). The runs:
@@ -18,7 +18,11 @@ REV's tree is checked out with ``git worktree`` into a temporary directory and i
   ``sl_loop``s against it at once (runs sharing one engine), each loop's metrics.
 
 ``--this-extra``: overrides only this tree's recipe runs get (a key the change added, set to the
-old behaviour: e.g. ``env.schedule=lockstep``). Exit status 0 when every run's metrics are equal, 1 otherwise (each difference printed).
+old behaviour: e.g. ``env.schedule=lockstep``). ``--extra``: overrides both trees' recipe runs get:
+the ``agent`` runs of a revision with per-trajectory scheduling (issue 62) need
+``--extra env.schedule=lockstep`` to be deterministic, since under ``per_trajectory`` which calls
+share a batched forward depends on timing, and a row's rollout log-probs move in the 7th digit
+with its batch (docs/agents.md); the trained numbers do not depend on them. Exit status 0 when every run's metrics are equal, 1 otherwise (each difference printed).
 Timings (keys ending in ``_s``, ``tokens_per_s``, the asynchronous wait / idle fractions) differ
 from run to run and are left out. Needs the project's test environment (``make install``).
 """
@@ -39,6 +43,7 @@ TIMING_SUFFIXES = ("_s", "tokens_per_s")
 TIMING_KEYS = {"async/trainer_wait_frac", "async/rollout_idle_frac", "time", "seconds", "elapsed", "time_total"}
 COMMON = ["trainer.progress_bar=false", "trainer.save_hf=false", "trainer.loggers=[jsonl]"]
 THIS_EXTRA: list[str] = []  # --this-extra
+BOTH_EXTRA: list[str] = []  # --extra
 
 
 def _env(tree: Path) -> dict[str, str]:
@@ -72,6 +77,7 @@ def _recipe(tree: Path, out: Path, config: str, steps: int, *extra: str) -> list
             f"trainer.total_steps={steps}",
             *COMMON,
             *extra,
+            *BOTH_EXTRA,
             *(THIS_EXTRA if tree == HERE else []),
         ],
     )
@@ -210,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="run only these (default: all)")
     parser.add_argument("--keep", help="keep the runs' outputs in this directory")
     parser.add_argument("--this-extra", nargs="*", default=[], help="overrides for this tree's recipe runs only")
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides for both trees' recipe runs")
     args = parser.parse_args(argv)
     THIS_EXTRA[:] = args.this_extra
+    BOTH_EXTRA[:] = args.extra
     names = args.only or list(RUNS)
     root = Path(args.keep or tempfile.mkdtemp(prefix="same_behaviour_"))
     root.mkdir(parents=True, exist_ok=True)

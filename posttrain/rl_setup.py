@@ -26,12 +26,13 @@ from posttrain.data_order import save_order
 from posttrain.dist import rank
 from posttrain.placement import placement_problems
 from posttrain.trainer_utils import load_newest_valid, warn
+from roles.advantages import needs_critic
 from roles.rollout import Rollout
 
 
 def rl_roles(cfg) -> tuple[str, ...]:
     """The roles of an RL run, the actor first."""
-    return ("actor", *(("reference",) if cfg.actor.kl_coef else ()), *(("critic",) if cfg.algo.advantage == "gae" else ()), "rollout")
+    return ("actor", *(("reference",) if cfg.actor.kl_coef else ()), *(("critic",) if needs_critic(cfg.algo.advantage) else ()), "rollout")
 
 
 def rl_placement_problems(cfg) -> list[str]:

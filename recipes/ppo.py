@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
-import torch
 import torch.distributed as dist
 
 from engine_api import EngineConfig, ckpt_layout
@@ -64,14 +63,14 @@ from posttrain.text_data import DataConfig
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
-from roles.actor import ActorConfig, routing_for_update
-from roles.algos import gae_per_sequence, group_reward_stats, grpo_advantages, no_signal_warning, rollout_parity
+from roles.actor import ActorConfig, objective_warnings, routing_for_update
+from roles.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, estimate_advantages
+from roles.algos import group_reward_stats, no_signal_warning, rollout_parity
 from roles.critic import CriticConfig
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
 from roles.rollout import RolloutConfig
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
-ADVANTAGES = ("gae", "grpo")
 
 
 @dataclass(frozen=True)
@@ -79,24 +78,36 @@ class AlgoConfig:
     """The RL algorithm.
 
     Attributes:
-        advantage: ``gae`` (PPO with a critic) or ``grpo`` (no critic).
-        n_samples: responses per prompt (the GRPO group size).
-        gamma, lam: GAE discount and lambda (the reward comes at the last response token).
+        advantage: the advantage estimator, a name of
+            ``roles.advantages.ADVANTAGE_ESTIMATORS``: ``gae`` (PPO with a critic), ``grpo``,
+            ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` (no critic).
+        n_samples: responses per prompt (the group of ``grpo``, ``rloo`` and
+            ``reinforce_pp_baseline``, which need >= 2).
+        norm_by_std: ``grpo`` divides by the group's std (false: Dr. GRPO's centring only).
+        gamma, lam: the discount (GAE, REINFORCE++) and GAE's lambda (the reward comes at the
+            last response token).
         critic_lr: learning rate of the critic engine (it shares the other engine keys).
     """
 
     advantage: str = "gae"
     n_samples: int = 4
+    norm_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
     critic_lr: float = 3e-3
 
     def _problems(self) -> list[str]:
         out = []
-        if self.advantage not in ADVANTAGES:
-            out.append(f"advantage = {self.advantage!r}: unknown; fix: use one of {', '.join(ADVANTAGES)}")
-        if self.n_samples < 1 or (self.advantage == "grpo" and self.n_samples < 2):
-            out.append(f"n_samples = {self.n_samples}: GRPO needs groups of >= 2 (others >= 1); fix: e.g. 8")
+        estimator = ADVANTAGE_ESTIMATORS.get(self.advantage)
+        if estimator is None:
+            out.append(f"advantage = {self.advantage!r}: unknown; fix: use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.n_samples < 1 or (estimator is not None and estimator.groups and self.n_samples < 2):
+            out.append(
+                f"n_samples = {self.n_samples}: {self.advantage} needs groups of >= 2 (others >= 1); fix: e.g. 8, or algo.advantage "
+                "gae / reinforce_pp"
+            )
+        if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
+            out.append(f"gamma = {self.gamma}, lam = {self.lam}: fix: 0 < gamma <= 1 and 0 <= lam <= 1")
         return out
 
 
@@ -221,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     lora = cfg.engine.model.lora.enabled
     own_model = cfg.engine.model.path is not None and not is_built_model(cfg.engine.model.path)  # a built model is not pretrained
     warn(demo_setting_warnings("rl", own_model, cfg.engine.optim.lr, lora, cfg.actor.entropy_coef), rank() == 0)
+    warn(objective_warnings(cfg.actor, cfg.engine.loss_agg_mode), rank() == 0)
     cfg = fit_rollout_to_machine(cfg, rank() == 0)
     try:
         try:
@@ -285,7 +297,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
                 train = functools.partial(train_on_batch, cfg, step, actor=actor, critic=critic, reference=reference, rollout=rollout)
                 m = pipeline.step(step, functools.partial(train, samples=samples))
-                if critic is None and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
+                if ADVANTAGE_ESTIMATORS[cfg.algo.advantage].groups and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
                     no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
                     warn([no_signal_warning(step + 1, cfg.algo.n_samples, cfg.actor.entropy_coef, cfg.actor.kl_coef)], rank0)
                 if samples:
@@ -354,7 +366,7 @@ def train_on_batch(
     samples: int = 0,
 ) -> dict[str, Any]:
     """The training half of a step: prepare the producer's scored batch (old, reference and
-    value log-probs; GRPO or GAE advantages over its trajectories) and update, return the
+    value log-probs; the ``algo.advantage`` estimator's advantages over its trajectories) and update, return the
     step's metrics; ``timings`` holds the sampling's seconds (``rollout_s``) and gets the rest.
     GRPO groups are over trajectories (``n_samples`` of one prompt); a trajectory split into
     several rows gives each of them its advantage (PPO: its reward at each row's last sampled
@@ -377,11 +389,11 @@ def train_on_batch(
     if reference is not None:
         attach(batch, ref_log_probs=reference.compute_log_probs(batch)["log_probs"].values())
     mask = batch["loss_mask"].values()
-    if critic is None:
-        adv = torch.repeat_interleave(grpo_advantages(scores, scored.group_ids(n))[row_traj], lengths) * mask
-    else:
-        values = critic.compute_values(batch)["values"].values() * mask
-        adv, returns = gae_per_sequence(scores[row_traj], values, mask, batch["input_ids"].offsets(), cfg.algo.gamma, cfg.algo.lam)
+    values = None if critic is None else critic.compute_values(batch)["values"].values() * mask
+    inputs = AdvantageInputs(scores, scored.group_ids(n), row_traj, mask, batch["input_ids"].offsets(), values)
+    settings = {"gamma": cfg.algo.gamma, "lam": cfg.algo.lam, "norm_by_std": cfg.algo.norm_by_std}
+    adv, returns = estimate_advantages(cfg.algo.advantage, inputs, settings)
+    if critic is not None:
         attach(batch, values=values, returns=returns)
     attach(batch, advantages=adv)
     timings["prepare_s"] = time.perf_counter() - t0

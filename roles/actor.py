@@ -1,4 +1,5 @@
-"""``Actor``: policy log-probs and the PPO/GRPO policy update, on ``BaseEngine`` calls only.
+"""``Actor``: policy log-probs and the policy update (PPO-clip, GSPO, CISPO, ...: the objectives of
+``roles.objectives``), on ``BaseEngine`` calls only.
 
 Batches passed to the role are *global* (every rank holds the same one, as in a colocated
 recipe); the role shards them with ``engine.shard_data`` and gathers outputs with
@@ -9,6 +10,7 @@ recipe); the role shards them with ``engine.shard_data`` and gathers outputs wit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -16,8 +18,9 @@ from tensordict import TensorDict
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
 from engine_api.moe import ROLLOUT_ROUTING_FIELD, ROUTING_FIELD, routing_disagreement
-from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, ppo_policy_loss, rollout_correction
+from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, rollout_correction
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
+from roles.objectives import POLICY_OBJECTIVES, PolicyTerms, objective_settings, policy_terms
 
 ROUTER_REPLAY = ("off", "r2", "r3")
 # Batch metadata: the policy loss takes the old-policy log-probs from its own forward (detached).
@@ -26,11 +29,19 @@ OLD_FROM_FORWARD = "old_log_probs_from_forward"
 
 @dataclass(frozen=True)
 class ActorConfig:
-    """PPO policy update.
+    """The policy update.
 
     Attributes:
-        clip_low, clip_high: ratio clip range ``[1 - clip_low, 1 + clip_high]``.
-        dual_clip: dual-clip constant c > 1 for negative advantages (None: off).
+        policy_loss: the policy objective, a name of ``roles.objectives.POLICY_OBJECTIVES``:
+            ``ppo`` (PPO-clip, default), ``gspo`` (the sequence-level ratio), ``cispo`` (the
+            clipped importance weight as a constant), ``importance_sampling``, ``dro``.
+        clip_low, clip_high: the clip margins of the PPO family (``ppo``, ``gspo``, ``cispo``):
+            the ratio (GSPO: the sequence ratio; CISPO: the weight) is clipped to
+            ``[1 - clip_low, 1 + clip_high]`` (verl's ``clip_ratio_low`` / ``clip_ratio_high``;
+            DAPO's clip-higher is ``clip_high > clip_low``; ``clip_low >= 1``: no lower clip).
+        dual_clip: dual-clip constant c > 1 for negative advantages (``ppo`` only; None: off).
+        policy_loss_config: the objective's other settings by their registry names (``dro``:
+            ``beta``); the clip bounds are never given here (``clip_low`` / ``clip_high``).
         kl_coef: weight of the KL(pi || pi_ref) penalty in the loss (0: off; then
             ``ref_log_probs`` is not needed).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (see ``roles.algos.kl_estimate``).
@@ -53,9 +64,11 @@ class ActorConfig:
             same either way (tested bit for bit).
     """
 
+    policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
+    policy_loss_config: dict[str, Any] = field(default_factory=dict)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -77,17 +90,61 @@ class ActorConfig:
             out.append(f"router_replay = {self.router_replay!r}: unknown; fix: use one of {', '.join(ROUTER_REPLAY)}")
         if self.kl_estimator not in KL_ESTIMATORS:
             out.append(f"kl_estimator = {self.kl_estimator!r}: unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            out.append(f"dual_clip = {self.dual_clip}: must be > 1; fix: e.g. 3.0, or null")
+        if self.policy_loss not in POLICY_OBJECTIVES:
+            out.append(f"policy_loss = {self.policy_loss!r}: unknown; fix: use one of {', '.join(POLICY_OBJECTIVES)}")
+        else:
+            try:
+                self.objective_settings()
+            except ValueError as e:
+                out.append(str(e).removeprefix("actor: "))
         if self.ppo_epochs < 1:
             out.append(f"ppo_epochs = {self.ppo_epochs}: must be >= 1; fix: use 1 or more")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             out.append(f"mini_batch_size = {self.mini_batch_size}: must be positive; fix: use a positive size or null")
         return out
 
+    def objective_settings(self) -> dict[str, Any]:
+        """The settings :func:`roles.objectives.policy_terms` gets: the registry's defaults, the
+        clip margins as ratio bounds, ``dual_clip`` and ``policy_loss_config``.
+
+        Raises:
+            ValueError: a setting the objective does not have (a ``dual_clip`` outside ``ppo``,
+                bounds in ``policy_loss_config``) or a value the registry refuses."""
+        defaults = POLICY_OBJECTIVES[self.policy_loss].settings
+        for key in ("lo", "hi"):
+            if key in self.policy_loss_config:
+                raise ValueError(
+                    f"actor: policy_loss_config.{key} is not set here; fix: actor.clip_low / actor.clip_high (margins: the "
+                    "ratio in [1 - clip_low, 1 + clip_high])"
+                )
+        given: dict[str, Any] = dict(self.policy_loss_config)
+        if "lo" in defaults:
+            given.update(lo=1.0 - self.clip_low, hi=1.0 + self.clip_high)
+        if self.dual_clip is not None:
+            if "dual_clip" not in defaults:
+                raise ValueError(
+                    f"actor: dual_clip = {self.dual_clip:g} applies to policy_loss ppo only (not {self.policy_loss}); fix: "
+                    "actor.dual_clip=null"
+                )
+            given["dual_clip"] = self.dual_clip
+        names = {"lo": "1 - clip_low", "hi": "1 + clip_high"}
+        return objective_settings(self.policy_loss, given, "actor", names)
+
+
+def objective_warnings(c: ActorConfig, loss_agg_mode: str) -> list[str]:
+    """What a run with this objective should hear once: GSPO under a token-weighted aggregation
+    (the paper averages per sequence, verl forces it; here the mode is the user's)."""
+    if c.policy_loss == "gspo" and loss_agg_mode != "seq-mean-token-mean":
+        return [
+            f"actor.policy_loss = gspo with engine.loss_agg_mode = {loss_agg_mode}: GSPO as published averages each sequence's "
+            "terms, then the sequences (seq-mean-token-mean; verl always uses it for GSPO); this run weights sequences by their "
+            "token counts instead; for the paper's objective set engine.loss_agg_mode=seq-mean-token-mean"
+        ]
+    return []
+
 
 class Actor(TrainableRole):
-    """The policy: an engine plus the PPO loss. Owns no backend-specific code."""
+    """The policy: an engine plus the policy objective. Owns no backend-specific code."""
 
     def __init__(self, engine: BaseEngine, config: ActorConfig) -> None:
         if config.router_replay != "off" and not engine.is_moe:
@@ -258,11 +315,13 @@ def apply_rollout_correction(config: ActorConfig, batch: TensorDict) -> tuple[Te
 
 
 def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate + KL penalty - entropy bonus of one micro-batch, each aggregated
-    with ``norm`` (an ``engine_api.NormContext``); returns the loss and its metrics.
+    """The policy objective ``c.policy_loss`` (``roles.objectives``) + KL penalty - entropy bonus
+    of one micro-batch, each aggregated with ``norm`` (an ``engine_api.NormContext``); returns
+    the loss and its metrics. GSPO's sequences are the micro-batch's rows (a row is never split
+    between micro-batches), their counted tokens the loss mask.
 
     When ``mb`` holds the per-token field ``rollout_is_weights`` (TIS, set by
-    :func:`apply_rollout_correction`), the per-token PPO loss is multiplied by it (a constant:
+    :func:`apply_rollout_correction`), the per-token policy loss is multiplied by it (a constant:
     no gradient flows through it) before aggregation, so ``pg_loss`` is the weighted loss; the
     KL penalty and the entropy bonus are not reweighted."""
     mask = mb["loss_mask"]
@@ -270,7 +329,8 @@ def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> t
     # Actor.update_on_policy: this forward's own log-probs are the old policy's (ratio 1).
     from_forward = OLD_FROM_FORWARD in mb.keys() and mb.get_non_tensor(OLD_FROM_FORWARD)
     old = log_probs.detach() if from_forward else mb["old_log_probs"].values()
-    pg, clipped = ppo_policy_loss(log_probs, old, mb["advantages"].values(), c.clip_low, c.clip_high, c.dual_clip)
+    terms = PolicyTerms(log_probs, old, mb["advantages"].values(), mb["input_ids"].offsets(), mask.values())
+    pg, clipped = policy_terms(c.policy_loss, terms, c.objective_settings())
     if "rollout_is_weights" in mb.keys():
         pg = pg * mb["rollout_is_weights"].values().detach()
     total = agg_loss(pg, mask, norm)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from roles.objectives import clipped_surrogate
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -46,12 +48,15 @@ def gae_per_sequence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gae` over each sequence's sampled tokens (flat per-token ``values`` and ``mask`` of a
     jagged batch with ``offsets``), the sequence's score as the reward of its last sampled
-    token; ``(advantages, returns)`` flat, 0 off the sampled tokens."""
+    token; ``(advantages, returns)`` flat, 0 off the sampled tokens (a sequence with none gets
+    nothing)."""
     adv = torch.zeros_like(values)
     returns = torch.zeros_like(values)
     for i in range(len(scores)):
         idx = mask[offsets[i] : offsets[i + 1]].nonzero().squeeze(-1) + offsets[i]
-        rewards = torch.zeros(len(idx))
+        if idx.numel() == 0:  # an empty response: no token to reward
+            continue
+        rewards = torch.zeros(len(idx), dtype=values.dtype)
         rewards[-1] = scores[i]
         a, r = gae(rewards, values[idx], gamma, lam)
         adv[idx], returns[idx] = a, r
@@ -160,7 +165,8 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO clipped surrogate loss (to minimise) and a clipped-token indicator.
+    """Per-token PPO clipped surrogate loss (to minimise) and a clipped-token indicator, with the
+    clip as margins (``roles.objectives.clipped_surrogate`` takes the ratio bounds).
 
     ``loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` with ``r = exp(logp - old)``.
     Dual clip (``dual_clip = c > 1``): for ``A < 0`` the loss is also capped at ``-c A``, so a
@@ -170,18 +176,7 @@ def ppo_policy_loss(
         ``(loss, clipped)``: per-token loss and a 0/1 float marking tokens where a clip bound
         was active (for the clip-fraction metric).
     """
-    ratio = torch.exp(log_probs - old_log_probs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    active = (clipped > unclipped).float()
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip = {dual_clip}: must be > 1; fix: e.g. 3.0, or null to disable")
-        capped = torch.minimum(loss, -advantages * dual_clip)
-        loss = torch.where(advantages < 0, capped, loss)
-        active = torch.where((advantages < 0) & (capped < torch.maximum(unclipped, clipped)), torch.ones_like(active), active)
-    return loss, active
+    return clipped_surrogate(torch.exp(log_probs - old_log_probs), advantages, 1.0 - clip_low, 1.0 + clip_high, dual_clip)
 
 
 def clipped_value_loss(

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from roles.objectives import POLICY_OBJECTIVES, PolicyTerms, objective_settings, policy_terms
+
 REFUSED_LOSSES = {
     "stable_reinforce": "stable_reinforce needs the sampler's per-sequence stability records (record_stability_info), which only Tinker's own "
     "service keeps; fix: loss_fn='importance_sampling' (or ppo, cispo, gspo); with tinker-cookbook's rl_loop, whose default "
@@ -84,11 +86,11 @@ def check_loss(name: str, config: Mapping[str, object] | None) -> dict[str, floa
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise DatumLossError(f"loss_fn_config[{key!r}] = {value!r}; fix: a finite number")
         out[key] = float(value)
-    if "clip_low_threshold" in out and not 0 <= out["clip_low_threshold"] <= out["clip_high_threshold"]:
-        raise DatumLossError(
-            f"loss_fn_config clip thresholds ({out['clip_low_threshold']}, {out['clip_high_threshold']}): they bound the ratio "
-            "itself; fix: 0 <= clip_low_threshold <= clip_high_threshold (e.g. 0.8 and 1.2)"
-        )
+    if name in POLICY_OBJECTIVES:
+        try:  # the registry's checks (the ratio bounds hold 1, beta >= 0, ...)
+            objective_settings(name, {SETTING_OF.get(k, k): v for k, v in out.items()}, "loss_fn_config", _TINKER_NAME)
+        except ValueError as e:
+            raise DatumLossError(str(e)) from None
     return out
 
 
@@ -126,52 +128,21 @@ def _cross_entropy(lp, inputs, offsets, config) -> torch.Tensor:
     return -lp * w
 
 
-def _q_adv(lp, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return inputs["logprobs"].to(lp.dtype), inputs["advantages"].to(lp.dtype)
+def _objective(name: str) -> Callable[..., torch.Tensor]:
+    """The datum loss of registry objective ``name`` (``roles.objectives``): its terms on the
+    datum's inputs, the clip thresholds per token from the datum when given, else the config's;
+    GSPO's sequences are the datums, their counted tokens ``sequence_ratio_mask`` (else all)."""
 
+    def terms(lp, inputs, offsets, config) -> torch.Tensor:
+        settings = {SETTING_OF.get(key, key): value for key, value in config.items()}
+        for key in _CLIPS:
+            if key in inputs:
+                settings[SETTING_OF[key]] = inputs[key].to(lp.dtype)
+        counted = inputs.get("sequence_ratio_mask")
+        x = PolicyTerms(lp, inputs["logprobs"].to(lp.dtype), inputs["advantages"].to(lp.dtype), offsets, counted)
+        return policy_terms(name, x, settings)[0]
 
-def _bounds(lp, inputs, config) -> tuple:
-    """The clip thresholds: per token from the datum when given, else the config's."""
-    lo = inputs["clip_low_threshold"].to(lp.dtype) if "clip_low_threshold" in inputs else config.get("clip_low_threshold")
-    hi = inputs["clip_high_threshold"].to(lp.dtype) if "clip_high_threshold" in inputs else config.get("clip_high_threshold")
-    return lo, hi
-
-
-def _importance_sampling(lp, inputs, offsets, config) -> torch.Tensor:
-    q, adv = _q_adv(lp, inputs)
-    return -torch.exp(lp - q) * adv
-
-
-def _ppo(lp, inputs, offsets, config) -> torch.Tensor:
-    q, adv = _q_adv(lp, inputs)
-    lo, hi = _bounds(lp, inputs, config)
-    ratio = torch.exp(lp - q)
-    return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
-
-
-def _cispo(lp, inputs, offsets, config) -> torch.Tensor:
-    q, adv = _q_adv(lp, inputs)
-    lo, hi = _bounds(lp, inputs, config)
-    return -torch.clamp(torch.exp(lp - q), lo, hi).detach() * lp * adv
-
-
-def _dro(lp, inputs, offsets, config) -> torch.Tensor:
-    q, adv = _q_adv(lp, inputs)
-    return -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2)
-
-
-def _gspo(lp, inputs, offsets, config) -> torch.Tensor:
-    q, adv = _q_adv(lp, inputs)
-    lo, hi = _bounds(lp, inputs, config)
-    mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else torch.ones_like(lp, dtype=torch.bool)
-    seq = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=lp.device), offsets[1:] - offsets[:-1])
-    n = offsets.numel() - 1
-    log_ratio = (lp.detach() - q) * mask
-    per_seq = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, log_ratio)
-    count = torch.zeros(n, dtype=lp.dtype, device=lp.device).index_add(0, seq, mask.to(lp.dtype))
-    mean = per_seq / count.clamp(min=1)  # a datum with an empty mask has the ratio 1
-    ratio = torch.exp(mean[seq] + lp - lp.detach())
-    return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    return terms
 
 
 @dataclass(frozen=True)
@@ -193,16 +164,28 @@ class DatumLoss:
 
 
 _CLIPS = ("clip_low_threshold", "clip_high_threshold")
-_CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+#: The Tinker API's config names -> the registry's setting names (``roles.objectives``).
+SETTING_OF = {"clip_low_threshold": "lo", "clip_high_threshold": "hi"}
+_TINKER_NAME = {setting: key for key, setting in SETTING_OF.items()}
+
+
+def _from_registry(name: str, optional: tuple[str, ...] = ()) -> DatumLoss:
+    """A datum loss built from the policy-objective registry: same terms, same defaults."""
+    defaults = {_TINKER_NAME.get(k, k): v for k, v in POLICY_OBJECTIVES[name].settings.items() if v is not None}
+    return DatumLoss(_objective(name), ("logprobs", "advantages"), optional, defaults)
+
+
 # THE registry: the engine's loss (engine_loss_fn), the datum checks and the Tinker server's wire
-# layer all read it, so a loss added here is served everywhere.
+# layer all read it, so a loss added here is served everywhere. The policy-gradient losses are
+# the policy-objective registry's (roles.objectives), so the actor and the server compute the
+# same terms; the PPO-family clip thresholds may come per token from the datum.
 LOSSES: dict[str, DatumLoss] = {
     "cross_entropy": DatumLoss(_cross_entropy, ("weights",)),
-    "importance_sampling": DatumLoss(_importance_sampling, ("logprobs", "advantages")),
-    "ppo": DatumLoss(_ppo, ("logprobs", "advantages"), _CLIPS, _CLIP_DEFAULTS),
-    "cispo": DatumLoss(_cispo, ("logprobs", "advantages"), _CLIPS, _CLIP_DEFAULTS),
-    "dro": DatumLoss(_dro, ("logprobs", "advantages"), (), {"beta": 0.05}),
-    "gspo": DatumLoss(_gspo, ("logprobs", "advantages"), (*_CLIPS, "sequence_ratio_mask"), _CLIP_DEFAULTS),
+    "importance_sampling": _from_registry("importance_sampling"),
+    "ppo": _from_registry("ppo", _CLIPS),
+    "cispo": _from_registry("cispo", _CLIPS),
+    "dro": _from_registry("dro"),
+    "gspo": _from_registry("gspo", (*_CLIPS, "sequence_ratio_mask")),
 }
 DATUM_LOSSES = tuple(LOSSES)  # the built-in six, in the documented order
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from engine_api import EngineConfig, build_engine
 from roles.actor import Actor, ActorConfig
+from roles.advantages import needs_critic
 from roles.critic import Critic, CriticConfig
 from roles.legacy_flag import FLAG, FLAG_VALUES, legacy_problems, use_legacy
 from roles.reference import Reference
@@ -37,7 +38,7 @@ __all__ = [
 class RolesRecipeConfig(Protocol):
     """What :func:`build_roles` reads from a recipe config (``recipes.ppo.PPOConfig`` has it):
     ``engine`` (the actor's ``EngineConfig``), ``actor`` / ``critic`` (role configs),
-    ``algo.advantage`` (``gae`` builds a critic), ``algo.critic_lr`` and
+    ``algo.advantage`` (an estimator that needs one, ``gae``, builds a critic), ``algo.critic_lr`` and
     ``trainer.use_legacy_worker_impl``."""
 
     engine: EngineConfig
@@ -90,7 +91,7 @@ def _legacy():
 
 
 def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = None) -> Roles:
-    """Build actor, critic (when ``algo.advantage == 'gae'``) and reference (when
+    """Build actor, critic (when the ``algo.advantage`` estimator needs one) and reference (when
     ``actor.kl_coef > 0``) on the implementation ``trainer.use_legacy_worker_impl`` selects.
 
     ``include``: only these of ``actor`` / ``critic`` / ``reference`` (the others are None), for
@@ -106,7 +107,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
     if problems:
         raise ValueError("; ".join(problems))
     wanted = {"actor", "critic", "reference"} if include is None else set(include)
-    with_critic = config.algo.advantage == "gae" and "critic" in wanted
+    with_critic = needs_critic(config.algo.advantage) and "critic" in wanted
     with_reference = bool(config.actor.kl_coef) and "reference" in wanted
     with_actor = "actor" in wanted
     if with_reference and config.engine.model.lora.enabled and not with_actor:

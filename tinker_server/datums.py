@@ -18,26 +18,21 @@ from tinker_server.contract import DatumIn, UserError
 
 _ALL_INPUTS = {"target_tokens", *INPUT_FIELDS}
 _THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
-_FIX = "fix: 0 <= clip_low_threshold <= clip_high_threshold (e.g. 0.8 and 1.2)"
+_FIX = "fix: clip_low_threshold <= 1 <= clip_high_threshold (e.g. 0.8 and 1.2)"
 
 
 def check_loss_request(loss_fn: str, config: dict | None, datums: list[DatumIn]) -> dict[str, float]:
     """``loss_fn``'s config with its defaults, after checking it and every per-token threshold.
 
     Raises:
-        UserError: what ``roles.datum_losses.check_loss`` refuses; DRO's ``beta`` below 0 (the
-            penalty would reward moving away from the sampler); per-token thresholds (alone or with
-            the config's other bound) that are negative or inverted, naming the datum and position.
+        UserError: what ``roles.datum_losses.check_loss`` refuses (the registry's checks, DRO's
+            ``beta`` below 0 among them); per-token thresholds (alone or with the config's other
+            bound) that do not hold the ratio 1, naming the datum and position.
     """
     try:
         out = check_loss(loss_fn, config)
     except DatumLossError as exc:
         raise UserError(str(exc)) from None
-    if out.get("beta", 0.0) < 0:
-        raise UserError(
-            f"loss_fn_config['beta'] = {out['beta']!r}: DRO's penalty weight must be >= 0 (a negative beta rewards moving away "
-            "from the sampler's log-probs); fix: e.g. 0.05"
-        )
     if "clip_low_threshold" not in out:
         return out  # the loss reads no thresholds
     for i, d in enumerate(datums):
@@ -58,7 +53,7 @@ def _check_thresholds(i: int, d: DatumIn, config: dict[str, float]) -> None:
             raise UserError(f"data[{i}].loss_fn_inputs[{key!r}] holds a NaN or inf; fix: finite values only")
     lo = given["clip_low_threshold"].float() if "clip_low_threshold" in given else torch.full((n,), config["clip_low_threshold"])
     hi = given["clip_high_threshold"].float() if "clip_high_threshold" in given else torch.full((n,), config["clip_high_threshold"])
-    bad = ((lo < 0) | (lo > hi)).nonzero().flatten()
+    bad = ((lo > 1) | (hi < 1)).nonzero().flatten()  # the bounds must hold the ratio 1 (roles.objectives)
     if bad.numel():
         t = int(bad[0])
         where = " and ".join(f"loss_fn_inputs[{k!r}]" for k in given)

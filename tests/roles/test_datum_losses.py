@@ -143,7 +143,8 @@ def test_the_loss_is_a_sum_so_any_partition_of_the_datums_adds_up():
         ("custom", None, "forward_backward_custom"),
         ("mse", None, "unknown"),
         ("ppo", {"beta": 0.1}, "loss_fn_config['beta'] is not a setting of ppo"),
-        ("ppo", {"clip_low_threshold": 1.3}, "clip_low_threshold <= clip_high_threshold"),
+        ("ppo", {"clip_low_threshold": 1.3}, "clip_low_threshold <= 1 <= clip_high_threshold"),
+        ("ppo", {"clip_low_threshold": 0.2, "clip_high_threshold": 0.2}, "the actor's clip_low / clip_high are margins"),
         ("dro", {"beta": float("nan")}, "a finite number"),
     ],
 )
