@@ -37,12 +37,13 @@ import numbers as _numbers
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine_api.dist import all_reduce, comm_device, is_initialized
 from posttrain.fencing import FencedTimeout, RowFailure, fenced, fenced_each, is_path_spec, load_callable
+from posttrain.reward_shaping import OverlongConfig
 
 RewardFn = Callable[..., float]
 
@@ -65,11 +66,14 @@ class RewardConfig:
         timeout_s: seconds one call may take (one response; with ``batched``, the whole step's
             responses); a call past it stops the run naming the function. It then runs in a
             daemon thread (abandoned on timeout). null: no limit, called in the main thread.
+        overlong: DAPO's soft overlong penalty on the score (``posttrain.reward_shaping``; off
+            by default).
     """
 
     function: str | None = None
     batched: bool = False
     timeout_s: float | None = DEFAULT_TIMEOUT_S
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
     def _problems(self) -> list[str]:
         if self.timeout_s is not None and not self.timeout_s > 0:

@@ -39,6 +39,7 @@ from posttrain.agents.config import multi_turn_problems
 from posttrain.agents.loop import load_env_code
 from posttrain.agents.producer import build_producer, producer_sections
 from posttrain.async_rl import AsyncConfig, Pipeline, Schedule, ScoredBatch
+from posttrain.async_rl.dynamic import DynamicSampling
 from posttrain.cli import parse_recipe_args, run_setup
 from posttrain.data_order import check_order
 from posttrain.dist import init_distributed, rank
@@ -47,6 +48,7 @@ from posttrain.gateway.config import AgentConfig, gateway_problems
 from posttrain.placement.rl_host import place_roles
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
+from posttrain.reward_shaping import shape_overlong
 from posttrain.rewards import RewardConfig
 from posttrain.rl_setup import (  # noqa: F401 (build_rollout_role, rl_roles and rl_placement_problems re-exported)
     build_rollout_role,
@@ -84,6 +86,10 @@ class AlgoConfig:
         n_samples: responses per prompt (the group of ``grpo``, ``rloo`` and
             ``reinforce_pp_baseline``, which need >= 2).
         norm_by_std: ``grpo`` divides by the group's std (false: Dr. GRPO's centring only).
+        dynamic_sampling: DAPO's dynamic sampling: train only on groups whose rewards differ,
+            drawing more prompts until the batch is full (``posttrain.async_rl.dynamic``).
+        dynamic_sampling_max_draws: batches a step may sample under dynamic sampling, its own
+            included; past it the run stops naming the counts (verl's ``max_num_gen_batches``).
         gamma, lam: the discount (GAE, REINFORCE++) and GAE's lambda (the reward comes at the
             last response token).
         critic_lr: learning rate of the critic engine (it shares the other engine keys).
@@ -92,6 +98,8 @@ class AlgoConfig:
     advantage: str = "gae"
     n_samples: int = 4
     norm_by_std: bool = True
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_draws: int = 10
     gamma: float = 1.0
     lam: float = 1.0
     critic_lr: float = 3e-3
@@ -106,6 +114,10 @@ class AlgoConfig:
                 f"n_samples = {self.n_samples}: {self.advantage} needs groups of >= 2 (others >= 1); fix: e.g. 8, or algo.advantage "
                 "gae / reinforce_pp"
             )
+        if self.dynamic_sampling and self.n_samples < 2:
+            out.append(f"dynamic_sampling with n_samples = {self.n_samples}: a group of one has no reward spread; fix: n_samples >= 2")
+        if not 1 <= self.dynamic_sampling_max_draws <= 1000:
+            out.append(f"dynamic_sampling_max_draws = {self.dynamic_sampling_max_draws}: fix: 1 to 1000 (verl's default: 10)")
         if not 0 < self.gamma <= 1 or not 0 <= self.lam <= 1:
             out.append(f"gamma = {self.gamma}, lam = {self.lam}: fix: 0 < gamma <= 1 and 0 <= lam <= 1")
         return out
@@ -202,6 +214,20 @@ class PPOConfig:
             out.append("rollout.stop_strings: the sorting task has no tokenizer to decode them; fix: give data.train_files, or drop them")
         if self.rollout.lora_sync == "adapter" and not self.engine.model.lora.enabled:
             out.append("rollout.lora_sync = 'adapter': the actor trains no adapters (engine.model.lora.rank = 0); fix: lora_sync=auto")
+        overlong = self.reward.overlong
+        multi_turn = self.env.enabled or self.agent.enabled
+        if overlong.enabled and overlong.max_len is None and multi_turn:
+            out.append(
+                "reward.overlong.max_len = null with a multi-turn run: rollout.max_new_tokens bounds one turn, not a trajectory; "
+                "fix: set reward.overlong.max_len (e.g. the assistant tokens a trajectory may sample)"
+            )
+        elif overlong.enabled and overlong.max_len is None:
+            limit = self.data.max_response_length or self.rollout.max_new_tokens
+            if not overlong.buffer < limit:
+                out.append(
+                    f"reward.overlong.buffer = {overlong.buffer} with a response limit of {limit} tokens (data.max_response_length, "
+                    "else rollout.max_new_tokens): the buffer must be shorter than the limit; fix: a smaller buffer"
+                )
         if self.trainer.launcher == "ray":
             out += rl_placement_problems(self)
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
@@ -213,6 +239,18 @@ class PPOConfig:
                     "fix: trainer.use_legacy_worker_impl=auto, or actor.router_replay=off"
                 )
         return out
+
+
+def filling(cfg: PPOConfig) -> dict[str, Any]:
+    """The pipeline's reward shaping and dynamic sampling under ``cfg`` (none when off)."""
+    out: dict[str, Any] = {}
+    overlong = cfg.reward.overlong
+    if overlong.enabled:
+        max_len = overlong.max_len if overlong.max_len is not None else cfg.rollout.max_new_tokens
+        out["shape"] = functools.partial(shape_overlong, config=overlong, max_len=max_len)
+    if cfg.algo.dynamic_sampling:
+        out["dynamic"] = DynamicSampling(cfg.data.batch_size, cfg.algo.n_samples, cfg.algo.dynamic_sampling_max_draws)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -288,7 +326,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         start = resume_roles(roles, ckpt_dir, rank0) if t.resume else 0
         schedule = Schedule(cfg.data.batch_size, cfg.algo.n_samples, cfg.rollout.seed, t.total_steps, t.output_dir)
         score = lambda batch: actor.compute_log_probs(batch)["log_probs"]  # noqa: E731 (the version-parity probe)
-        pipeline = Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score)
+        pipeline = Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score, **filling(cfg))
         pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from posttrain.async_rl.config import AsyncConfig
+from posttrain.async_rl.dynamic import DynamicSampling, refill_step
 from posttrain.async_rl.producer import Producer, ScoredBatch
 from posttrain.async_rl.state import Pending, has_state, load_state, prune_states, save_state, saved_batches
 from posttrain.trainer_utils import truncate_metrics, warn
@@ -92,6 +93,9 @@ class Pipeline:
         rank0: whether this process writes the ledger.
         score: the actor's per-token log-probs of a protocol batch (a jagged tensor): the
             ``async.check_version_parity`` probe; None: no probe.
+        shape: reward shaping of a finished batch (``posttrain.reward_shaping``), before the
+            dynamic-sampling filter and training; None: none.
+        dynamic: DAPO's dynamic sampling (``posttrain.async_rl.dynamic``); None: off.
     """
 
     def __init__(
@@ -103,11 +107,15 @@ class Pipeline:
         source,
         rank0: bool,
         score: Callable[[Any], torch.Tensor] | None = None,
+        shape: Callable[[ScoredBatch], ScoredBatch] | None = None,
+        dynamic: DynamicSampling | None = None,
     ) -> None:
         self.k, self.partial = async_cfg.max_staleness, async_cfg.partial_rollouts
         self.n, self.batch_size, self.seed = schedule.n_samples, schedule.batch_size, schedule.seed
         self.producer, self.rollout, self.source, self.rank0 = producer, rollout, source, rank0
         self.score = score if async_cfg.check_version_parity else None
+        self.shape, self.dynamic = shape, dynamic
+        self.refills: dict[int, list[list[int]]] = {}  # step -> each refill draw's prompt ids (the ledger)
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.pending: dict[int, Pending] = {}
         self.cursor = 0  # the next step whose prompts are admitted
@@ -234,6 +242,9 @@ class Pipeline:
         current = self._started(self.pending[step])
         if not self.producer.finished(current.work):
             self.producer.advance(self.rollout, [(current.work, None)])
+        filled = None
+        if self.dynamic is not None:  # before the round: the refills need the rollout
+            filled = self._fill(step, current)
         finished = time.perf_counter()
         plan = self._round_plan(step)
         round_s, error = [0.0], []
@@ -258,7 +269,7 @@ class Pipeline:
         waited = time.perf_counter() - began  # the sync, the finish and a round that could not overlap
         try:
             del self.pending[step]
-            scored = self.producer.finish(current.work)
+            scored = filled[0] if filled is not None else self._shaped(self.producer.finish(current.work))
             batch = scored.batch
             probe = self._version_parity(step, batch) if self.score is not None else {}
             stale = (step + 1) - batch["rollout_weight_version"]
@@ -280,12 +291,30 @@ class Pipeline:
         wall = time.perf_counter() - began
         busy = (finished - began) + round_s[0]  # the sync and the finish, then the round
         m.update(self._metrics(batch, step, wall, waited, busy))
+        if filled is not None:
+            m.update(filled[1])
         m.update(probe)
         m["tokens_per_s"] = float(batch["loss_mask"].values().sum()) / max(wall, 1e-9)
         self._log_ledger(step, current)
         return m
 
     # ------------------------------------------------------------------ internals
+    def _shaped(self, scored: ScoredBatch) -> ScoredBatch:
+        return self.shape(scored) if self.shape is not None else scored
+
+    def _fill(self, step: int, current: Pending) -> tuple[ScoredBatch, dict[str, float]]:
+        """Step ``step``'s batch through the dynamic-sampling filter, with its refills
+        (``posttrain.async_rl.dynamic``), and the filter's metrics."""
+
+        def draw(d: int) -> tuple[ScoredBatch, list[int]]:
+            virtual = refill_step(step, d, self.dynamic.max_draws)
+            p = self._admitted(virtual)
+            return self._shaped(self.producer.produce(self.rollout, p.prompts, self._metas(virtual), p.seeds)), p.prompt_ids
+
+        scored, refills, metrics = self.dynamic.fill(step, self._shaped(self.producer.finish(current.work)), draw)
+        self.refills[step] = refills
+        return scored, metrics
+
     def _admitted(self, step: int) -> Pending:
         prompts, _ = self.source.prompts_at(step)
         ids = [step * self.batch_size + i for i in range(len(prompts))]
@@ -354,10 +383,11 @@ class Pipeline:
         }
 
     def _log_ledger(self, step: int, batch: Pending) -> None:
+        refills = {"refill_prompt_ids": self.refills.pop(step)} if step in self.refills else {}
         if not self.rank0 or not self.k:
             return
         with open(self.ledger, "a") as f:
-            f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids, **self.producer.ledger(batch.work)}) + "\n")
+            f.write(json.dumps({"step": step + 1, "prompt_ids": batch.prompt_ids, **refills, **self.producer.ledger(batch.work)}) + "\n")
 
 
 def _changed_settings(saved: dict[str, Any], now: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 versions, the data cursor) is checkpointed with the roles; a run stopped by a weight update that
 fails half-way, resumed, stopped by SIGTERM while batches are in flight, resumed, SIGKILLed at a
 random moment and resumed again trains every prompt of the data order exactly once (the ledger's
-prompt ids) and equals the uninterrupted run bit for bit (every metric but the timings). A
+prompt ids; with DAPO's dynamic sampling on, every refill too) and equals the uninterrupted run bit for bit (every metric but the timings). A
 tampered or half-deleted state file is refused, naming it, before anything is loaded; so is a
 resume in another data order (issue 53 item 11), synchronous or not. (A rollout worker killed
 mid-generation on Ray: ``tests/placement/test_ray_runs.py``.)"""
@@ -23,6 +23,7 @@ import torch
 
 from engine_api.rollout import Sample
 from posttrain.async_rl import LEDGER_FILE, SingleTurn
+from posttrain.async_rl.dynamic import REFILL_STEP_OFFSET
 from posttrain.async_rl.state import Pending, load_state, path_of
 from posttrain.async_rl.state import save_state as _save_state
 from tests.support.launch import REPO, launch_env, run_script
@@ -32,6 +33,9 @@ GRPO = ["-m", "recipes.ppo", "--config", "configs/grpo_tiny.yaml", "trainer.prog
 GRPO += ["async.max_staleness=2", "trainer.checkpoint_every=1", f"trainer.total_steps={TOTAL}", "rollout.sync_bucket_mb=0.05"]
 # The hf backend, except that the update to the version EK_TEST_FAIL_UPDATE_VERSION names breaks after one chunk.
 GRPO += ["rollout.backend=tests.async_rl.faulty_rollout:FailsHalfway"]
+# DAPO's dynamic sampling (issue 63): every step refills (measured: 1-7 extra draws a step), so the
+# resumes below also hold the refills to the uninterrupted run.
+GRPO += ["algo.dynamic_sampling=true"]
 TIMING = ("_s", "tokens_per_s", "_frac")
 
 
@@ -95,6 +99,9 @@ def test_faults_then_resumes_train_each_prompt_once_and_equal_the_uninterrupted_
     assert ledger == _rows(ref, LEDGER_FILE)
     ids = [i for row in ledger for i in row["prompt_ids"]]
     assert sorted(ids) == ids == list(range(TOTAL * 4))  # every prompt once, in the data order
+    refills = [i for row in ledger for draw in row.get("refill_prompt_ids", []) for i in draw]
+    assert refills and len(set(refills)) == len(refills) and min(refills) >= REFILL_STEP_OFFSET * 4  # each refill drawn once
+    assert [len(row.get("refill_prompt_ids", [])) + 1 for row in ledger] == [r["dynamic_sampling/draws"] for r in _rows(ref)]
 
     # The data order is part of what a resume checks, synchronous (K = 0) or not, K changed or
     # not (issue 53 item 11: a changed data.batch_size skipped and repeated prompts): refused

@@ -25,6 +25,7 @@ EXAMPLES = ROOT / "configs" / "examples"
 SFT = {"qwen2.5-0.5b-sft.yaml": "qwen2", "llama-3.2-1b-sft.yaml": "llama"}
 GRPO = {"qwen2.5-1.5b-grpo-gsm8k.yaml": "qwen2", "qwen2.5-1.5b-lora-grpo-gsm8k.yaml": "qwen2"}
 AGENT = {"qwen2.5-3b-grpo-gsm8k-tool.yaml": "qwen2"}
+DAPO = {"qwen2.5-1.5b-dapo-gsm8k.yaml": "qwen2"}
 
 
 def _load(name: str, overrides=()):
@@ -53,17 +54,17 @@ def files(tmp_path_factory) -> dict[str, str]:
 
 
 def test_every_example_is_here_and_every_value_has_a_comment():
-    """The four documented examples exist, and every key with a value has a comment right above
+    """The documented examples exist, and every key with a value has a comment right above
     it (the files are meant to be read)."""
-    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted([*SFT, *GRPO, *AGENT])
-    for name in [*SFT, *GRPO, *AGENT]:
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted([*SFT, *GRPO, *AGENT, *DAPO])
+    for name in [*SFT, *GRPO, *AGENT, *DAPO]:
         lines = (EXAMPLES / name).read_text().splitlines()
         for i, line in enumerate(lines):
             if re.match(r"^\s*[A-Za-z_]+:\s*\S", line):
                 assert lines[i - 1].lstrip().startswith("#"), f"{name}:{i + 1}: {line.strip()!r} has no comment above it"
 
 
-@pytest.mark.parametrize("name", [*SFT, *GRPO, *AGENT])
+@pytest.mark.parametrize("name", [*SFT, *GRPO, *AGENT, *DAPO])
 def test_loading_without_a_model_path_names_engine_model_path(name):
     """The shipped ``???`` placeholders fail at load (before anything is built), naming each key."""
     with pytest.raises(ValueError, match=r"engine\.model\.path") as err:
@@ -141,6 +142,47 @@ def test_grpo_example_runs_two_steps_and_keeps_its_hyperparameters(name, files, 
         assert "kl" in r and math.isfinite(r["kl"]) and "entropy" in r  # KL on, from the reference
     assert s["val_reward"] is not None and s["data"]["train"]["kept"] == 8
     assert (Path(s["hf_dir"]) / "config.json").exists()
+
+
+def test_dapo_example_runs_two_steps_with_its_four_parts(files, tmp_path, own_process_group):
+    """Issue 63: DAPO's published hyperparameters are what the file loads (clip-higher 0.2 / 0.28,
+    dynamic sampling with 10 draws, token-mean, the overlong buffer, 16 samples, no KL, lr 1e-6,
+    weight decay 0.1), and 2 steps run with every part on: each trains full groups only."""
+    from recipes.ppo import main
+
+    name = "qwen2.5-1.5b-dapo-gsm8k.yaml"
+    overrides = [
+        f"engine.model.path={files[DAPO[name]]}",
+        f"data.train_files=[{files['rl']}]",
+        "data.batch_size=2",
+        "algo.n_samples=4",
+        "data.max_response_length=8",
+        "reward.overlong.buffer=2",
+        "rollout.backend=hf",
+        "engine.optim.warmup_steps=0",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        f"trainer.output_dir={tmp_path}",
+        "trainer.progress_bar=false",
+    ]
+    cfg = _load(name, overrides)
+    a, o = cfg.actor, cfg.engine.optim
+    assert (a.policy_loss, a.clip_low, a.clip_high, a.kl_coef, cfg.engine.loss_agg_mode) == ("ppo", 0.2, 0.28, 0.0, "token-mean")
+    assert (cfg.algo.advantage, cfg.algo.dynamic_sampling, cfg.algo.dynamic_sampling_max_draws) == ("grpo", True, 10)
+    assert (o.lr, o.weight_decay, o.clip_grad, cfg.rollout.temperature) == (1e-6, 0.1, 1.0, 1.0)
+    base = _load(name, [f"engine.model.path={files[DAPO[name]]}", f"data.train_files=[{files['rl']}]"])
+    assert (base.algo.n_samples, base.reward.overlong.buffer, base.reward.overlong.penalty_factor, base.data.max_response_length) == (
+        16,
+        256,
+        1.0,
+        1024,
+    )
+    main(["--config", str(EXAMPLES / name), *overrides])
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["actor_loss"]) and r["frac_reward_zero_std"] == 0.0 and r["dynamic_sampling/draws"] >= 1
+        assert "reward/overlong_penalty" in r
 
 
 # ---------------------------------------------------------------------------------- multi-turn

@@ -445,16 +445,24 @@ def test_grpo_with_a_reward_file_raises_the_reward(files, tmp_path):
 def test_grpo_on_files_same_steps_on_megatron_and_two_ranks(files, tmp_path):
     """Same prompts, samples and rewards on both backends and on 2 ranks: the first steps'
     rewards are identical (sampling diverges only once weights differ beyond rounding), the
-    actor losses agree to 1e-5, and the reward function runs once per response on 2 ranks."""
+    actor losses agree to 1e-5, and the reward function runs once per response on 2 ranks.
+    DAPO's data side is on (issue 63: dynamic sampling and the overlong penalty): the same groups
+    are dropped and the same refills drawn on every backend and rank."""
     runs = {"fsdp": ([], 1), "megatron": (["engine.strategy=megatron"], 1), "fsdp_2ranks": ([], 2)}
+    dapo = ("algo.dynamic_sampling=true", "algo.n_samples=2")  # pairs: some have equal rewards, so steps refill
     got = {}
     for name, (extra, nproc) in runs.items():
         log = tmp_path / f"{name}.calls"
-        _run("recipes.ppo", _grpo_args(files, tmp_path / name, 3, "trainer.save_hf=true", *extra), nproc, env={"REWARD_LOG": str(log)})
+        args = _grpo_args(files, tmp_path / name, 3, "trainer.save_hf=true", *dapo, *extra)
+        _run("recipes.ppo", args, nproc, env={"REWARD_LOG": str(log)})
         got[name] = _metrics(tmp_path / name)
-        assert len(log.read_text().splitlines()) == 3 * 8 * 8 + 16, name
+        draws = sum(int(r["dynamic_sampling/draws"]) for r in got[name])
+        assert len(log.read_text().splitlines()) == draws * 8 * 2 + 16, name
+        assert all(r["frac_reward_zero_std"] == 0.0 for r in got[name])
+    assert max(r["dynamic_sampling/draws"] for r in got["fsdp"]) > 1  # measured: one refill every step
     for name in ("megatron", "fsdp_2ranks"):
         assert [r["reward"] for r in got[name]] == [r["reward"] for r in got["fsdp"]], name
+        assert [r["dynamic_sampling/draws"] for r in got[name]] == [r["dynamic_sampling/draws"] for r in got["fsdp"]], name
         assert [r["actor_loss"] for r in got[name]] == pytest.approx([r["actor_loss"] for r in got["fsdp"]], rel=1e-5), name
     # the HF export of each backend loads and agrees
     from transformers import AutoModelForCausalLM
