@@ -32,7 +32,14 @@ from roles.rollout import Rollout
 
 def rl_roles(cfg) -> tuple[str, ...]:
     """The roles of an RL run, the actor first."""
-    return ("actor", *(("reference",) if cfg.actor.kl_coef else ()), *(("critic",) if needs_critic(cfg.algo.advantage) else ()), "rollout")
+    teacher = ("teacher",) if cfg.distill.enabled else ()
+    return (
+        "actor",
+        *(("reference",) if cfg.actor.kl_coef else ()),
+        *(("critic",) if needs_critic(cfg.algo.advantage) else ()),
+        *teacher,
+        "rollout",
+    )
 
 
 def rl_placement_problems(cfg) -> list[str]:

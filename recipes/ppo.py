@@ -43,6 +43,7 @@ from posttrain.async_rl.dynamic import DynamicSampling
 from posttrain.cli import parse_recipe_args, run_setup
 from posttrain.data_order import check_order
 from posttrain.dist import init_distributed, rank
+from posttrain.distill import DistillConfig, distill_advantages, distill_problems
 from posttrain.evaluation import validate
 from posttrain.gateway.config import AgentConfig, gateway_problems
 from posttrain.placement.rl_host import place_roles
@@ -180,6 +181,8 @@ class PPOConfig:
             unless ``env.function`` is set. Its token rules also bind ``agent`` sessions.
         agent: an external agent behind the OpenAI-compatible gateway (``posttrain.gateway``);
             off unless ``agent.function`` is set.
+        distill: on-policy distillation from a teacher model (``posttrain.distill``); off
+            unless ``distill.teacher_path`` is set.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -195,6 +198,7 @@ class PPOConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     env: EnvConfig = field(default_factory=EnvConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def _problems(self) -> list[str]:
         out = data_model_problems(self)
@@ -233,6 +237,10 @@ class PPOConfig:
         # Legacy workers + an engine config they cannot run (e.g. megatron) fails at load time.
         if self.trainer.use_legacy_worker_impl in FLAG_VALUES:  # else reported by trainer._problems
             out += legacy_problems(self.trainer.use_legacy_worker_impl, self.engine)
+            if self.distill.enabled and use_legacy(self.trainer.use_legacy_worker_impl):
+                out.append(
+                    "distill.teacher_path with the legacy workers: they have no teacher role; fix: trainer.use_legacy_worker_impl=auto"
+                )
             if self.actor.router_replay != "off" and use_legacy(self.trainer.use_legacy_worker_impl):
                 out.append(
                     f"actor.router_replay = {self.actor.router_replay!r}: the legacy workers do not route by a recorded routing; "
@@ -298,6 +306,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if cfg.data.max_response_length is not None:
         cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=cfg.data.max_response_length))
     refused = rollout_model_problems(cfg)  # from the model's files: before the data and any engine
+    if cfg.distill.enabled:  # the teacher's files against the student's (a built tiny model: its directory)
+        refused += distill_problems(cfg.distill, cfg.engine.model.path, t.output_dir)
     if refused:
         raise ValueError("; ".join(refused))
     if cfg.env.enabled:
@@ -310,7 +320,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         check_order(ckpt_dir, source.data_order(), rank0)  # a step is a position in the data order: refused before any engine
     with stop_while_starting("building the engines"):
         placed = place_roles(cfg, source)
-    actor, critic, reference, rollout = placed.actor, placed.critic, placed.reference, placed.rollout
+    actor, critic, reference, rollout, teacher = placed.actor, placed.critic, placed.reference, placed.rollout, placed.teacher
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
@@ -333,9 +343,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         with open_loggers(cfg, t, start, rank0, bar) as run_log, PreemptionGuard() as preemption:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
-                train = functools.partial(train_on_batch, cfg, step, actor=actor, critic=critic, reference=reference, rollout=rollout)
+                roles_ = {"actor": actor, "critic": critic, "reference": reference, "rollout": rollout, "teacher": teacher}
+                train = functools.partial(train_on_batch, cfg, step, **roles_)
                 m = pipeline.step(step, functools.partial(train, samples=samples))
-                if ADVANTAGE_ESTIMATORS[cfg.algo.advantage].groups and m["frac_reward_zero_std"] == 1.0 and not no_signal_warned:
+                flat = m["frac_reward_zero_std"] == 1.0 and not cfg.distill.enabled  # a teacher still moves the policy
+                if ADVANTAGE_ESTIMATORS[cfg.algo.advantage].groups and flat and not no_signal_warned:
                     no_signal_warned = True  # once per run: a sparse reward can stay flat for many steps
                     warn([no_signal_warning(step + 1, cfg.algo.n_samples, cfg.actor.entropy_coef, cfg.actor.kl_coef)], rank0)
                 if samples:
@@ -402,13 +414,16 @@ def train_on_batch(
     reference,
     rollout,
     samples: int = 0,
+    teacher=None,
 ) -> dict[str, Any]:
     """The training half of a step: prepare the producer's scored batch (old, reference and
     value log-probs; the ``algo.advantage`` estimator's advantages over its trajectories) and update, return the
     step's metrics; ``timings`` holds the sampling's seconds (``rollout_s``) and gets the rest.
     GRPO groups are over trajectories (``n_samples`` of one prompt); a trajectory split into
     several rows gives each of them its advantage (PPO: its reward at each row's last sampled
-    token). ``samples`` > 0 adds ``"samples"``: that many trajectories' text rows."""
+    token). ``samples`` > 0 adds ``"samples"``: that many trajectories' text rows. With a
+    ``teacher`` (on-policy distillation, ``posttrain.distill``) the advantages get the per-token
+    reverse KL to it, and the old-policy log-probs always come from their own forward."""
     n = cfg.algo.n_samples
     batch, scores, row_traj = scored.batch, scored.scores, scored.traj_of_row
     lengths = batch["input_ids"].offsets().diff()
@@ -416,7 +431,7 @@ def train_on_batch(
     t0 = time.perf_counter()
     # One update epoch over one mini-batch of a dense, dropout-free policy: the old-policy
     # log-probs are the update's own forward's (Actor.reuses_update_log_probs), one forward saved.
-    reuse = actor.reuses_update_log_probs(len(lengths))
+    reuse = actor.reuses_update_log_probs(len(lengths)) and teacher is None
     routing_metrics: dict[str, float] = {}
     if not reuse:
         old = actor.compute_log_probs(batch, calculate_entropy=True)
@@ -431,6 +446,10 @@ def train_on_batch(
     inputs = AdvantageInputs(scores, scored.group_ids(n), row_traj, mask, batch["input_ids"].offsets(), values)
     settings = {"gamma": cfg.algo.gamma, "lam": cfg.algo.lam, "norm_by_std": cfg.algo.norm_by_std}
     adv, returns = estimate_advantages(cfg.algo.advantage, inputs, settings)
+    distilled: dict[str, float] = {}
+    if teacher is not None:
+        teacher_lp = teacher.compute_log_probs(batch)["log_probs"].values()
+        adv, distilled = distill_advantages(batch["old_log_probs"].values(), teacher_lp, mask, adv, cfg.distill)
     if critic is not None:
         attach(batch, values=values, returns=returns)
     attach(batch, advantages=adv)
@@ -466,6 +485,7 @@ def train_on_batch(
         **timings,
     }
     out.update(parity)
+    out.update(distilled)
     out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})
     out.update({k: _mean([m.get(k) for m in actor_m]) for k in actor_m[0] if k.startswith("moe/")})
     if "kl" in actor_m[0]:

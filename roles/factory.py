@@ -19,6 +19,7 @@ from roles.advantages import needs_critic
 from roles.critic import Critic, CriticConfig
 from roles.legacy_flag import FLAG, FLAG_VALUES, legacy_problems, use_legacy
 from roles.reference import Reference
+from roles.teacher import Teacher, teacher_engine_config
 
 # FLAG, FLAG_VALUES, use_legacy and legacy_problems live in roles.legacy_flag (which roles.legacy
 # imports too, so that it never imports this module); re-exported here.
@@ -39,7 +40,8 @@ class RolesRecipeConfig(Protocol):
     """What :func:`build_roles` reads from a recipe config (``recipes.ppo.PPOConfig`` has it):
     ``engine`` (the actor's ``EngineConfig``), ``actor`` / ``critic`` (role configs),
     ``algo.advantage`` (an estimator that needs one, ``gae``, builds a critic), ``algo.critic_lr`` and
-    ``trainer.use_legacy_worker_impl``."""
+    ``trainer.use_legacy_worker_impl``; a ``distill`` section with a ``teacher_path``, when present,
+    builds the teacher."""
 
     engine: EngineConfig
     actor: ActorConfig
@@ -58,12 +60,14 @@ class Roles:
         reference: the frozen policy for the KL penalty, or None (``actor.kl_coef == 0``); with
             LoRA it shares the actor's engine (the base weights, adapters off).
         legacy: whether these are the legacy workers.
+        teacher: the frozen teacher of on-policy distillation (``distill.teacher_path``), or None.
     """
 
     actor: Any
     critic: Any | None
     reference: Any | None
     legacy: bool
+    teacher: Any | None = None
 
 
 def critic_engine_config(engine: EngineConfig, critic_lr: float) -> EngineConfig:
@@ -78,8 +82,8 @@ def role_classes(config: RolesRecipeConfig) -> dict[str, type]:
     methods when the roles live in other processes (``posttrain.placement.rl_host``)."""
     if use_legacy(config.trainer.use_legacy_worker_impl):
         legacy = _legacy()
-        return {"actor": legacy.LegacyActor, "critic": legacy.LegacyCritic, "reference": legacy.LegacyReference}
-    return {"actor": Actor, "critic": Critic, "reference": Reference}
+        return {"actor": legacy.LegacyActor, "critic": legacy.LegacyCritic, "reference": legacy.LegacyReference, "teacher": Teacher}
+    return {"actor": Actor, "critic": Critic, "reference": Reference, "teacher": Teacher}
 
 
 def _legacy():
@@ -106,10 +110,14 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
     problems = legacy_problems(flag, config.engine)
     if problems:
         raise ValueError("; ".join(problems))
-    wanted = {"actor", "critic", "reference"} if include is None else set(include)
+    wanted = {"actor", "critic", "reference", "teacher"} if include is None else set(include)
     with_critic = needs_critic(config.algo.advantage) and "critic" in wanted
     with_reference = bool(config.actor.kl_coef) and "reference" in wanted
     with_actor = "actor" in wanted
+    distill = getattr(config, "distill", None)  # on-policy distillation: a recipe with a ``distill`` section
+    teacher = None
+    if distill is not None and distill.teacher_path is not None and "teacher" in wanted:
+        teacher = Teacher(_engine(teacher_engine_config(config.engine, distill.teacher_path)))
     if with_reference and config.engine.model.lora.enabled and not with_actor:
         raise ValueError("build_roles(include=...): a LoRA reference is the actor's engine with the adapters off; include the actor too")
     critic_engine = critic_engine_config(config.engine, config.algo.critic_lr)
@@ -122,6 +130,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
             critic=legacy.LegacyCritic(critic_engine, config.critic) if with_critic else None,
             reference=legacy.LegacyReference(frozen) if with_reference else None,
             legacy=True,
+            teacher=teacher,
         )
     actor = Actor(_engine(config.engine), config.actor) if with_actor else None
     reference = None
@@ -133,6 +142,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
         critic=Critic(_engine(critic_engine), config.critic) if with_critic else None,
         reference=reference,
         legacy=False,
+        teacher=teacher,
     )
 
 

@@ -42,7 +42,7 @@ class RLHost:
         self.cfg, self.hosted = cfg, hosted
         self.source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
         roles = build_roles(cfg, include=[r for r in hosted if r != "rollout"])
-        self.actor, self.critic, self.reference = roles.actor, roles.critic, roles.reference
+        self.actor, self.critic, self.reference, self.teacher = roles.actor, roles.critic, roles.reference, roles.teacher
         self.transfer: TransferGroup | None = None
         self._store = None
         self.rollout = None
@@ -109,6 +109,7 @@ class RayRoles:
     rollout: Any
     cluster: RayCluster
     actor_group: Any
+    teacher: Any = None
 
     def save_hf(self, out_dir: str, fmt: str) -> str:
         return self.cluster.call(self.actor_group, RLHost.save_hf, out_dir, fmt)
@@ -148,12 +149,12 @@ def place_on_ray(cfg) -> RayRoles:
         classes = role_classes(cfg)
         handles = {
             role: RemoteRole(cluster, groups[where[role]], classes[role]) if role in where else None
-            for role in ("actor", "critic", "reference")
+            for role in ("actor", "critic", "reference", "teacher")
         }
         alone = pools[where["rollout"]] == ("rollout",)
         rollout = RemoteRollout(cluster, rollout_group, actor_group if split else None, adapter, cfg.rollout.sync_bucket_mb, alone)
         cluster.record(t.output_dir)
-        return RayRoles(handles["actor"], handles["critic"], handles["reference"], rollout, cluster, actor_group)
+        return RayRoles(handles["actor"], handles["critic"], handles["reference"], rollout, cluster, actor_group, handles["teacher"])
     except BaseException:
         cluster.close(graceful=False)
         raise
@@ -225,6 +226,7 @@ class LocalRoles:
     reference: Any
     rollout: Rollout
     engine_config: EngineConfig
+    teacher: Any = None
 
     def save_hf(self, out_dir: str, fmt: str) -> str:
         return save_hf(self.actor, self.engine_config, out_dir, fmt)
@@ -236,8 +238,9 @@ class LocalRoles:
 def place_roles(cfg, source):
     """The run's roles: built in this process (``trainer.launcher=torchrun``), or in worker
     groups on a Ray cluster driven from here (``ray``: :func:`place_on_ray`). Both
-    have ``actor``, ``critic``, ``reference``, ``rollout``, ``save_hf`` and ``close``."""
+    have ``actor``, ``critic``, ``reference``, ``teacher``, ``rollout``, ``save_hf`` and ``close``."""
     if cfg.trainer.launcher == "ray":
         return place_on_ray(cfg)
     roles = build_roles(cfg)
-    return LocalRoles(roles.actor, roles.critic, roles.reference, build_rollout_role(cfg, roles.actor, source), cfg.engine)
+    rollout = build_rollout_role(cfg, roles.actor, source)
+    return LocalRoles(roles.actor, roles.critic, roles.reference, rollout, cfg.engine, roles.teacher)

@@ -87,21 +87,28 @@ def sft_torchrun(tmp_path_factory) -> Path:
 
 def test_split_placements_equal_the_colocated_run(tmp_path):
     """(b) the critic on a pool of its own and (c) the rollout on one of 2 ranks, fed by the
-    transfer group, against everything colocated in one process."""
-    colocated = _run(PPO, tmp_path / "colocated")
+    transfer group, against everything colocated in one process. Both runs also distill from a
+    teacher (issue 63: a tiny model of another seed, its reverse-KL advantage added to PPO's at
+    weight 1), which the split run places with the critic, away from the actor."""
+    from posttrain.tiny_model import build_tiny_model
+
+    teacher = ["distill.teacher_path=" + build_tiny_model(tmp_path / "teacher", seed=3), "distill.reward_weight=1.0"]
+    colocated = _run([*PPO, *teacher], tmp_path / "colocated")
     split = [
         "trainer.placement.pools.train=1",
         "trainer.placement.pools.values=1",
         "trainer.placement.pools.gen=2",
         "trainer.placement.roles.critic=values",
+        "trainer.placement.roles.teacher=values",
         "trainer.placement.roles.rollout=gen",
     ]
-    out = _run([*PPO, *RAY, *split], tmp_path / "split")
-    _same_run(out, colocated, PPO_KEYS)
+    out = _run([*PPO, *teacher, *RAY, *split], tmp_path / "split")
+    _same_run(out, colocated, (*PPO_KEYS, "distill/reverse_kl", "distill/teacher_logprob_mean"))
+    assert "distill/reverse_kl" in _metrics(out, ("distill/reverse_kl",))[0]
     ranks = _placement(out)
     assert {(r["pool"], tuple(r["roles"])) for r in ranks} == {
         ("train", ("actor", "reference")),
-        ("values", ("critic",)),
+        ("values", ("critic", "teacher")),
         ("gen", ("rollout",)),
     }
     assert len({r["pid"] for r in ranks}) == 4  # four processes, one per bundle

@@ -23,13 +23,31 @@ from tinker_server import demo
 from tinker_server.config import load_server_config
 from tinker_server.factory import EngineFactory
 
+TEACHER = "enginekit/tiny-teacher"  # another base model, served beside the demo's (on-policy distillation)
+
+
+def _teacher_model(root: Path) -> str:
+    """The demo model's architecture and tokenizer with other weights (seed 1)."""
+    from posttrain.tiny_model import build_tiny_model
+
+    path = root / "teacher"
+    vocab = len(demo.SPECIALS) + len(demo.CHARS)
+    build_tiny_model(path, family="llama", seed=1, vocab_size=vocab, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    demo.character_tokenizer().save_pretrained(str(path))
+    return str(path)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = demo.build_demo_model(tmp_path_factory.mktemp("demo"))
+    teacher = _teacher_model(tmp_path_factory.mktemp("teacher"))
     cfg = load_server_config(
         "configs/tinker_tiny.yaml",
-        [f"server.aliases=[{demo.NAME}={model}]", f"server.state_dir={tmp_path_factory.mktemp('state')}", "server.max_runs=8"],
+        [
+            f"server.aliases=[{demo.NAME}={model},{TEACHER}={teacher}]",
+            f"server.state_dir={tmp_path_factory.mktemp('state')}",
+            "server.max_runs=8",
+        ],
     )
     factory = EngineFactory(None, cfg.alias_table(), cfg.run_settings())
     with running_server(cfg.server_settings(), factory) as url:
@@ -146,3 +164,61 @@ def test_two_rl_loops_at_once_on_one_engine_both_sample_score_and_train(server, 
     for i in range(2):
         steps = [m for m in _metrics(tmp_path / f"rl{i}") if "reward/total" in m]
         assert len(steps) == 2 and any("grad_norm:mean" in m for m in steps), steps
+
+
+@pytest.mark.parametrize("teacher", ["another_base_model", "a_checkpoint_on_the_students_base"])
+def test_the_cookbooks_on_policy_distillation_runs_unchanged(server, tmp_path, teacher, monkeypatch):
+    """tinker-cookbook 0.6.1's ``distillation/train_on_policy.main``, unchanged, against the
+    server: the student (a LoRA run on the demo model) samples, the teacher's sampling client
+    scores the samples with ``compute_logprobs``, and the per-token reverse KL is the advantage
+    (the recipe's ``importance_sampling``). The teacher is another base model served beside the
+    student's, or a checkpoint of a run on the student's own base (an sl_loop's saved sampler
+    weights), which the student's base's rollout engine samples (an adapter with a vLLM rollout
+    and ``rollout.lora_rank``; with the ``hf`` rollout here, a merged snapshot on the same engine). The prompts are the
+    demo's local rows in place of DeepMath (the recipe's ``load_dataset`` answers them)."""
+    import asyncio
+
+    import datasets
+    from tinker_cookbook.distillation import datasets as dd
+    from tinker_cookbook.distillation import train_on_policy
+
+    url, model, factory = server
+    demo.register_tokenizer(model)
+    # the recipe's module bound datasets.load_dataset at import: its split="train" gets the demo's rows
+    monkeypatch.setattr(dd, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(demo.rl_rows()))
+    if teacher == "another_base_model":
+        teacher_config = dd.TeacherConfig(base_model=TEACHER)
+    else:
+        log = tmp_path / "sl"
+        demo.run_sl_loop(url, model, str(log), batch_size=2, learning_rate=0.01, lora_rank=4, save_every=0)
+        saved = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()]
+        teacher_config = dd.TeacherConfig(base_model=demo.NAME, load_checkpoint_path=saved[-1]["sampler_path"])
+    builder = dd.PromptOnlyDatasetBuilder(
+        dataset_name="deepmath", groups_per_batch=2, group_size=4, model_name_for_tokenizer=demo.NAME, renderer_name="role_colon"
+    )
+    cfg = train_on_policy.Config(
+        learning_rate=1e-3,
+        dataset_configs=[dd.DistillationDatasetConfig(dataset_builder=builder, teacher_config=teacher_config, groups_per_batch=2)],
+        model_name=demo.NAME,
+        recipe_name="distillation",
+        renderer_name="role_colon",
+        max_tokens=12,
+        lora_rank=4,
+        log_path=str(tmp_path / "distill"),
+        base_url=url,
+        eval_every=0,
+        save_every=0,
+        max_steps=2,
+    )
+    pools_before = set(factory.pools)
+    with demo._api_key(), demo.closing_service_clients():
+        asyncio.run(train_on_policy.main(cfg))
+    steps = [m for m in _metrics(tmp_path / "distill") if "teacher_kl" in m]
+    assert len(steps) == 2 and all(math.isfinite(m["teacher_kl"]) and m["teacher_kl"] != 0.0 for m in steps), steps
+    # a checkpoint teacher is sampled by its base's one rollout engine (tinker_server.snapshots.RolloutPool),
+    # the student's: no second copy of the base is loaded for it
+    new_pools = set(factory.pools) - pools_before
+    if teacher == "another_base_model":
+        assert TEACHER in factory.pools
+    else:
+        assert new_pools <= {demo.NAME}  # the checkpoint is sampled by its base's engine, the student's

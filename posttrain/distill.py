@@ -1,0 +1,135 @@
+"""On-policy distillation (``distill``): the student (the actor) samples, a teacher model scores
+the sampled tokens, and the student is trained to lower the per-token reverse KL to the teacher
+(Agarwal et al. 2024, GKD; Lu and Thinking Machines 2025, "On-Policy Distillation";
+tinker-cookbook's ``distillation/train_on_policy``).
+
+Per sampled token ``t`` with ``lp_s`` the student's log-prob of it (the old policy's, the one that
+sampled it) and ``lp_T`` the teacher's, the reverse-KL estimate is ``k_t = lp_s - lp_T`` (its mean
+over the student's own samples is KL(student || teacher) per token), and the token's advantage is
+
+    A_t = reward_weight * A_task_t - coef * k_t
+
+(``A_task`` the ``algo.advantage`` estimator's on the task reward). The policy objective
+(``actor.policy_loss``) turns the advantage into the update as for any RL run: at ratio 1 its
+gradient is ``coef * mean_t(k_t * grad lp_s(t))``, the score-function gradient of the reverse KL
+with each token's own KL as its reward (no discounting over later tokens, as tinker-cookbook).
+``reward_weight = 0`` (default) is pure distillation; the task reward is still computed and logged.
+
+The teacher is a frozen engine (``roles.teacher.Teacher``) built from ``distill.teacher_path`` with
+the actor's engine keys (strategy, parallelism, dtype), any family the engine loads; it needs the
+student's vocabulary (the same ``vocab_size`` and, when both directories carry a tokenizer, the
+same token-to-id map), else the run is refused naming both. Metrics: ``distill/reverse_kl`` (the
+mean of ``k_t`` over the batch's sampled tokens) and ``distill/teacher_logprob_mean``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """The ``distill`` section (module docstring).
+
+    Attributes:
+        teacher_path: the teacher's HF model directory; null: no distillation.
+        coef: the weight of the reverse-KL advantage (> 0).
+        reward_weight: the weight of the task reward's advantage (0: pure distillation).
+    """
+
+    teacher_path: str | None = None
+    coef: float = 1.0
+    reward_weight: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_path is not None
+
+    def _problems(self) -> list[str]:
+        out = []
+        if not self.coef > 0:
+            out.append(f"coef = {self.coef}: must be > 0; fix: e.g. 1.0")
+        if not self.reward_weight >= 0:
+            out.append(f"reward_weight = {self.reward_weight}: must be >= 0; fix: 0 (pure distillation) or a positive weight")
+        return out
+
+
+def _vocab(path: str) -> tuple[int | None, dict[str, int] | None]:
+    """``(vocab_size from config.json, the tokenizer's token->id map or None)`` of a model dir."""
+    size = None
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            raw = json.load(f)
+        size = raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
+    tokenizer = None
+    if any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path).get_vocab()
+    return size, tokenizer
+
+
+def vocabulary_problems(student_path: str, teacher_path: str) -> list[str]:
+    """Why the teacher cannot score the student's tokens (empty when it can): another
+    ``vocab_size``, or tokenizers that map tokens to other ids."""
+    if not os.path.isdir(teacher_path):
+        return [f"distill.teacher_path = {teacher_path!r} is not a directory; fix: the teacher's HF model directory"]
+    s_size, s_tok = _vocab(student_path)
+    t_size, t_tok = _vocab(teacher_path)
+    if t_size is None:
+        return [f"distill.teacher_path = {teacher_path!r} has no config.json with a vocab_size; fix: an HF model directory"]
+    if s_size != t_size:
+        return [
+            f"distill.teacher_path = {teacher_path!r}: the teacher's vocabulary has {t_size} tokens, the student's "
+            f"({student_path!r}) {s_size}; on-policy distillation scores the student's token ids with the teacher, so both "
+            "need one vocabulary; fix: a teacher of the student's tokenizer family"
+        ]
+    if s_tok is not None and t_tok is not None and s_tok != t_tok:
+        differ = sorted(set(s_tok.items()) ^ set(t_tok.items()))[:3]
+        return [
+            f"distill.teacher_path = {teacher_path!r}: the teacher's tokenizer maps tokens to other ids than the student's "
+            f"({student_path!r}; e.g. {differ}); fix: a teacher of the student's tokenizer"
+        ]
+    return []
+
+
+def output_problems(teacher_path: str, output_dir: str) -> list[str]:
+    """A teacher inside the run's own output directory would be the student's checkpoint or
+    export being written: refused."""
+    teacher, out = os.path.realpath(teacher_path), os.path.realpath(output_dir)
+    if teacher == out or teacher.startswith(out + os.sep):
+        return [
+            f"distill.teacher_path = {teacher_path!r} is inside this run's trainer.output_dir ({output_dir!r}), where the student's "
+            "checkpoints and export are written; fix: copy the teacher elsewhere, or use another trainer.output_dir"
+        ]
+    return []
+
+
+def distill_problems(config: DistillConfig, student_path: str | None, output_dir: str) -> list[str]:
+    """Everything that refuses the teacher before any engine is built (module docstring)."""
+    out = output_problems(config.teacher_path, output_dir)
+    if student_path is not None:
+        out += vocabulary_problems(student_path, config.teacher_path)
+    return out
+
+
+def distill_advantages(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, task: torch.Tensor, config: DistillConfig
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Per-token advantages ``reward_weight * task - coef * (student - teacher)`` on the sampled
+    tokens (flat values; ``student`` the old policy's log-probs) and the metrics."""
+    keep = mask > 0
+    kl = (student - teacher) * keep
+    adv = config.reward_weight * task - config.coef * kl
+    tokens = keep.sum().clamp(min=1)
+    metrics = {
+        "distill/reverse_kl": float(kl.sum() / tokens),
+        "distill/teacher_logprob_mean": float((teacher * keep).sum() / tokens),
+    }
+    return adv * keep, metrics
