@@ -194,7 +194,8 @@ class BaseEngine(abc.ABC):
             batch: this rank's shard of the global batch.
             ctx: a dict passed to the hooks and returned, with ``ctx["norm"]`` (the call's
                 ``NormContext``, training) and ``ctx["metrics"]`` (per key, one value per
-                micro-batch); ``ctx[RETURN_PREDICTIONS] = False`` lets a training call return
+                micro-batch; for a metric the loss function declares summed, one value: the
+                call's global sum, ``engine_api.losses.LossFn``); ``ctx[RETURN_PREDICTIONS] = False`` lets a training call return
                 None for the predictions (``train_batch`` does this).
             forward_only: no backward, no loss; gradients untouched.
             preprocess_fn: ``fn(micro_batch, ctx) -> micro_batch`` before each forward.

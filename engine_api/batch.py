@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from engine_api.dist import all_gather_rows, group_size
-from engine_api.logprobs import TARGETS_FIELD
+from engine_api.logprobs import TARGETS_FIELD, TOPK_META
 
 _META_TYPES = (bool, int, float, str, type(None))
 
@@ -159,6 +159,11 @@ def validate_batch(
                     "with engine_api.make_batch"
                 )
     _check_metadata(batch)
+    if vocab_size is not None and TOPK_META in batch.keys() and batch.get_non_tensor(TOPK_META) > vocab_size:
+        raise ValueError(
+            f"batch metadata {TOPK_META} = {batch.get_non_tensor(TOPK_META)}: more candidates than the model's {vocab_size} "
+            f"tokens; fix: at most {vocab_size}"
+        )
     if "loss_mask" in batch.keys():
         if not batch["loss_mask"].is_nested:
             raise ValueError(
@@ -546,6 +551,8 @@ METADATA_RULES = {
     # MoE routing (engine_api.moe, "Routing replay"): route by the batch's routed_experts; return the router's own.
     "replay_routing": (lambda v: isinstance(v, bool), "True or False"),
     "return_routing": (lambda v: isinstance(v, bool), "True or False"),
+    # engine_api.logprobs, "Top-k": each position's K most likely tokens (0: off).
+    TOPK_META: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0 (0: no top-k outputs)"),
 }
 
 

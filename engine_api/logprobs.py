@@ -9,6 +9,12 @@ input_ids[:i + 1])`` (no shift, every position scored, the last one too). ``targ
 ``[T]`` or ``[T, K]`` per sequence (K candidates per position, e.g. a teacher's top-k); the output
 has its shape. This is the Tinker API's ``target_tokens`` convention; the targets need not be the
 next input token.
+
+Top-k (the batch metadata :data:`TOPK_META`, ``return_topk: K``): per position, in the targets'
+convention, the K most likely tokens of the distribution computed at that position (what follows
+``input_ids[:i + 1]``; every position, the last too) and their fp32 log-probs, ``topk_ids`` and
+``topk_log_probs`` ``[T, K]`` per sequence, most likely first (``torch.topk``; ties in torch's
+order). A teacher's top-k fed back as another model's ``target_ids`` scores the same positions.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: t
 
 TARGETS_FIELD = "target_ids"
 TARGET_LOG_PROBS = "target_log_probs"
+TOPK_META = "return_topk"
+TOPK_IDS = "topk_ids"
+TOPK_LOG_PROBS = "topk_log_probs"
 
 
 def target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -46,16 +55,33 @@ def target_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return logp.gather(-1, targets.long())
 
 
+def topk_of(micro_batch) -> int:
+    """The batch metadata :data:`TOPK_META` (0: no top-k outputs)."""
+    return int(micro_batch.get_non_tensor(TOPK_META, 0) or 0)
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [total, k] int64, log-probs [total, k] fp32)``: the ``k`` most likely tokens of
+    ``log_softmax(logits[t])`` per packed position (no shift), most likely first."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids, values
+
+
 def lm_token_outputs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, micro_batch) -> dict[str, torch.Tensor]:
     """The flat per-token outputs of an LM head for one packed micro-batch, as every backend
     returns them: ``log_probs``; ``entropy`` when the metadata ``calculate_entropy`` is True;
-    ``target_log_probs`` when the micro-batch carries :data:`TARGETS_FIELD`. ``logits`` are
+    ``target_log_probs`` when the micro-batch carries :data:`TARGETS_FIELD`; ``topk_ids`` and
+    ``topk_log_probs`` when its metadata :data:`TOPK_META` is K >= 1. ``logits`` are
     ``[total, vocab]`` in packed order, already divided by the temperature."""
     out = {"log_probs": token_log_probs(logits, input_ids, cu_seqlens)}
     if micro_batch.get_non_tensor("calculate_entropy", False):
         out["entropy"] = token_entropy(logits, cu_seqlens)
     if TARGETS_FIELD in micro_batch.keys():
         out[TARGET_LOG_PROBS] = target_log_probs(logits, micro_batch[TARGETS_FIELD].values())
+    k = topk_of(micro_batch)
+    if k:
+        with torch.no_grad():  # token ids: nothing to differentiate; the log-probs are a teacher's targets
+            out[TOPK_IDS], out[TOPK_LOG_PROBS] = top_log_probs(logits, k)
     return out
 
 
@@ -115,6 +141,8 @@ class HeadRequest:
         index: ``[total]`` place of each packed token in the flattened hidden rows the model
             ran (padding and row layouts), or None when the rows are the packed tokens in order.
         chunk_tokens: tokens per chunk (None: ``CHUNK_ELEMENTS // vocab``).
+        topk: also each position's ``topk`` most likely tokens and their log-probs (0: no);
+            the ids travel as fp32 columns (exact below 2**24 tokens) and carry no gradient.
     """
 
     input_ids: torch.Tensor
@@ -124,6 +152,7 @@ class HeadRequest:
     targets: torch.Tensor | None = None
     index: torch.Tensor | None = None
     chunk_tokens: int | None = None
+    topk: int = 0
 
     @classmethod
     def of(cls, micro_batch, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, index: torch.Tensor | None = None) -> HeadRequest:
@@ -137,6 +166,7 @@ class HeadRequest:
             entropy=bool(micro_batch.get_non_tensor("calculate_entropy", False)),
             targets=targets,
             index=index,
+            topk=topk_of(micro_batch),
         )
 
     def columns(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,9 +191,9 @@ class HeadRequest:
             args += (None if targets is None else targets[start : start + step],)
             if grad:
                 # recompute this chunk's logits in backward instead of keeping them (several chunks)
-                parts.append(checkpoint(_chunk_columns, *args, self.temperature, self.entropy, use_reentrant=False))
+                parts.append(checkpoint(_chunk_columns, *args, self.temperature, self.entropy, self.topk, use_reentrant=False))
             else:
-                parts.append(_chunk_columns(*args, self.temperature, self.entropy))
+                parts.append(_chunk_columns(*args, self.temperature, self.entropy, self.topk))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def outputs(self, columns: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -174,8 +204,13 @@ class HeadRequest:
             out["entropy"] = align_to_tokens(columns[:-1, 1], self.cu_seqlens)
             col = 2
         if self.targets is not None:
-            picked = columns[:, col:]
+            width = 1 if self.targets.dim() == 1 else self.targets.shape[-1]
+            picked = columns[:, col : col + width]
             out[TARGET_LOG_PROBS] = picked.squeeze(-1) if self.targets.dim() == 1 else picked
+            col += width
+        if self.topk:
+            out[TOPK_LOG_PROBS] = columns[:, col : col + self.topk].detach()
+            out[TOPK_IDS] = columns[:, col + self.topk : col + 2 * self.topk].detach().long()
         return out
 
 
@@ -187,6 +222,7 @@ def _chunk_columns(
     targets: torch.Tensor | None,
     temperature: float,
     entropy: bool,
+    topk: int = 0,
 ) -> torch.Tensor:
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
     if temperature != 1.0:
@@ -197,4 +233,8 @@ def _chunk_columns(
         cols.append(-(logp.exp() * logp).sum(-1, keepdim=True))
     if targets is not None:
         cols.append(logp.gather(-1, targets))
+    if topk:
+        with torch.no_grad():
+            values, ids = logp.topk(topk, dim=-1)
+        cols += [values, ids.to(logp.dtype)]
     return torch.cat(cols, dim=-1)

@@ -40,6 +40,7 @@ Two engine-side corrections turn these contributions into the right gradient:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -268,10 +269,44 @@ class LossFn(Protocol):
 
     Returns:
         ``(contribution, metrics)``: a scalar tensor (this micro-batch's share of the global
-        loss) and a dict of float metrics for this micro-batch.
+        loss) and a dict of float metrics for this micro-batch. A metric named in the
+        function's :data:`SUMMED_METRICS` attribute (:func:`with_summed_metrics`) is a
+        contribution like the loss (reduced with :func:`agg_loss`): the engine reports the
+        call's global value, its sum over micro-batches and DP ranks, independent of how the
+        batch was split. Any other metric is reported as the mean over this rank's micro-batches.
     """
 
     def __call__(self, micro_batch, outputs, norm: NormContext) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+#: The attribute of a loss function naming its metrics that are contributions (see :class:`LossFn`).
+SUMMED_METRICS = "summed_metrics"
+
+
+def with_summed_metrics(loss_fn: LossFn, *keys: str) -> LossFn:
+    """``loss_fn`` with ``keys`` declared contributions: each such metric a micro-batch returns
+    is its share of a global value, normalised by the call's global denominator as
+    :func:`agg_loss` does, so the engine sums it over micro-batches and DP ranks (what it does
+    for the loss) and reports that sum. The function itself is unchanged."""
+    wrapped = functools.partial(loss_fn)
+    setattr(wrapped, SUMMED_METRICS, frozenset(keys))
+    return wrapped
+
+
+def reduce_summed_metrics(loss_fn: LossFn | None, metrics: dict[str, list[float]], group: dist.ProcessGroup | None) -> None:
+    """Replace, in ``metrics`` (per key, one value per micro-batch of this rank), each metric
+    ``loss_fn`` declares summed by its global value (the sum over micro-batches, all-reduced
+    over ``group``). Collective over ``group`` when ``loss_fn`` declares any: every rank sends
+    every declared key (0 where its micro-batches gave none), so the ranks agree even when a
+    metric appears on some only; a key no rank reported stays absent."""
+    keys = sorted(getattr(loss_fn, SUMMED_METRICS, ()))
+    if not keys:
+        return
+    local = [float(sum(metrics.get(k, []))) for k in keys] + [float(k in metrics) for k in keys]
+    both = all_reduce(torch.tensor(local, dtype=torch.float64, device=comm_device(group)), "sum", group).cpu()
+    for i, key in enumerate(keys):
+        if both[len(keys) + i] > 0:
+            metrics[key] = [float(both[i])]
 
 
 def _check_mode(mode: str) -> None:

@@ -20,8 +20,8 @@ from tensordict import TensorDict
 from engine_api.batch import loss_mask_of, relayout, to_device, validate_batch
 from engine_api.config import EngineConfig
 from engine_api.dist import all_gather_objects, all_reduce, comm_device, group_size
-from engine_api.logprobs import TARGETS_FIELD
-from engine_api.losses import DeferredNormalizer, LossFn, backward_scale, build_norm_context
+from engine_api.logprobs import TARGETS_FIELD, TOPK_META
+from engine_api.losses import SUMMED_METRICS, DeferredNormalizer, LossFn, backward_scale, build_norm_context, reduce_summed_metrics
 from engine_api.microbatch import make_micro_batches
 from engine_api.moe import ROUTING_FIELD, RoutingRecorder, check_routing
 
@@ -57,9 +57,10 @@ class StepSpec:
             loss (the default runner; a backend's own runner calls ``close`` itself) and
             reports its metrics. None for a dense model.
         scores_targets: whether the forward returns ``target_log_probs`` for a batch with
-            ``target_ids`` (``engine_api.logprobs``); a layout that cannot (today: sequences split
-            over ranks, Ulysses SP and megatron CP) says False, and such a batch is refused
-            before any state changes, naming the setting.
+            ``target_ids`` and the top-k outputs of metadata ``return_topk``
+            (``engine_api.logprobs``); a layout that cannot (today: sequences split over ranks,
+            Ulysses SP and megatron CP) says False, and such a batch is refused before any
+            state changes, naming the setting.
     """
 
     config: EngineConfig
@@ -123,6 +124,11 @@ def validate_call(
             raise ValueError(
                 f"batch field {TARGETS_FIELD!r}: arbitrary target log-probs are not computed when {scores_targets}; "
                 f"fix: drop {TARGETS_FIELD!r} (next-token log_probs are), or train this batch without sequence splitting"
+            )
+        if TOPK_META in batch.keys() and batch.get_non_tensor(TOPK_META) and scores_targets is not True:
+            raise ValueError(
+                f"batch metadata {TOPK_META!r}: top-k outputs are not computed when {scores_targets}; fix: set it to 0, or run "
+                "this model without sequence splitting"
             )
     except ValueError as exc:
         error = exc
@@ -244,7 +250,8 @@ def forward_backward_loop(
     function check, micro-batch planning, the call's normalization context and backward scale,
     then ``runner`` (the default runs micro-batches eagerly; megatron plugs its pipeline
     schedule in), output restore onto the caller's layout and device, the deferred counts,
-    and the global loss (the sum of every rank's contributions over DP).
+    the global values of the loss function's summed metrics (``engine_api.losses.LossFn``) and the
+    global loss (the sum of every rank's contributions over DP).
     """
     cfg = spec.config
     validate_call(
@@ -298,6 +305,9 @@ def forward_backward_loop(
         return predictions, ctx
     if cfg.deferred_normalization:
         deferred.add(norm.counts)
+    # The loss function's summed metrics are contributions like the loss: their global values.
+    if getattr(loss_fn, SUMMED_METRICS, None):
+        reduce_summed_metrics(loss_fn, ctx.setdefault("metrics", {}), spec.dp_group)
     # Contributions are normalised by global counts, so the global loss is their sum over DP.
     global_loss = float(all_reduce(total.to(comm_device(spec.dp_group)), "sum", spec.dp_group))
     deferred.note_loss(global_loss)  # a non-finite loss skips the window's optimizer step

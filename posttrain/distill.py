@@ -15,6 +15,17 @@ gradient is ``coef * mean_t(k_t * grad lp_s(t))``, the score-function gradient o
 with each token's own KL as its reward (no discounting over later tokens, as tinker-cookbook).
 ``reward_weight = 0`` (default) is pure distillation; the task reward is still computed and logged.
 
+Top-k forward KL (``distill.topk`` = K >= 1): the teacher also returns, at every position, its K
+most likely next tokens and their log-probs; the student's update adds ``topk_coef`` times the
+forward KL from the teacher's candidates to its own, both renormalised over the K candidates
+(``roles.teacher.topk_forward_kl``; NeMo-RL's ``DistillationLossFn`` forward mode), aggregated
+over the sampled tokens like the policy loss (``engine.loss_agg_mode``). It is a loss term, not
+an advantage: its gradient is exact (no sampling), and it needs the student's log-probs of the
+teacher's ids, so the update's forward scores them as ``target_ids``. Metric:
+``distill/topk_forward_kl``. Sequence-split layouts (Ulysses SP, megatron CP) do not compute
+top-k outputs and refuse it, naming the setting. ``coef = 0`` with ``topk`` > 0 is forward KL
+alone.
+
 The teacher is a frozen engine (``roles.teacher.Teacher``) built from ``distill.teacher_path`` with
 the actor's engine keys (strategy, parallelism, dtype), any family the engine loads; it needs the
 student's vocabulary (the same ``vocab_size`` and, when both directories carry a tokenizer, the
@@ -30,6 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tensordict import TensorDict
+
+from engine_api.batch import attach
+from engine_api.logprobs import TARGETS_FIELD, TOPK_IDS, TOPK_LOG_PROBS
+from roles.actor import TEACHER_TOPK, TOPK_KL_COEF
 
 
 @dataclass(frozen=True)
@@ -38,13 +54,18 @@ class DistillConfig:
 
     Attributes:
         teacher_path: the teacher's HF model directory; null: no distillation.
-        coef: the weight of the reverse-KL advantage (> 0).
+        coef: the weight of the reverse-KL advantage (>= 0; 0 only with ``topk``).
         reward_weight: the weight of the task reward's advantage (0: pure distillation).
+        topk: K >= 1 adds the forward KL on the teacher's K most likely next tokens as a loss
+            term (0: off).
+        topk_coef: that term's weight (> 0).
     """
 
     teacher_path: str | None = None
     coef: float = 1.0
     reward_weight: float = 0.0
+    topk: int = 0
+    topk_coef: float = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -52,8 +73,14 @@ class DistillConfig:
 
     def _problems(self) -> list[str]:
         out = []
-        if not self.coef > 0:
-            out.append(f"coef = {self.coef}: must be > 0; fix: e.g. 1.0")
+        if not self.coef >= 0:
+            out.append(f"coef = {self.coef}: must be >= 0; fix: e.g. 1.0")
+        elif self.coef == 0 and self.topk == 0:
+            out.append("coef = 0 with topk = 0: nothing is distilled; fix: coef > 0 (reverse KL), topk >= 1 (forward KL), or both")
+        if self.topk < 0:
+            out.append(f"topk = {self.topk}: must be >= 0; fix: 0 (off) or the teacher's candidates per token, e.g. 16")
+        if self.topk and not self.topk_coef > 0:
+            out.append(f"topk_coef = {self.topk_coef}: must be > 0 with topk = {self.topk}; fix: e.g. 1.0")
         if not self.reward_weight >= 0:
             out.append(f"reward_weight = {self.reward_weight}: must be >= 0; fix: 0 (pure distillation) or a positive weight")
         return out
@@ -133,3 +160,13 @@ def distill_advantages(
         "distill/teacher_logprob_mean": float((teacher * keep).sum() / tokens),
     }
     return adv * keep, metrics
+
+
+def topk_batch(batch: TensorDict, taught: TensorDict, coef: float) -> TensorDict:
+    """A shallow copy of the global ``batch`` for the student's update with the teacher's top-k
+    (``taught``: the teacher's outputs with ``topk_ids`` / ``topk_log_probs``): the ids as
+    ``target_ids``, their log-probs as ``teacher_topk_log_probs`` and the metadata
+    ``topk_kl_coef`` the actor reads (``roles.actor``)."""
+    out = attach(batch.copy(), **{TARGETS_FIELD: taught[TOPK_IDS].values(), TEACHER_TOPK: taught[TOPK_LOG_PROBS].values().float()})
+    out.set_non_tensor(TOPK_KL_COEF, float(coef))
+    return out

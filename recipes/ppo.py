@@ -43,7 +43,7 @@ from posttrain.async_rl.dynamic import DynamicSampling
 from posttrain.cli import parse_recipe_args, run_setup
 from posttrain.data_order import check_order
 from posttrain.dist import init_distributed, rank
-from posttrain.distill import DistillConfig, distill_advantages, distill_problems
+from posttrain.distill import DistillConfig, distill_advantages, distill_problems, topk_batch
 from posttrain.evaluation import validate
 from posttrain.gateway.config import AgentConfig, gateway_problems
 from posttrain.placement.rl_host import place_roles
@@ -447,18 +447,23 @@ def train_on_batch(
     settings = {"gamma": cfg.algo.gamma, "lam": cfg.algo.lam, "norm_by_std": cfg.algo.norm_by_std}
     adv, returns = estimate_advantages(cfg.algo.advantage, inputs, settings)
     distilled: dict[str, float] = {}
+    actor_batch = batch
     if teacher is not None:
-        teacher_lp = teacher.compute_log_probs(batch)["log_probs"].values()
-        adv, distilled = distill_advantages(batch["old_log_probs"].values(), teacher_lp, mask, adv, cfg.distill)
+        taught = teacher.compute_log_probs(batch, topk=cfg.distill.topk)
+        adv, distilled = distill_advantages(batch["old_log_probs"].values(), taught["log_probs"].values(), mask, adv, cfg.distill)
+        if cfg.distill.topk:  # the student scores the teacher's candidates in its update (the critic never sees them)
+            actor_batch = topk_batch(batch, taught, cfg.distill.topk_coef)
     if critic is not None:
         attach(batch, values=values, returns=returns)
     attach(batch, advantages=adv)
+    if actor_batch is not batch:
+        attach(actor_batch, advantages=adv)
     timings["prepare_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if reuse:
         actor_m, old = actor.update_on_policy(batch)
     else:
-        actor_m = actor.update(batch)
+        actor_m = actor.update(actor_batch)
     critic_m = critic.update(batch) if critic is not None else []
     timings["update_s"] = time.perf_counter() - t0
     trainer_lp, rollout_lp = old["log_probs"].values(), batch["rollout_log_probs"].values()
@@ -486,6 +491,8 @@ def train_on_batch(
     }
     out.update(parity)
     out.update(distilled)
+    if "distill/topk_forward_kl" in actor_m[0]:
+        out["distill/topk_forward_kl"] = _mean([m["distill/topk_forward_kl"] for m in actor_m])
     out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})
     out.update({k: _mean([m.get(k) for m in actor_m]) for k in actor_m[0] if k.startswith("moe/")})
     if "kl" in actor_m[0]:

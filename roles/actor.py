@@ -17,12 +17,23 @@ from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
 from engine_api.batch import unpack
+from engine_api.logprobs import TARGET_LOG_PROBS, TARGETS_FIELD
+from engine_api.losses import with_summed_metrics
 from engine_api.moe import ROLLOUT_ROUTING_FIELD, ROUTING_FIELD, routing_disagreement
 from roles.algos import KL_ESTIMATORS, RolloutCorrectionConfig, kl_estimate, rollout_correction
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 from roles.objectives import POLICY_OBJECTIVES, PolicyTerms, objective_settings, policy_terms
+from roles.teacher import topk_forward_kl
 
 ROUTER_REPLAY = ("off", "r2", "r3")
+# On-policy distillation's top-k term (roles.teacher.topk_forward_kl): the global batch's metadata
+# TOPK_KL_COEF > 0 with the per-token fields TEACHER_TOPK ([T, K], the teacher's top-k log-probs)
+# and target_ids ([T, K], their ids) adds TOPK_KL_COEF * the forward KL to the policy loss.
+TOPK_KL_COEF = "topk_kl_coef"
+TEACHER_TOPK = "teacher_topk_log_probs"
+# The loss terms' metrics: contributions to the global loss, so the engine reports their global
+# values (summed over micro-batches and ranks); clipfrac and ratio_mean are per-micro-batch means.
+SUMMED = ("pg_loss", "kl", "entropy", "distill/topk_forward_kl")
 # Batch metadata: the policy loss takes the old-policy log-probs from its own forward (detached).
 OLD_FROM_FORWARD = "old_log_probs_from_forward"
 
@@ -107,9 +118,18 @@ class ActorConfig:
         """The settings :func:`roles.objectives.policy_terms` gets: the registry's defaults, the
         clip margins as ratio bounds, ``dual_clip`` and ``policy_loss_config``.
 
+        Computed and checked once per config (the update reads it every micro-batch).
+
         Raises:
             ValueError: a setting the objective does not have (a ``dual_clip`` outside ``ppo``,
                 bounds in ``policy_loss_config``) or a value the registry refuses."""
+        cached = self.__dict__.get("_objective_settings")
+        if cached is None:
+            cached = self._checked_settings()
+            object.__setattr__(self, "_objective_settings", cached)  # frozen: not a field, so eq / replace ignore it
+        return dict(cached)
+
+    def _checked_settings(self) -> dict[str, Any]:
         defaults = POLICY_OBJECTIVES[self.policy_loss].settings
         for key in ("lo", "hi"):
             if key in self.policy_loss_config:
@@ -154,7 +174,7 @@ class Actor(TrainableRole):
             )
         self.engine = engine
         self.config = config
-        engine.set_loss_fn(self.loss)
+        engine.set_loss_fn(with_summed_metrics(self.loss, *SUMMED))
 
     def compute_log_probs(self, batch: TensorDict, calculate_entropy: bool = False) -> TensorDict:
         """Log-probs (and entropy) of the global batch under the current weights, on every rank.
@@ -180,8 +200,14 @@ class Actor(TrainableRole):
         per-token fields of ``batch``. With a rollout correction on, it is computed once on the
         global batch (:func:`apply_rollout_correction`) and its metrics are added to every
         returned dict; ``batch`` itself is not modified.
+
+        A batch with the metadata ``topk_kl_coef`` > 0 also trains toward a teacher's top-k
+        candidates (fields ``teacher_topk_log_probs`` and ``target_ids``, ``[T, K]``;
+        :func:`roles.teacher.topk_forward_kl`), weighted by it: on-policy distillation's
+        ``distill.topk``.
         """
         require_fields(batch, update_fields(self.config), "Actor.update")
+        topk_coef = topk_kl_coef_of(batch)
         batch, correction = apply_rollout_correction(self.config, batch)
         entropy = self.config.entropy_coef > 0
         replay = self.config.router_replay != "off"
@@ -190,6 +216,8 @@ class Actor(TrainableRole):
 
         def prepare(local: TensorDict) -> None:
             local.set_non_tensor("calculate_entropy", entropy)
+            if topk_coef:
+                local.set_non_tensor(TOPK_KL_COEF, topk_coef)
             if replay:
                 local.set_non_tensor("replay_routing", True)
 
@@ -273,6 +301,25 @@ def routing_for_update(config: ActorConfig, batch: TensorDict, old: TensorDict) 
     return unpack(chosen.values(), batch["input_ids"]), metrics
 
 
+def topk_kl_coef_of(batch: TensorDict) -> float:
+    """The batch's ``topk_kl_coef`` (0: none), checked with the fields it needs.
+
+    Raises:
+        ValueError: a negative or non-finite coefficient, or a missing / misshapen field."""
+    coef = float(batch.get_non_tensor(TOPK_KL_COEF)) if TOPK_KL_COEF in batch.keys() else 0.0
+    if not (coef >= 0 and coef < float("inf")):
+        raise ValueError(f"batch metadata {TOPK_KL_COEF} = {coef}: must be a finite number >= 0; fix: e.g. 1.0, or 0 (off)")
+    if coef:
+        require_fields(batch, [TEACHER_TOPK, TARGETS_FIELD], f"Actor.update ({TOPK_KL_COEF} = {coef:g})")
+        teacher, ids = batch[TEACHER_TOPK].values(), batch[TARGETS_FIELD].values()
+        if teacher.dim() != 2 or teacher.shape != ids.shape:
+            raise ValueError(
+                f"{TEACHER_TOPK} has shape {tuple(teacher.shape)} and {TARGETS_FIELD} {tuple(ids.shape)}: the top-k term needs "
+                "both [T, K] with one K; fix: the teacher's topk_log_probs and topk_ids of one call"
+            )
+    return coef
+
+
 def update_fields(config: ActorConfig) -> list[str]:
     """The per-token fields a policy update needs."""
     fields = ["old_log_probs", "advantages"] + (["ref_log_probs"] if config.kl_coef else [])
@@ -350,4 +397,10 @@ def policy_objective(c: ActorConfig, mb: TensorDict, out: TensorDict, norm) -> t
         entropy = agg_loss(out["entropy"].values(), mask, norm)
         total = total - c.entropy_coef * entropy
         metrics["entropy"] = float(entropy.detach())
+    topk_coef = float(mb.get_non_tensor(TOPK_KL_COEF)) if TOPK_KL_COEF in mb.keys() else 0.0
+    if topk_coef:
+        forward_kl = topk_forward_kl(out[TARGET_LOG_PROBS].values(), mb[TEACHER_TOPK].values(), mb["input_ids"].offsets())
+        kl = agg_loss(forward_kl, mask, norm)
+        total = total + topk_coef * kl
+        metrics["distill/topk_forward_kl"] = float(kl.detach())
     return total, metrics

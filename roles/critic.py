@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from engine_api import BaseEngine, agg_loss
+from engine_api.losses import with_summed_metrics
 from roles.algos import clipped_value_loss
 from roles.common import TrainableRole, infer_global, require_fields, train_epochs
 
@@ -42,7 +43,7 @@ class Critic(TrainableRole):
     def __init__(self, engine: BaseEngine, config: CriticConfig) -> None:
         self.engine = engine
         self.config = config
-        engine.set_loss_fn(self.loss)
+        engine.set_loss_fn(with_summed_metrics(self.loss, "vf_loss"))  # a contribution: its global value
 
     def compute_values(self, batch: TensorDict) -> TensorDict:
         """Values of the global batch (``values[i]`` predicted from the prefix before token i)."""

@@ -13,6 +13,7 @@ import torch
 
 from engine_api.conformance import fixtures as fx
 from engine_api.conformance.checks import CheckFailed, Env, Skipped, _local, check, close, max_diff, new_engine, weights, window
+from engine_api.logprobs import TOPK_IDS, TOPK_LOG_PROBS, TOPK_META
 
 UPDATE_RTOL = 1e-6
 VARIANTS = {
@@ -61,12 +62,14 @@ def _targets_or_skip(call: Callable[[], object]) -> object:
 
 @check("target_logprobs")
 def target_logprobs(env: Env) -> str:
-    """target_ids ([T] and [T, K] per sequence) give target_log_probs equal to HF's log-softmax at each position (no shift, the last position too)."""
+    """target_ids ([T] and [T, K] per sequence) give target_log_probs equal to HF's log-softmax at each position (no shift, the last position too); metadata return_topk gives each position's top-k ids and log-probs as HF's."""
     hf = fx.hf_model(env.model_dir)
     engine = new_engine(env, "max_token_len_per_micro_batch=16")
     worst = {}
     for label, k in (("[T]", None), ("[T, 3]", 3)):
         local = engine.shard_data(fx.make_target_batch(seed=2, k=k))
+        if k is None:
+            local.set_non_tensor(TOPK_META, TOPK)
         with engine.eval_mode():
             out = _targets_or_skip(lambda local=local: engine.infer_batch(local))
         if out is None:
@@ -79,7 +82,34 @@ def target_logprobs(env: Env) -> str:
         worst[label] = max_diff(got, fx.hf_target_log_probs(hf, local))
         if worst[label] > 1e-5:
             raise CheckFailed(f"{label} targets: log-probs differ from HF by {worst[label]:.2e} (> 1e-5)")
+        if k is None:
+            worst[f"top-{TOPK}"] = _topk_diff(hf, local, out)
     return ", ".join(f"{k} max|diff| {v:.1e}" for k, v in worst.items())
+
+
+TOPK = 4
+
+
+def _topk_diff(hf, local, out) -> float:
+    """The engine's ``topk_ids`` / ``topk_log_probs`` against HF's: the values against HF's top-k
+    values, and HF's log-probs at the engine's ids against the engine's values (so a near-tie
+    listed in the other order still passes; a wrong id does not)."""
+    if TOPK_IDS not in out.keys() or TOPK_LOG_PROBS not in out.keys():
+        raise CheckFailed(f"{TOPK_META}={TOPK}: the outputs lack {TOPK_IDS} / {TOPK_LOG_PROBS} (got {sorted(out.keys())})")
+    worst = 0.0
+    with torch.no_grad():
+        rows = zip(local["input_ids"].unbind(), out[TOPK_IDS].unbind(), out[TOPK_LOG_PROBS].unbind(), strict=True)
+        for ids, top_ids, top_lp in rows:
+            if top_ids.shape != (ids.shape[0], TOPK) or top_ids.dtype.is_floating_point:
+                raise CheckFailed(
+                    f"{TOPK_IDS}: shape {tuple(top_ids.shape)} dtype {top_ids.dtype}, want ({ids.shape[0]}, {TOPK}) integer ids"
+                )
+            logp = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
+            worst = max(worst, float((logp.topk(TOPK, -1).values - top_lp.float()).abs().max()))
+            worst = max(worst, float((logp.gather(-1, top_ids.long()) - top_lp.float()).abs().max()))
+    if worst > 1e-5:
+        raise CheckFailed(f"{TOPK_META}={TOPK}: top-k log-probs differ from HF's by {worst:.2e} (> 1e-5)")
+    return worst
 
 
 @check("per_step_optim")

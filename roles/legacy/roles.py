@@ -9,7 +9,8 @@ import torch
 from tensordict import TensorDict
 
 from engine_api.config import EngineConfig
-from roles.actor import ActorConfig, apply_rollout_correction, policy_objective, update_fields
+from engine_api.losses import with_summed_metrics
+from roles.actor import SUMMED, ActorConfig, apply_rollout_correction, policy_objective, update_fields
 from roles.common import require_fields
 from roles.critic import VALUE_UPDATE_FIELDS, CriticConfig, value_objective
 from roles.legacy.worker import FSDPWorker
@@ -55,7 +56,7 @@ class LegacyActor(_LegacyRole):
         require_fields(batch, update_fields(self.config), "LegacyActor.update")
         c = self.config
         batch, correction = apply_rollout_correction(c, batch)
-        loss_fn = functools.partial(policy_objective, c)
+        loss_fn = with_summed_metrics(functools.partial(policy_objective, c), *SUMMED)
         metrics = self.worker.train_epochs(batch, c.ppo_epochs, c.mini_batch_size, loss_fn, calculate_entropy=c.entropy_coef > 0)
         for m in metrics:
             m.update(correction)
@@ -76,7 +77,7 @@ class LegacyCritic(_LegacyRole):
     def update(self, batch: TensorDict) -> list[dict]:
         """Clipped value update over ``ppo_epochs`` x mini-batches."""
         require_fields(batch, VALUE_UPDATE_FIELDS, "LegacyCritic.update")
-        loss_fn = functools.partial(value_objective, self.config)
+        loss_fn = with_summed_metrics(functools.partial(value_objective, self.config), "vf_loss")
         return self.worker.train_epochs(batch, self.config.ppo_epochs, self.config.mini_batch_size, loss_fn)
 
 

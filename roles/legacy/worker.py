@@ -24,7 +24,7 @@ from engine_api.base import bucket_bytes
 from engine_api.batch import loss_mask_of, shard_batch, split_by_size, to_device, unpack, unshard_batch, validate_batch
 from engine_api.config import EngineConfig, options_of
 from engine_api.dist import all_reduce, comm_device, ensure_process_group
-from engine_api.losses import build_norm_context
+from engine_api.losses import build_norm_context, reduce_summed_metrics
 from engine_api.lr_schedule import build_lr_scheduler
 from engine_api.optim import check_update_finite
 from roles.legacy_flag import legacy_problems
@@ -116,6 +116,7 @@ class FSDPWorker:
             self.scheduler.step()
             self.global_step += 1
             out.update(step_skipped=0.0, lr=self.scheduler.get_last_lr()[0])
+        reduce_summed_metrics(loss_fn, per_mb, group)  # loss terms: their global values, as the engines report
         out.update({key: sum(values) / len(values) for key, values in per_mb.items()})
         return out
 

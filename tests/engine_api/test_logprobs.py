@@ -66,14 +66,16 @@ def _head_case(seed: int = 0, total: int = 11, hidden: int = 8, vocab: int = 13)
 
 
 def test_chunked_head_equals_full_logits_values_and_gradients():
-    """``HeadRequest`` (chunks of 3 tokens, temperature, entropy, [T, K] targets) against
+    """``HeadRequest`` (chunks of 3 tokens, temperature, entropy, [T, K] targets, top-3) against
     ``lm_token_outputs`` on the full fp32 logits of the same hidden states and head: values and
-    the gradients of hidden states, weight and bias within fp32 summation noise (1e-5)."""
+    the gradients of hidden states, weight and bias within fp32 summation noise (1e-5); the top-k
+    of both against a plain sort of the log-softmax (the same ids, values to 1e-5)."""
     from engine_api.logprobs import HeadRequest, lm_token_outputs
 
     b, h, w, bias = _head_case()
     b.set_non_tensor("temperature", 0.7)
     b.set_non_tensor("calculate_entropy", True)
+    b.set_non_tensor("return_topk", 3)
     p = pack(b["input_ids"])
     g = torch.Generator().manual_seed(5)
     coef = {
@@ -91,12 +93,16 @@ def test_chunked_head_equals_full_logits_values_and_gradients():
     request.chunk_tokens = 3
     got = request.outputs(request.columns(h, w, bias))
     got_grads = torch.autograd.grad(loss(got), (h, w, bias))
-    assert set(got) == set(want) == {"log_probs", "entropy", "target_log_probs"}
+    assert set(got) == set(want) == {"log_probs", "entropy", "target_log_probs", "topk_ids", "topk_log_probs"}
     for k in want:
         assert got[k].shape == want[k].shape, k
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)
     for a, c in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    hand = torch.log_softmax(torch.nn.functional.linear(h, w, bias).detach() / 0.7, -1).sort(-1, descending=True)
+    for out in (got, want):
+        assert out["topk_ids"].dtype == torch.int64 and torch.equal(out["topk_ids"], hand.indices[:, :3])
+        torch.testing.assert_close(out["topk_log_probs"], hand.values[:, :3], rtol=1e-5, atol=1e-5)
 
 
 def test_chunked_head_gathers_rows_by_index():

@@ -124,11 +124,29 @@ def test_grpo_with_vllm_on_qwen3_moe(strategy, tmp_path):
 def test_lora_actor_syncs_only_its_adapters(tmp_path):
     """``engine.model.lora.rank=8`` with vllm: ``lora_sync=auto`` serves the adapters through
     vLLM's LoRA (``enable_lora``); the trainer's log-probs (peft, adapters merged in the forward)
-    equal vLLM's at every step, while the adapters train (non-zero B after step 1)."""
-    lora = _rows(
-        tmp_path / "lora", launch.run_script(_args(tmp_path / "lora", "engine.model.lora.rank=8", "engine.optim.lr=1e-2"), timeout=600)
-    )
+    equal vLLM's at every step, while the adapters train (non-zero B after step 1). The update is
+    CISPO over RLOO advantages with DAPO's dynamic sampling, mixed with on-policy distillation
+    from a teacher of no adapters (reverse KL and top-2 forward KL): the rollout boundary holds
+    under all of them, and the distillation terms are real."""
+    from posttrain.tiny_model import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1, hidden_size=64, num_layers=2)
+    algos = [
+        "actor.policy_loss=cispo",
+        "algo.advantage=rloo",
+        "algo.dynamic_sampling=true",
+        f"distill.teacher_path={teacher}",
+        "distill.reward_weight=1",
+        "distill.topk=2",
+    ]
+    args = _args(tmp_path / "lora", "engine.model.lora.rank=8", "engine.optim.lr=1e-2", *algos)
+    lora = _rows(tmp_path / "lora", launch.run_script(args, timeout=600))
     _assert_parity(lora)
+    # the top-k forward KL is a KL (>= 0; 0.008-0.010 measured); the reverse KL a sample estimate (k1), of either sign
+    assert all(r["distill/topk_forward_kl"] > 1e-3 and abs(r["distill/reverse_kl"]) > 1e-4 for r in lora), lora
+    assert all(
+        r["dynamic_sampling/prompts_drawn"] - r["dynamic_sampling/groups_dropped"] - r["dynamic_sampling/groups_surplus"] == 8 for r in lora
+    )
     # Only the adapters moved: far less than the model's own weights (what a merged sync carries).
     from engine_api.rollout import hf_weight_shapes
 

@@ -37,6 +37,36 @@ def test_first_epoch_ratio_is_one_and_loss_is_minus_mean_advantage(model_dir):
     assert math.isclose(metrics["loss"], want, rel_tol=1e-5, abs_tol=1e-6)
 
 
+def test_loss_term_metrics_are_global_values_whatever_the_micro_batching(model_dir):
+    """``pg_loss``, ``kl`` and ``entropy`` are contributions to the loss (summed metrics): the
+    update reports their global values, the same at 1, 2 and 6 micro-batches (1e-6), and
+    ``pg_loss`` equals the hand token-mean of -A at ratio 1. Before, the engine averaged the
+    micro-batches' contributions: 1/3 of the value at 3 micro-batches (checked: that is what
+    the undeclared metric reports)."""
+    from engine_api.losses import SUMMED_METRICS
+
+    config = ActorConfig(kl_coef=0.5, entropy_coef=0.01)
+    got = {}
+    for mbs in (6, 2, 1):
+        actor = Actor(_engine(model_dir, f"micro_batch_size={mbs}"), config)
+        batch = _with_old_log_probs(actor, make_test_batch())
+        batch = _with_old_log_probs(actor, batch, name="ref_log_probs")
+        got[mbs] = actor.update(batch)[0]
+    mask, adv = batch["loss_mask"].values(), batch["advantages"].values()
+    assert math.isclose(got[6]["pg_loss"], float(-(adv * mask).sum() / mask.sum()), rel_tol=1e-5, abs_tol=1e-6)
+    for mbs in (2, 1):
+        for key in ("pg_loss", "kl", "entropy"):
+            assert math.isclose(got[mbs][key], got[6][key], rel_tol=1e-6, abs_tol=1e-7), (mbs, key, got[mbs][key], got[6][key])
+    assert got[6]["entropy"] > 0.1
+    plain = Actor(_engine(model_dir, "micro_batch_size=2"), config)
+    plain.engine.set_loss_fn(plain.loss)  # no summed metrics declared: the per-micro-batch mean
+    assert not hasattr(plain.loss, SUMMED_METRICS)
+    batch = _with_old_log_probs(plain, make_test_batch())
+    batch = _with_old_log_probs(plain, batch, name="ref_log_probs")
+    mean = plain.update(batch)[0]
+    assert math.isclose(mean["entropy"], got[6]["entropy"] / 3, rel_tol=1e-5), (mean["entropy"], got[6]["entropy"])
+
+
 def test_mini_batches_and_epochs_set_the_number_of_steps_and_entropy_is_on_request(model_dir):
     """Found by `make mutate`: 2 epochs x mini-batches of 2 of the 6-row batch = 6 optimizer
     steps (one metrics dict each); entropy only when asked for."""
