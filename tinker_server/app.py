@@ -38,8 +38,9 @@ Training (each a future, executed in the model's ``seq_id`` order)
     ``POST optim_step``                  Adam step (``AdamParams``)
     ``POST save_weights``                ``tinker://{model_id}/weights/{name}`` (weights and optimizer)
     ``POST save_weights_for_sampler``    named: ``tinker://{model_id}/sampler_weights/{name}``; unnamed: a
-                                         sampling session of the current weights (the last
-                                         ``snapshots_per_model`` per model are kept, default 4)
+                                         sampling session of the current weights (the
+                                         ``server.snapshots_per_model`` most recently used per
+                                         model are kept, default 4)
     ``POST load_weights``                into a model (``model_id`` + ``seq_id``, optimizer or not), or
                                          create-from-state (``session_id`` + ``model_seq_id``): a new run with
                                          the checkpoint's base model and LoRA config, then the load

@@ -82,7 +82,12 @@ class ServerSection:
             key cannot take every run of the server.
         max_sampling_sessions_per_key: sampling sessions (``create_sampling_session``) one API key
             holds open at once; a session's are freed when its ServiceClient session finishes
-            (snapshot samplers are bounded per run instead: the newest 4 of each run).
+            (snapshot samplers are bounded per run instead: ``snapshots_per_model``).
+        snapshots_per_model: unnamed sampling snapshots (``save_weights_and_get_sampling_client``)
+            one run keeps; past it the least recently used (sampled or scored longest ago) is
+            freed, so a client that keeps using an early snapshot (a DPO reference, a teacher)
+            keeps it while later ones come and go. Each holds a copy of the run's weights in host
+            memory (LoRA adapters only with ``rollout.lora_rank``): the cap bounds that memory.
         ownerless_runs_owner: the API key (``tml-...``) or owner tag (``k-`` + 16 hex digits) that
             run records without an owner (``run.json`` of a server before issue 60) belong to;
             null: with tenants enforced such records belong to no key (left out of listings,
@@ -107,6 +112,7 @@ class ServerSection:
     tenants: bool = True
     max_runs_per_key: int = 8
     max_sampling_sessions_per_key: int = 256
+    snapshots_per_model: int = 4
     ownerless_runs_owner: str | None = None
     log_level: str = "info"
 
@@ -145,6 +151,8 @@ class ServerSection:
             out.append(f"max_runs_per_key = {self.max_runs_per_key}: must be >= 1; fix: e.g. 8")
         if self.max_sampling_sessions_per_key < 1:
             out.append(f"max_sampling_sessions_per_key = {self.max_sampling_sessions_per_key}: must be >= 1; fix: e.g. 256")
+        if self.snapshots_per_model < 1:
+            out.append(f"snapshots_per_model = {self.snapshots_per_model}: must be >= 1; fix: e.g. 4")
         owner = self.ownerless_runs_owner
         if owner is not None:
             if not (owner.startswith("tml-") or tenants.TAG.fullmatch(owner)):
@@ -268,6 +276,7 @@ class TinkerServerConfig:
             tenants=s.tenants,
             max_runs_per_key=s.max_runs_per_key,
             max_sampling_sessions_per_key=s.max_sampling_sessions_per_key,
+            snapshots_per_model=s.snapshots_per_model,
             ownerless_runs_owner=s.ownerless_runs_owner,
             log_level=s.log_level.lower(),
         )

@@ -191,6 +191,7 @@ class ServerSettings:
     tenants: bool = True
     max_runs_per_key: int = 8
     max_sampling_sessions_per_key: int = 256
+    snapshots_per_model: int = 4
     ownerless_runs_owner: str | None = None
     log_level: str = "info"
     extra: dict = field(default_factory=dict)

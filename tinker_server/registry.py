@@ -112,7 +112,7 @@ class Registry:
         self._served: list[str] | None = None
         self.poll_s = min(float(settings.poll_timeout_s), _MAX_POLL_S)
         self.session_timeout_s = float(settings.session_timeout_s)
-        self.snapshots_per_model = int(settings.extra.get("snapshots_per_model", 4))
+        self.snapshots_per_model = int(settings.snapshots_per_model)
         self.loaded_samplers = int(settings.extra.get("loaded_samplers", 4))
 
     # ------------------------------------------------------------------ lookups
@@ -365,7 +365,9 @@ class Registry:
         return existing
 
     def add_snapshot(self, model: Model, entry: SamplerSession) -> None:
-        """Register a snapshot sampler; the oldest beyond ``snapshots_per_model`` are dropped."""
+        """Register a snapshot sampler; past ``snapshots_per_model`` the least recently used of
+        the model's snapshots are dropped (``model.snapshots`` is kept in order of last use:
+        :meth:`touch_snapshot`)."""
         with self.lock:
             self.samplers[entry.id] = entry
             model.snapshots.append(entry.id)
@@ -376,8 +378,25 @@ class Registry:
             while len(model.snapshots) > self.snapshots_per_model:
                 evicted.append(model.snapshots.popleft())
         self.worker.open(entry.id, ordered=False, owner=entry.owner)
+        n = self.snapshots_per_model
         for sid in evicted:
-            self.drop_sampler(sid, f"more than {self.snapshots_per_model} newer snapshots of {model.id} were taken since")
+            self.drop_sampler(
+                sid,
+                f"it was the least recently used of the {n} sampling snapshots {model.id} keeps (server.snapshots_per_model = {n}) "
+                "when a newer one was taken; fix: raise server.snapshots_per_model, or save named weights "
+                "(save_weights_for_sampler with a name) for a sampler kept on disk",
+            )
+
+    def touch_snapshot(self, entry: SamplerSession) -> None:
+        """A request sampled or scored with ``entry``: if it is a run's snapshot, it becomes that
+        run's most recently used (the last to be evicted)."""
+        if entry.model_id is None:
+            return
+        with self.lock:
+            model = self.models.get(entry.model_id)
+            if model is not None and entry.id in model.snapshots:
+                model.snapshots.remove(entry.id)
+                model.snapshots.append(entry.id)
 
     def sampler_of(self, entry: SamplerSession) -> Sampler:
         """Worker: the sampler of a sampling session, loaded on first use."""

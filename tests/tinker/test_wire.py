@@ -276,6 +276,25 @@ def test_sampling_snapshot_named_sampler_and_base_model(service, trainer, server
     assert base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences[0].tokens == [7, 8]
 
 
+def test_snapshots_are_evicted_by_last_use_naming_the_setting(trainer):
+    """``server.snapshots_per_model`` (4) unnamed snapshots per run, evicted by last use: a
+    snapshot scored every step (a DPO reference, with an evaluator taking a new snapshot every
+    step) outlives many later ones, while one unused since is evicted and answered with the
+    setting that would have kept it (before: the 5th newer snapshot evicted the reference)."""
+    client, _ = trainer
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    one = types.SamplingParams(max_tokens=1)
+    reference = client.save_weights_and_get_sampling_client().result()
+    idle = client.save_weights_and_get_sampling_client().result()
+    for _ in range(8):
+        reference.compute_logprobs(prompt).result()
+        client.save_weights_and_get_sampling_client().result().sample(prompt, 1, one).result()
+    assert reference.sample(prompt, 1, one).result().sequences
+    with pytest.raises(tinker.BadRequestError) as e:
+        idle.sample(prompt, 1, one).result()
+    assert "least recently used" in str(e.value) and "server.snapshots_per_model = 4" in str(e.value) and "fix:" in str(e.value)
+
+
 def test_checkpoint_listing_and_weights_info(server, trainer):
     client, _ = trainer
     client.save_state("listed").result()

@@ -60,6 +60,7 @@ async def asample(request: Request, server: Server):
         entry = server.sampler_entry(req.sampling_session_id)
         if entry.gone:
             raise UserError(f"sampling_session_id: {entry.id} can no longer sample: {entry.gone}")
+        server.touch_snapshot(entry)  # eviction is by last use
     else:  # sampling without a session: one shared sampler per base model or path
         entry = await server.direct_sampler(req.base_model, req.model_path)
 
