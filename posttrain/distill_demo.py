@@ -20,7 +20,7 @@ SFT_STEPS = 300
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
 
 
-def build_teacher(out_dir: str = TEACHER_DIR, steps: int = SFT_STEPS) -> str:
+def build_teacher(out_dir: str = TEACHER_DIR, steps: int = SFT_STEPS, what: str = "the distillation demo's teacher") -> str:
     """``<out_dir>/hf``, trained now unless it is there (``config.json`` and weights).
 
     Raises:
@@ -36,8 +36,8 @@ def build_teacher(out_dir: str = TEACHER_DIR, steps: int = SFT_STEPS) -> str:
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    print(f"[enginekit] distill demo: training the teacher ({steps} SFT steps) into {hf}", flush=True)
+    print(f"[enginekit] training {what} ({steps} SFT steps) into {hf}", flush=True)
     proc = subprocess.run(cmd, cwd=os.getcwd(), env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the distillation demo's teacher (SFT into {out_dir}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} (SFT into {out_dir}) failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return hf

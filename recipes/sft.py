@@ -175,7 +175,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     bar = None
     try:
         ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
-        start = _maybe_resume(trainer, cfg, ckpt_dir, data)
+        start = resume_step(trainer, cfg, ckpt_dir, data)
         bar = progress_bar(tc, start, rank0, "sft")
         with open_loggers(cfg, tc, start, rank0, bar) as run_log:
             losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
@@ -191,7 +191,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
                     signum = late.stop_requested()
             if signum is not None:
                 if not (tc.checkpoint_every or start >= tc.total_steps):  # the last step is not saved yet
-                    _save(trainer, data, ckpt_dir, tc.total_steps)
+                    save_step(trainer, data, ckpt_dir, tc.total_steps)
                 raise Preempted(signum, tc.total_steps, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{tc.total_steps}"))
         world_size = trainer.world_size()
     finally:
@@ -443,11 +443,11 @@ def _train(trainer, cfg: SFTConfig, data: SFTData, start: int, ckpt_dir: str, ru
             guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
             saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
             if saved:
-                _save(trainer, data, ckpt_dir, step + 1)
+                save_step(trainer, data, ckpt_dir, step + 1)
             signum = preemption.stop_requested()
             if signum is not None:
                 if not saved:
-                    _save(trainer, data, ckpt_dir, step + 1)
+                    save_step(trainer, data, ckpt_dir, step + 1)
                 raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
     return losses
 
@@ -621,7 +621,7 @@ def _score(log_probs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- setup
-def _save(trainer, data: SFTData, ckpt_dir: str, step: int) -> None:
+def save_step(trainer, data: SFTData, ckpt_dir: str, step: int) -> None:
     """The checkpoint of ``step``, with the data order it is a position in written beside it
     first (rank 0; ``posttrain.data_order``)."""
     if rank() == 0:
@@ -629,7 +629,7 @@ def _save(trainer, data: SFTData, ckpt_dir: str, step: int) -> None:
     trainer.save_checkpoint(ckpt_dir, step)
 
 
-def _maybe_resume(trainer, cfg: SFTConfig, ckpt_dir: str, data: SFTData) -> int:
+def resume_step(trainer, cfg: SFTConfig, ckpt_dir: str, data: SFTData) -> int:
     """The step to start from: 0, or the step of the newest checkpoint that verifies when
     resuming (``posttrain.trainer_utils.load_newest_valid``). A resume under another data order
     than the checkpoints were trained in is refused (``posttrain.data_order``)."""

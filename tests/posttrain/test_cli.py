@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import recipes.dpo as dpo
 import recipes.ppo as ppo
 import recipes.sft as sft
 from backends.fsdp.options import FSDPOptions
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {
     "sft": (sft, sft.SFTConfig, "configs/sft_tiny.yaml"),
     "ppo": (ppo, ppo.PPOConfig, "configs/ppo_tiny.yaml"),
+    "dpo": (dpo, dpo.DPOConfig, "configs/dpo_tiny.yaml"),
 }
 # The backend sections the loader accepts under ``engine.`` (EngineConfig.backend is filled from them).
 BACKEND_OPTIONS = (FSDPOptions, MegatronOptions)

@@ -1,0 +1,273 @@
+"""Preference learning (DPO, IPO, SimPO) on the engine, driven only through ``BaseEngine``: on
+preference pairs of the built-in sorting task by default, or on the user's model and pair files.
+
+Run it as ``python -m recipes.dpo --config configs/dpo_tiny.yaml [key=value ...]``, or under
+``torchrun --nproc-per-node N -m recipes.dpo ...`` for N data-parallel ranks. Own data:
+``engine.model.path=DIR data.train_files=[pairs.jsonl] [data.val_files=[...]]`` (the columns:
+``posttrain.preference_data``).
+
+Per step: the step's ``data.batch_size`` pairs (``2 x`` rows, chosen then rejected) -> the
+reference's log-prob sums (a frozen copy of the starting model; with LoRA the same engine with
+its adapters off, no second copy; none for SimPO) -> ``roles.preference.PreferencePolicy.update``
+(a forward-only pass for the pair losses' exact weights, then one ``train_batch``). Rank 0
+appends one JSON line to ``<output_dir>/metrics.jsonl``: ``loss`` (the pairs' mean loss before
+the step), ``dpo/rewards_chosen``, ``dpo/rewards_rejected``, ``dpo/margin``, ``dpo/accuracy``,
+``grad_norm``, ``lr``. Every ``trainer.val_every`` steps and at the end the validation pairs are
+scored (``val/dpo/*``, exact over every pair). Checkpoints and ``trainer.resume`` as SFT's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine_api import EngineConfig, build_engine, ckpt_layout
+from engine_api.typed_config import load_typed
+from posttrain.cli import parse_recipe_args, run_setup
+from posttrain.data.tokenizer import load_tokenizer
+from posttrain.dist import init_distributed, rank
+from posttrain.export import save_hf
+from posttrain.plots import plot_run
+from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
+from posttrain.preference_data import PreferenceData, PreferenceDataConfig
+from posttrain.tiny_model import is_built_model
+from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
+from recipes.sft import resume_step, save_step
+from roles.preference import AGG_MODE, PairTotals, PreferenceConfig, PreferencePolicy
+from roles.reference import Reference
+
+DEFAULT_CONFIG = "configs/dpo_tiny.yaml"
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """Everything ``recipes.dpo`` reads; ``configs/dpo_tiny.yaml`` documents each key.
+
+    ``data.batch_size`` is the number of pairs per step (twice as many rows).
+
+    Attributes:
+        engine: the policy's engine; the reference's is the same keys, frozen (LoRA: none).
+        tiny_model: the model built when ``engine.model.path`` is null.
+        data: the sorting task's pairs, or the user's pair files (``posttrain.preference_data``).
+        dpo: the preference loss (``roles.preference``).
+        trainer: the loop.
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def _problems(self) -> list[str]:
+        out = data_model_problems(self)
+        if self.engine.loss_agg_mode != AGG_MODE:
+            out.append(
+                f"engine.loss_agg_mode = {self.engine.loss_agg_mode}: a preference loss is a mean over pairs (each pair two rows, "
+                f"each row its tokens' sum); fix: engine.loss_agg_mode={AGG_MODE}"
+            )
+        if self.trainer.launcher != "torchrun":
+            out.append(
+                f"trainer.launcher = {self.trainer.launcher}: DPO runs under torchrun (or plain python); fix: trainer.launcher=torchrun"
+            )
+        if self.trainer.log_samples_every:
+            out.append("trainer.log_samples_every: DPO logs no generations; fix: trainer.log_samples_every=0")
+        return out
+
+
+class DPOTrainer:
+    """One rank's side: the policy, its reference and the validation batches, behind the calls
+    the loop makes (checkpoints as SFT's worker, so the loop shares SFT's save and resume)."""
+
+    def __init__(self, cfg: DPOConfig, data: PreferenceData) -> None:
+        self.cfg = cfg
+        engine = build_engine(cfg.engine)
+        engine.init_model()
+        if engine.dp_size > 1 and (2 * cfg.data.batch_size) % engine.dp_size:
+            raise ValueError(
+                f"data.batch_size = {cfg.data.batch_size} pairs ({2 * cfg.data.batch_size} rows): not a multiple of the "
+                f"{engine.dp_size} data-parallel ranks; fix: a batch size whose row count they divide"
+            )
+        reference = None
+        if cfg.dpo.uses_reference:
+            if cfg.engine.model.lora.enabled:
+                reference = Reference(engine)  # the same model with its adapters off
+            else:
+                frozen = build_engine(_frozen(cfg.engine))
+                frozen.init_model()
+                reference = Reference(frozen)
+        self.policy = PreferencePolicy(engine, cfg.dpo, reference)
+        self.engine = engine
+        self.val_batches = data.val_batches()
+        self._reference_cache: dict[int, torch.Tensor] = {}
+
+    def train_step(self, batch) -> dict[str, Any]:
+        return self.policy.update(batch)
+
+    def evaluate(self) -> dict[str, float]:
+        """``dpo/*`` over every validation pair (the current weights; reference sums cached:
+        the reference never changes)."""
+        totals = PairTotals()
+        for i, batch in enumerate(self.val_batches):
+            if i not in self._reference_cache and self.cfg.dpo.uses_reference:
+                self._reference_cache[i] = self.policy.reference_sums(batch)
+            totals.add(self.policy.pair_values(batch, self._reference_cache.get(i)))
+        return totals.metrics()
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.engine.save_checkpoint(ckpt_dir, global_step=step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
+
+
+def _frozen(engine: EngineConfig) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(engine, frozen=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse ``--config`` and overrides, train, return the summary (every rank).
+
+    Raises:
+        SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step
+            boundary and its checkpoint was saved.
+    """
+    config_path, overrides = parse_recipe_args(
+        argv, prog="python -m recipes.dpo", description=__doc__.split("\n\n")[0], config_cls=DPOConfig, default_config=DEFAULT_CONFIG
+    )
+    run_setup(config_path, overrides)  # the demo's starting model, built on first use
+    cfg = load_typed(DPOConfig, config_path, overrides)
+    started = init_distributed(cfg.engine.dist_timeout_s)
+    try:
+        try:
+            summary = run(cfg)
+        except Preempted as exc:
+            if rank() == 0:
+                print(str(exc), flush=True)
+            if started:
+                dist.barrier()
+            raise SystemExit(exc.exit_code) from None
+        if started:
+            dist.barrier()
+        return summary
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(cfg: DPOConfig) -> dict[str, Any]:
+    """Train with an already-loaded config; the summary (every rank).
+
+    Raises:
+        Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoint saved).
+    """
+    t0 = time.perf_counter()
+    rank0 = rank() == 0
+    tc = cfg.trainer
+    os.makedirs(tc.output_dir, exist_ok=True)
+    own_model = cfg.engine.model.path is not None and not is_built_model(cfg.engine.model.path)
+    warn(demo_setting_warnings("sft", own_model, cfg.engine.optim.lr, cfg.engine.model.lora.enabled), rank0)
+    guard_fresh_run(tc.output_dir, tc.resume, tc.overwrite, rank0)
+    cfg = with_model_path(cfg)
+    data = PreferenceData(cfg.data, load_tokenizer(cfg.engine.model.path) if cfg.data.from_files else None)
+    if rank0:
+        for name, counts in data.counts.items():
+            print(f"[enginekit] data.{name}_files: {counts}", flush=True)
+    with stop_while_starting("building the engines"):
+        trainer = DPOTrainer(cfg, data)
+    ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
+    metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
+    start = resume_step(trainer, cfg, ckpt_dir, data)
+    bar = progress_bar(tc, start, rank0, "dpo")
+    losses: list[float] = []
+    try:
+        with open_loggers(cfg, tc, start, rank0, bar) as run_log:
+            losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
+            final = trainer.evaluate() if trainer.val_batches else {}
+            if final:
+                run_log.message("final validation: " + _line(final))
+            hf_dir = save_hf(trainer.engine, cfg.engine, os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
+    finally:
+        bar.close()
+        if rank0:
+            plot_run(metrics_path, tc.output_dir, f"{cfg.dpo.loss} preference learning")
+    summary = {
+        "steps": tc.total_steps,
+        "start_step": start,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        **{f"val/{k}": v for k, v in final.items()},
+        "seconds": round(time.perf_counter() - t0, 2),
+        "metrics_path": metrics_path,
+        "model_path": cfg.engine.model.path,
+        "hf_dir": hf_dir,
+    }
+    if rank0:
+        print(f"dpo done: {tc.total_steps - start} steps | loss {summary['first_loss']} -> {summary['last_loss']} | " + _line(final))
+    return summary
+
+
+def _line(metrics: dict[str, float]) -> str:
+    return " | ".join(f"{k.removeprefix('dpo/')} {v:.4f}" for k, v in metrics.items())
+
+
+def _train(trainer: DPOTrainer, cfg: DPOConfig, data: PreferenceData, start: int, ckpt_dir: str, run_log, bar) -> list[float]:
+    """The loop; the pairs' loss of every step it ran.
+
+    Raises:
+        Preempted: after saving the checkpoint of the step a SIGTERM / SIGINT arrived in.
+    """
+    tc = cfg.trainer
+    losses: list[float] = []
+    guard = SkipGuard(tc.max_consecutive_skips)
+    validate = bool(tc.val_every) and bool(trainer.val_batches)
+    with PreemptionGuard() as preemption:
+        for step in range(start, tc.total_steps):
+            batch = data.batch_at(step)
+            t_step = time.perf_counter()
+            m = trainer.train_step(batch)
+            seconds = time.perf_counter() - t_step
+            losses.append(m["dpo/loss"])
+            record = {
+                "loss": m["dpo/loss"],
+                **{k: v for k, v in m.items() if k.startswith("dpo/") and k != "dpo/loss"},
+                "grad_norm": float(m["grad_norm"]),
+                "lr": m.get("lr"),
+                "step_skipped": bool(m.get("step_skipped", 0.0)),
+                "tokens": int(batch["input_ids"].values().numel()),
+                "seconds": seconds,
+            }
+            if data.train is not None:
+                record["epoch"] = data.order.epoch(step)
+            if validate and (step + 1) % tc.val_every == 0:
+                scores = trainer.evaluate()
+                record.update({f"val/{k}": v for k, v in scores.items()})
+                run_log.message(f"validation at step {step + 1}: " + _line(scores))
+            run_log.log(step + 1, record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
+            bar.update(1)
+            guard.update(step + 1, record["step_skipped"])
+            saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
+            if saved:
+                save_step(trainer, data, ckpt_dir, step + 1)
+            signum = preemption.stop_requested()
+            if signum is not None:
+                if not saved:
+                    save_step(trainer, data, ckpt_dir, step + 1)
+                raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
+    return losses
+
+
+if __name__ == "__main__":
+    quiet_console()
+    run_cli(lambda: main(sys.argv[1:]))
