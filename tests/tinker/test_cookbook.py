@@ -222,3 +222,56 @@ def test_the_cookbooks_on_policy_distillation_runs_unchanged(server, tmp_path, t
         assert TEACHER in factory.pools
     else:
         assert new_pools <= {demo.NAME}  # the checkpoint is sampled by its base's engine, the student's
+
+
+def _comparisons(path: Path, n: int) -> str:
+    """``n`` labeled comparisons in tinker-cookbook's JSONL (``ComparisonBuilderFromJsonl``): the
+    demo's sequence preferred over a scrambled one, the label alternating between A and B."""
+    with open(path, "w") as f:
+        for i in range(n):
+            good, bad = [{"role": "assistant", "content": "abcabcabc 123"}], [{"role": "assistant", "content": f"cba {i % 10}"}]
+            a, b, label = (good, bad, "A") if i % 2 == 0 else (bad, good, "B")
+            prompt = [{"role": "user", "content": "Say the sequence."}]
+            f.write(
+                json.dumps({"comparison": {"prompt_conversation": prompt, "completion_A": a, "completion_B": b}, "label": label}) + "\n"
+            )
+    return str(path)
+
+
+def test_the_cookbooks_dpo_keeps_its_reference_while_the_evaluator_snapshots(server, tmp_path):
+    """tinker-cookbook 0.6.1's ``preference/train_dpo.main``, unchanged: the DPO loss runs
+    client-side (``forward_backward_custom``), the reference is the run's first sampling
+    snapshot, scored every step, and the test split's evaluator takes a new snapshot every
+    ``eval_every`` steps. With ``eval_every=2`` it died at step 6 before the server evicted
+    snapshots by last use (the 5th newer snapshot took the reference); here 14 steps (7 evaluator
+    snapshots) run, the reference answering every step, and the pairs' loss falls from ln 2."""
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+    from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    url, model, _ = server
+    demo.register_tokenizer(model)
+    comparisons = ComparisonBuilderFromJsonl(
+        train_path=_comparisons(tmp_path / "train.jsonl", 28), test_path=_comparisons(tmp_path / "test.jsonl", 4)
+    )
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=demo.NAME, renderer_name="role_colon", max_length=64, batch_size=2)
+    cfg = train_dpo.Config(
+        log_path=str(tmp_path / "dpo"),
+        recipe_name="dpo",
+        model_name=demo.NAME,
+        dataset_builder=DPODatasetBuilderFromComparisons(comparison_builder=comparisons, common_config=common),
+        renderer_name="role_colon",
+        learning_rate=1e-3,
+        lora_rank=4,
+        base_url=url,
+        eval_every=2,
+        save_every=0,
+    )
+    with demo._api_key(), demo.closing_service_clients():
+        train_dpo.main(cfg)
+    steps = [m for m in _metrics(tmp_path / "dpo") if "dpo_loss" in m]
+    assert len(steps) == 14, len(steps)
+    assert steps[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert steps[-1]["dpo_loss"] < steps[0]["dpo_loss"], [m["dpo_loss"] for m in steps]
+    assert sum("test/nll" in m or any(k.startswith("test") for k in m) for m in _metrics(tmp_path / "dpo")) >= 7
