@@ -101,6 +101,12 @@ def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | No
         finally:
             hf_logging.set_verbosity(verbosity)
         _report_value_head_load(path, info)
+        missing = set(info.get("missing_keys", []))
+        if "score.bias" in missing and "score.weight" not in missing and model.score.bias is not None:
+            # A sequence-classification checkpoint (a reward model): its head has no bias, so the
+            # scores equal HF's only with the token-classification head's bias at 0.
+            with torch.no_grad():
+                model.score.bias.zero_()
         return model
     with refusing_pickled_objects(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)

@@ -102,26 +102,27 @@ def _vocab(path: str) -> tuple[int | None, dict[str, int] | None]:
     return size, tokenizer
 
 
-def vocabulary_problems(student_path: str, teacher_path: str) -> list[str]:
-    """Why the teacher cannot score the student's tokens (empty when it can): another
-    ``vocab_size``, or tokenizers that map tokens to other ids."""
+def vocabulary_problems(student_path: str, teacher_path: str, key: str = "distill.teacher_path", what: str = "teacher") -> list[str]:
+    """Why the model at ``teacher_path`` (the setting ``key``, a ``what``: the teacher, a reward
+    model) cannot score the student's tokens (empty when it can): another ``vocab_size``, or
+    tokenizers that map tokens to other ids."""
     if not os.path.isdir(teacher_path):
-        return [f"distill.teacher_path = {teacher_path!r} is not a directory; fix: the teacher's HF model directory"]
+        return [f"{key} = {teacher_path!r} is not a directory; fix: the model's HF directory"]
     s_size, s_tok = _vocab(student_path)
     t_size, t_tok = _vocab(teacher_path)
     if t_size is None:
-        return [f"distill.teacher_path = {teacher_path!r} has no config.json with a vocab_size; fix: an HF model directory"]
+        return [f"{key} = {teacher_path!r} has no config.json with a vocab_size; fix: an HF model directory"]
     if s_size != t_size:
         return [
-            f"distill.teacher_path = {teacher_path!r}: the teacher's vocabulary has {t_size} tokens, the student's "
-            f"({student_path!r}) {s_size}; on-policy distillation scores the student's token ids with the teacher, so both "
-            "need one vocabulary; fix: a teacher of the student's tokenizer family"
+            f"{key} = {teacher_path!r}: the {what}'s vocabulary has {t_size} tokens, the student's "
+            f"({student_path!r}) {s_size}; the {what} scores the policy's token ids as they are, so both "
+            f"need one vocabulary; fix: a {what} of the student's tokenizer family"
         ]
     if s_tok is not None and t_tok is not None and s_tok != t_tok:
         differ = sorted(set(s_tok.items()) ^ set(t_tok.items()))[:3]
         return [
-            f"distill.teacher_path = {teacher_path!r}: the teacher's tokenizer maps tokens to other ids than the student's "
-            f"({student_path!r}; e.g. {differ}); fix: a teacher of the student's tokenizer"
+            f"{key} = {teacher_path!r}: the {what}'s tokenizer maps tokens to other ids than the student's "
+            f"({student_path!r}; e.g. {differ}); fix: a {what} of the student's tokenizer"
         ]
     return []
 

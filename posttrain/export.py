@@ -17,13 +17,29 @@ from posttrain.text_data import load_tokenizer
 __all__ = ["save_hf"]
 
 
+def _hf_model_of(model_path: str, head: str):
+    """The HF model the export is written into: a causal LM, or for ``model.head: value`` an
+    ``AutoModelForSequenceClassification`` with one label (the critic's and reward model's
+    weights under the same names: ``model.*``, ``score.weight``; the engine head's ``score.bias``,
+    a constant offset of every score, has no place there and is dropped, said once). HF scores a row at its last token
+    that is not ``pad_token_id`` (the config's, kept as is; batches of several rows need one):
+    the engine's score when no real token at a sequence's end is the pad id."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if head != "value":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_path, num_labels=1)
+    return AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+
+
 def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
     """Write the trained model of ``source`` (an engine or a role) as an HF directory.
     Collective: every rank drains the export; rank 0 writes; every rank returns once the
     directory is complete.
 
     ``fmt``:
-        * ``merged``: the weights ``source.export_weights()`` yields (with LoRA: merged, in the
+        * ``merged``: the weights ``source.export_weights()`` yields (a value head: an HF
+          ``AutoModelForSequenceClassification`` directory, :func:`_hf_model_of`) (with LoRA: merged, in the
           compute dtype of the engine's mixed-precision policy) as float32 safetensors, with the config, generation
           config and tokenizer of ``engine_config.model.path`` (the tokenizer only when that
           directory has one); rank 0 assembles the model in CPU memory.
@@ -38,14 +54,13 @@ def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
         ValueError: (rank 0) an exported name is not a parameter of the HF model, a shape
             differs, or a parameter received no value; nothing is written then.
     """
-    from transformers import AutoModelForCausalLM
-
     model_path = engine_config.model.path
     rank0 = rank() == 0
     problems, written, model, state = [], set(), None, {}
+    dropped_bias = None
     if rank0:
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            model = _hf_model_of(model_path, engine_config.model.head)
             state = model.state_dict()
         except (OSError, ValueError) as exc:  # still drain the export below: it is collective
             problems.append(f"cannot load the HF model to write into: {exc}")
@@ -57,6 +72,9 @@ def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
         with torch.no_grad():
             for name, tensor in source.export_weights():  # drained on every rank: it is collective
                 if model is None:
+                    continue
+                if name == "score.bias" and name not in state:  # an HF sequence-classification head has no bias
+                    dropped_bias = tensor.float().reshape(-1)
                     continue
                 if name not in state or state[name].shape != tensor.shape:
                     got = "not a parameter" if name not in state else f"shape {tuple(tensor.shape)} != {tuple(state[name].shape)}"
@@ -74,6 +92,12 @@ def save_hf(source, engine_config, out_dir: str, fmt: str = "merged") -> str:
         raise RuntimeError("trainer.save_hf: rank 0 found the export does not match the HF model (its error says how); nothing written")
     if rank0:
         _write_dir(out_dir, model, model_path)
+        if dropped_bias is not None and bool(dropped_bias.abs().max() > 0):
+            print(
+                f"[enginekit] {out_dir}: the value head's bias ({dropped_bias.tolist()}) is not in HF's sequence-classification "
+                "head, so HF's scores are the engine's minus it (differences, and a Bradley-Terry model's ranking, unchanged)",
+                flush=True,
+            )
     if is_initialized():
         dist.barrier()
     return out_dir

@@ -22,8 +22,9 @@ the pair when a response is cut away entirely; ``drop``; ``error``).
 
 **The sorting task** (no files): prompt ``BOS digits SEP``; chosen the sorted digits + EOS;
 rejected a worse answer of the same prompt, scored lower by the task's partial-credit reward
-(``posttrain.rewards.sort_task_score``): the digits unsorted, two of them swapped, or one
-dropped, drawn per pair from the step's seed (a pure function of ``data.seed`` and the step).
+(``posttrain.rewards.sort_task_score``): half the pairs a near miss (the digits unsorted, two of
+them swapped, or one dropped), half random task tokens as an untrained model writes them, drawn
+per pair from the step's seed (a pure function of ``data.seed`` and the step).
 
 A batch holds ``data.batch_size`` pairs as ``2 x batch_size`` rows, chosen then rejected
 (``roles.preference``).
@@ -189,12 +190,25 @@ def sort_pairs_at(cfg: DataConfig, step: int) -> TensorDict:
     gen = torch.Generator().manual_seed(task._step_seed(cfg.seed + 7919, step))
     ids, masks = [], []
     for prompt, target in zip(prompts, targets, strict=True):
-        worse = _worse_answers(prompt[1:-1].tolist(), target)
-        rejected = worse[int(torch.randint(len(worse), (1,), generator=gen))]
+        if bool(torch.rand((), generator=gen) < 0.5):  # a near miss
+            worse = _worse_answers(prompt[1:-1].tolist(), target)
+            rejected = worse[int(torch.randint(len(worse), (1,), generator=gen))]
+        else:  # what an untrained model writes: any tokens, any length up to the target's
+            rejected = _random_answer(target, gen)
         for response in (target, rejected):
             ids.append(torch.cat([prompt, torch.tensor(response)]))
             masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))]))
     return make_batch(ids, loss_mask=masks)
+
+
+def _random_answer(target: list[int], gen: torch.Generator) -> list[int]:
+    """Random task tokens (digits, separators, EOS; never BOS / PAD) of 1 to ``len(target)``
+    tokens, redrawn until it scores below the target."""
+    while True:
+        n = int(torch.randint(1, len(target) + 1, (1,), generator=gen))
+        answer = torch.randint(task.SEP, task.FIRST_DIGIT + task.NUM_DIGITS, (n,), generator=gen).tolist()
+        if sort_task_score(answer, target) < 1.0:
+            return answer
 
 
 def _worse_answers(digits: list[int], target: list[int]) -> list[list[int]]:

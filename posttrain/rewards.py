@@ -68,14 +68,33 @@ class RewardConfig:
             daemon thread (abandoned on timeout). null: no limit, called in the main thread.
         overlong: DAPO's soft overlong penalty on the score (``posttrain.reward_shaping``; off
             by default).
+        model: a reward model's HF directory (a one-output sequence-classification model, e.g.
+            ``recipes.reward_model``'s export): each response's reward adds ``model_weight``
+            times its score (``roles.reward_model``); null: none.
+        model_weight: the reward model score's weight.
+        function_weight: the function's (or the task scorer's) weight in the reward; 0 with a
+            reward model keeps the function as a held-out measure only (``reward/function_mean``,
+            ``val/reward``), which shows a policy over-optimising the learned reward.
     """
 
     function: str | None = None
     batched: bool = False
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    model: str | None = None
+    model_weight: float = 1.0
+    function_weight: float = 1.0
 
     def _problems(self) -> list[str]:
+        weights = []
+        if not self.function_weight >= 0:
+            weights.append(f"function_weight = {self.function_weight}: must be >= 0; fix: 1.0, or 0 (the function only measured)")
+        if self.model is not None and not self.model_weight > 0:
+            weights.append(f"model_weight = {self.model_weight}: must be > 0 with a reward model; fix: e.g. 1.0")
+        if self.model is None and self.function_weight != 1.0:
+            weights.append(f"function_weight = {self.function_weight} without reward.model: nothing to weigh it against; fix: 1.0")
+        if weights:
+            return weights
         if self.timeout_s is not None and not self.timeout_s > 0:
             return [f"timeout_s = {self.timeout_s}: must be positive; fix: seconds > 0, e.g. {DEFAULT_TIMEOUT_S:g}, or null (no limit)"]
         if self.function is None or self.function in BUILTINS:

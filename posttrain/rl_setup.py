@@ -38,6 +38,7 @@ def rl_roles(cfg) -> tuple[str, ...]:
         *(("reference",) if cfg.actor.kl_coef else ()),
         *(("critic",) if needs_critic(cfg.algo.advantage) else ()),
         *teacher,
+        *(("reward_model",) if cfg.reward.model is not None else ()),
         "rollout",
     )
 

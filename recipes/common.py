@@ -217,3 +217,45 @@ def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog
         rank0=rank0,
         write=bar.write if not bar.disable else None,
     )
+
+
+def recipe_main(argv, module: str, doc: str, config_cls: type, default_config: str, run_fn):
+    """The command line of a supervised-style recipe (SFT, DPO, reward model): ``--config`` and
+    overrides, the config's ``trainer.setup``, the process group under ``trainer.launcher:
+    torchrun`` (or plain python), ``run_fn(cfg)``; its summary.
+
+    Raises:
+        SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step boundary
+            and its checkpoint was saved (``posttrain.preemption``).
+    """
+    import torch.distributed as dist
+
+    from engine_api.typed_config import load_typed
+    from posttrain.cli import parse_recipe_args, run_setup
+    from posttrain.dist import init_distributed, rank
+    from posttrain.preemption import Preempted
+
+    config_path, overrides = parse_recipe_args(
+        argv, prog=f"python -m {module}", description=doc.split("\n\n")[0], config_cls=config_cls, default_config=default_config
+    )
+    run_setup(config_path, overrides)  # e.g. a demo's starting model, built on first use
+    cfg = load_typed(config_cls, config_path, overrides)
+    started = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
+    try:
+        try:
+            summary = run_fn(cfg)
+        except Preempted as exc:  # every rank stops at the same step (agreed), so the teardown below is safe
+            if rank() == 0:
+                print(str(exc), flush=True)
+            if started:
+                dist.barrier()
+            raise SystemExit(exc.exit_code) from None
+        if started:
+            # Tear down only when every rank is done: a gloo rank that closes its connections
+            # while a peer is still inside a collective makes that peer abort. (Not on an
+            # error: a failed rank must not wait for peers that may never arrive.)
+            dist.barrier()
+        return summary
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()

@@ -26,20 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine_api import EngineConfig, build_engine, ckpt_layout
-from engine_api.typed_config import load_typed
-from posttrain.cli import parse_recipe_args, run_setup
 from posttrain.data.tokenizer import load_tokenizer
-from posttrain.dist import init_distributed, rank
+from posttrain.dist import rank
 from posttrain.export import save_hf
 from posttrain.plots import plot_run
 from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, recipe_main, with_model_path
 from recipes.sft import resume_step, save_step
 from roles.preference import AGG_MODE, PairTotals, PreferenceConfig, PreferencePolicy
 from roles.reference import Reference
@@ -68,19 +65,25 @@ class DPOConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def _problems(self) -> list[str]:
-        out = data_model_problems(self)
-        if self.engine.loss_agg_mode != AGG_MODE:
-            out.append(
-                f"engine.loss_agg_mode = {self.engine.loss_agg_mode}: a preference loss is a mean over pairs (each pair two rows, "
-                f"each row its tokens' sum); fix: engine.loss_agg_mode={AGG_MODE}"
-            )
-        if self.trainer.launcher != "torchrun":
-            out.append(
-                f"trainer.launcher = {self.trainer.launcher}: DPO runs under torchrun (or plain python); fix: trainer.launcher=torchrun"
-            )
-        if self.trainer.log_samples_every:
-            out.append("trainer.log_samples_every: DPO logs no generations; fix: trainer.log_samples_every=0")
-        return out
+        return pair_recipe_problems(self, "DPO")
+
+
+def pair_recipe_problems(cfg, what: str) -> list[str]:
+    """What a recipe on preference pairs (DPO, a reward model) refuses in ``cfg``: the data and
+    model checks, an aggregation mode other than the pair mean, another launcher, generations."""
+    out = data_model_problems(cfg)
+    if cfg.engine.loss_agg_mode != AGG_MODE:
+        out.append(
+            f"engine.loss_agg_mode = {cfg.engine.loss_agg_mode}: {what}'s loss is a mean over pairs (each pair two rows, "
+            f"each row its tokens' sum); fix: engine.loss_agg_mode={AGG_MODE}"
+        )
+    if cfg.trainer.launcher != "torchrun":
+        out.append(
+            f"trainer.launcher = {cfg.trainer.launcher}: {what} runs under torchrun (or plain python); fix: trainer.launcher=torchrun"
+        )
+    if cfg.trainer.log_samples_every:
+        out.append(f"trainer.log_samples_every: {what} logs no generations; fix: trainer.log_samples_every=0")
+    return out
 
 
 class DPOTrainer:
@@ -142,35 +145,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step
             boundary and its checkpoint was saved.
     """
-    config_path, overrides = parse_recipe_args(
-        argv, prog="python -m recipes.dpo", description=__doc__.split("\n\n")[0], config_cls=DPOConfig, default_config=DEFAULT_CONFIG
-    )
-    run_setup(config_path, overrides)  # the demo's starting model, built on first use
-    cfg = load_typed(DPOConfig, config_path, overrides)
-    started = init_distributed(cfg.engine.dist_timeout_s)
-    try:
-        try:
-            summary = run(cfg)
-        except Preempted as exc:
-            if rank() == 0:
-                print(str(exc), flush=True)
-            if started:
-                dist.barrier()
-            raise SystemExit(exc.exit_code) from None
-        if started:
-            dist.barrier()
-        return summary
-    finally:
-        if started and dist.is_initialized():
-            dist.destroy_process_group()
+    return recipe_main(argv, "recipes.dpo", __doc__, DPOConfig, DEFAULT_CONFIG, run)
 
 
-def run(cfg: DPOConfig) -> dict[str, Any]:
-    """Train with an already-loaded config; the summary (every rank).
+def run(cfg: DPOConfig, trainer_cls: type | None = None, prefix: str = "dpo", title: str | None = None) -> dict[str, Any]:
+    """Train with an already-loaded config; the summary (every rank). The loop of every recipe
+    on preference pairs: ``trainer_cls(cfg, data)`` (default :class:`DPOTrainer`; the reward
+    model's ``recipes.reward_model.RMTrainer``) gives ``train_step``, ``evaluate``,
+    ``val_batches``, ``engine`` and the checkpoint calls; its metrics are named ``<prefix>/*``.
 
     Raises:
         Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoint saved).
     """
+    trainer_cls = trainer_cls or DPOTrainer
     t0 = time.perf_counter()
     rank0 = rank() == 0
     tc = cfg.trainer
@@ -184,7 +171,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         for name, counts in data.counts.items():
             print(f"[enginekit] data.{name}_files: {counts}", flush=True)
     with stop_while_starting("building the engines"):
-        trainer = DPOTrainer(cfg, data)
+        trainer = trainer_cls(cfg, data)
     ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
     start = resume_step(trainer, cfg, ckpt_dir, data)
@@ -192,7 +179,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     losses: list[float] = []
     try:
         with open_loggers(cfg, tc, start, rank0, bar) as run_log:
-            losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar)
+            losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar, prefix)
             final = trainer.evaluate() if trainer.val_batches else {}
             if final:
                 run_log.message("final validation: " + _line(final))
@@ -200,7 +187,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     finally:
         bar.close()
         if rank0:
-            plot_run(metrics_path, tc.output_dir, f"{cfg.dpo.loss} preference learning")
+            plot_run(metrics_path, tc.output_dir, title or f"{cfg.dpo.loss} preference learning")
     summary = {
         "steps": tc.total_steps,
         "start_step": start,
@@ -213,15 +200,15 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         "hf_dir": hf_dir,
     }
     if rank0:
-        print(f"dpo done: {tc.total_steps - start} steps | loss {summary['first_loss']} -> {summary['last_loss']} | " + _line(final))
+        print(f"{prefix} done: {tc.total_steps - start} steps | loss {summary['first_loss']} -> {summary['last_loss']} | " + _line(final))
     return summary
 
 
 def _line(metrics: dict[str, float]) -> str:
-    return " | ".join(f"{k.removeprefix('dpo/')} {v:.4f}" for k, v in metrics.items())
+    return " | ".join(f"{k.split('/', 1)[-1]} {v:.4f}" for k, v in metrics.items())
 
 
-def _train(trainer: DPOTrainer, cfg: DPOConfig, data: PreferenceData, start: int, ckpt_dir: str, run_log, bar) -> list[float]:
+def _train(trainer, cfg, data: PreferenceData, start: int, ckpt_dir: str, run_log, bar, prefix: str = "dpo") -> list[float]:
     """The loop; the pairs' loss of every step it ran.
 
     Raises:
@@ -237,10 +224,10 @@ def _train(trainer: DPOTrainer, cfg: DPOConfig, data: PreferenceData, start: int
             t_step = time.perf_counter()
             m = trainer.train_step(batch)
             seconds = time.perf_counter() - t_step
-            losses.append(m["dpo/loss"])
+            losses.append(m[f"{prefix}/loss"])
             record = {
-                "loss": m["dpo/loss"],
-                **{k: v for k, v in m.items() if k.startswith("dpo/") and k != "dpo/loss"},
+                "loss": m[f"{prefix}/loss"],
+                **{k: v for k, v in m.items() if k.startswith(f"{prefix}/") and k != f"{prefix}/loss"},
                 "grad_norm": float(m["grad_norm"]),
                 "lr": m.get("lr"),
                 "step_skipped": bool(m.get("step_skipped", 0.0)),

@@ -43,7 +43,7 @@ from posttrain.async_rl.dynamic import DynamicSampling
 from posttrain.cli import parse_recipe_args, run_setup
 from posttrain.data_order import check_order
 from posttrain.dist import init_distributed, rank
-from posttrain.distill import DistillConfig, distill_advantages, distill_problems, topk_batch
+from posttrain.distill import DistillConfig, distill_advantages, distill_problems, topk_batch, vocabulary_problems
 from posttrain.evaluation import validate
 from posttrain.gateway.config import AgentConfig, gateway_problems
 from posttrain.placement.rl_host import place_roles
@@ -71,6 +71,7 @@ from roles.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, estimate_adv
 from roles.algos import group_reward_stats, no_signal_warning, rollout_parity
 from roles.critic import CriticConfig
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
+from roles.reward_model import combine_rewards, scalar_head_problems
 from roles.rollout import RolloutConfig
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
@@ -220,6 +221,16 @@ class PPOConfig:
             out.append("rollout.lora_sync = 'adapter': the actor trains no adapters (engine.model.lora.rank = 0); fix: lora_sync=auto")
         overlong = self.reward.overlong
         multi_turn = self.env.enabled or self.agent.enabled
+        if self.reward.model is not None and multi_turn:
+            out.append(
+                "reward.model with multi-turn rollouts (env.function / agent.function): a trajectory split over several rows "
+                "is not scored by a reward model yet; fix: single-turn data, or drop reward.model"
+            )
+        if self.reward.model is not None and self.algo.dynamic_sampling:
+            out.append(
+                "reward.model with algo.dynamic_sampling: groups are filtered by the function's rewards before the reward model "
+                "scores them; fix: algo.dynamic_sampling=false, or drop reward.model"
+            )
         if overlong.enabled and overlong.max_len is None and multi_turn:
             out.append(
                 "reward.overlong.max_len = null with a multi-turn run: rollout.max_new_tokens bounds one turn, not a trajectory; "
@@ -308,6 +319,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     refused = rollout_model_problems(cfg)  # from the model's files: before the data and any engine
     if cfg.distill.enabled:  # the teacher's files against the student's (a built tiny model: its directory)
         refused += distill_problems(cfg.distill, cfg.engine.model.path, t.output_dir)
+    if cfg.reward.model is not None:  # a scalar-head model of the policy's vocabulary
+        refused += scalar_head_problems(cfg.reward.model) or vocabulary_problems(
+            cfg.engine.model.path, cfg.reward.model, "reward.model", "reward model"
+        )
     if refused:
         raise ValueError("; ".join(refused))
     if cfg.env.enabled:
@@ -321,6 +336,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     with stop_while_starting("building the engines"):
         placed = place_roles(cfg, source)
     actor, critic, reference, rollout, teacher = placed.actor, placed.critic, placed.reference, placed.rollout, placed.teacher
+    reward_model = placed.reward_model
     metrics_path = os.path.join(t.output_dir, t.metrics_file)
     if rank0:
         os.makedirs(t.output_dir, exist_ok=True)
@@ -344,6 +360,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
                 roles_ = {"actor": actor, "critic": critic, "reference": reference, "rollout": rollout, "teacher": teacher}
+                roles_["reward_model"] = reward_model
                 train = functools.partial(train_on_batch, cfg, step, **roles_)
                 m = pipeline.step(step, functools.partial(train, samples=samples))
                 flat = m["frac_reward_zero_std"] == 1.0 and not cfg.distill.enabled  # a teacher still moves the policy
@@ -415,6 +432,7 @@ def train_on_batch(
     rollout,
     samples: int = 0,
     teacher=None,
+    reward_model=None,
 ) -> dict[str, Any]:
     """The training half of a step: prepare the producer's scored batch (old, reference and
     value log-probs; the ``algo.advantage`` estimator's advantages over its trajectories) and update, return the
@@ -423,9 +441,14 @@ def train_on_batch(
     several rows gives each of them its advantage (PPO: its reward at each row's last sampled
     token). ``samples`` > 0 adds ``"samples"``: that many trajectories' text rows. With a
     ``teacher`` (on-policy distillation, ``posttrain.distill``) the advantages get the per-token
-    reverse KL to it, and the old-policy log-probs always come from their own forward."""
+    reverse KL to it, and the old-policy log-probs always come from their own forward. With a
+    ``reward_model`` (``reward.model``; single-turn: a row is a trajectory) each response's
+    reward is ``function_weight * score + model_weight * the model's score``."""
     n = cfg.algo.n_samples
     batch, scores, row_traj = scored.batch, scored.scores, scored.traj_of_row
+    learned: dict[str, float] = {}
+    if reward_model is not None:
+        scores, learned = combine_rewards(cfg.reward, scores, reward_model.score(batch))
     lengths = batch["input_ids"].offsets().diff()
     timings["reward_s"] = scored.reward_s
     t0 = time.perf_counter()
@@ -491,6 +514,7 @@ def train_on_batch(
     }
     out.update(parity)
     out.update(distilled)
+    out.update(learned)
     if "distill/topk_forward_kl" in actor_m[0]:
         out["distill/topk_forward_kl"] = _mean([m["distill/topk_forward_kl"] for m in actor_m])
     out.update({k: v for k, v in actor_m[0].items() if k.startswith("rollout_correction/")})

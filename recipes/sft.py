@@ -37,9 +37,8 @@ from engine_api.rollout import RolloutEngineConfig
 from engine_api.rollout_registry import build_rollout
 from engine_api.typed_config import load_typed
 from posttrain import sort_task as task
-from posttrain.cli import parse_recipe_args
 from posttrain.data_order import check_order, files_order, save_order, sort_task_order
-from posttrain.dist import init_distributed, rank
+from posttrain.dist import rank
 from posttrain.export import save_hf
 from posttrain.loggers import RunLog
 from posttrain.placement import placement_problems
@@ -48,7 +47,7 @@ from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, with_model_path
+from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, recipe_main, with_model_path
 from roles.rollout import Rollout, RolloutConfig
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
@@ -126,29 +125,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         SystemExit: ``128 + signal`` after a SIGTERM / SIGINT stopped the run at a step
             boundary and its checkpoint was saved (``posttrain.preemption``).
     """
-    config_path, overrides = parse_recipe_args(
-        argv, prog="python -m recipes.sft", description=__doc__.split("\n\n")[0], config_cls=SFTConfig, default_config=DEFAULT_CONFIG
-    )
-    cfg = load_sft_config(config_path, overrides)
-    started_dist = init_distributed(cfg.engine.dist_timeout_s) if cfg.trainer.launcher == "torchrun" else False
-    try:
-        try:
-            summary = run(cfg)
-        except Preempted as exc:  # every rank stops at the same step (agreed), so the teardown below is safe
-            if rank() == 0:
-                print(str(exc), flush=True)
-            if started_dist:
-                dist.barrier()
-            raise SystemExit(exc.exit_code) from None
-        if started_dist:
-            # Tear down only when every rank is done: a gloo rank that closes its connections
-            # while a peer is still inside a collective makes that peer abort. (Not on an
-            # error: a failed rank must not wait for peers that may never arrive.)
-            dist.barrier()
-        return summary
-    finally:
-        if started_dist and is_initialized():
-            dist.destroy_process_group()
+    return recipe_main(argv, "recipes.sft", __doc__, SFTConfig, DEFAULT_CONFIG, run)
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:

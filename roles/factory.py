@@ -19,6 +19,7 @@ from roles.advantages import needs_critic
 from roles.critic import Critic, CriticConfig
 from roles.legacy_flag import FLAG, FLAG_VALUES, legacy_problems, use_legacy
 from roles.reference import Reference
+from roles.reward_model import RewardModel, reward_engine_config
 from roles.teacher import Teacher, teacher_engine_config
 
 # FLAG, FLAG_VALUES, use_legacy and legacy_problems live in roles.legacy_flag (which roles.legacy
@@ -61,6 +62,7 @@ class Roles:
             LoRA it shares the actor's engine (the base weights, adapters off).
         legacy: whether these are the legacy workers.
         teacher: the frozen teacher of on-policy distillation (``distill.teacher_path``), or None.
+        reward_model: the frozen reward model scoring responses (``reward.model``), or None.
     """
 
     actor: Any
@@ -68,6 +70,7 @@ class Roles:
     reference: Any | None
     legacy: bool
     teacher: Any | None = None
+    reward_model: Any | None = None
 
 
 def critic_engine_config(engine: EngineConfig, critic_lr: float) -> EngineConfig:
@@ -82,8 +85,14 @@ def role_classes(config: RolesRecipeConfig) -> dict[str, type]:
     methods when the roles live in other processes (``posttrain.placement.rl_host``)."""
     if use_legacy(config.trainer.use_legacy_worker_impl):
         legacy = _legacy()
-        return {"actor": legacy.LegacyActor, "critic": legacy.LegacyCritic, "reference": legacy.LegacyReference, "teacher": Teacher}
-    return {"actor": Actor, "critic": Critic, "reference": Reference, "teacher": Teacher}
+        return {
+            "actor": legacy.LegacyActor,
+            "critic": legacy.LegacyCritic,
+            "reference": legacy.LegacyReference,
+            "teacher": Teacher,
+            "reward_model": RewardModel,
+        }
+    return {"actor": Actor, "critic": Critic, "reference": Reference, "teacher": Teacher, "reward_model": RewardModel}
 
 
 def _legacy():
@@ -110,7 +119,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
     problems = legacy_problems(flag, config.engine)
     if problems:
         raise ValueError("; ".join(problems))
-    wanted = {"actor", "critic", "reference", "teacher"} if include is None else set(include)
+    wanted = {"actor", "critic", "reference", "teacher", "reward_model"} if include is None else set(include)
     with_critic = needs_critic(config.algo.advantage) and "critic" in wanted
     with_reference = bool(config.actor.kl_coef) and "reference" in wanted
     with_actor = "actor" in wanted
@@ -118,6 +127,10 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
     teacher = None
     if distill is not None and distill.teacher_path is not None and "teacher" in wanted:
         teacher = Teacher(_engine(teacher_engine_config(config.engine, distill.teacher_path)))
+    reward = getattr(config, "reward", None)  # a learned reward: a recipe whose reward section names a model
+    reward_model = None
+    if getattr(reward, "model", None) is not None and "reward_model" in wanted:
+        reward_model = RewardModel(_engine(reward_engine_config(config.engine, reward.model)))
     if with_reference and config.engine.model.lora.enabled and not with_actor:
         raise ValueError("build_roles(include=...): a LoRA reference is the actor's engine with the adapters off; include the actor too")
     critic_engine = critic_engine_config(config.engine, config.algo.critic_lr)
@@ -131,6 +144,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
             reference=legacy.LegacyReference(frozen) if with_reference else None,
             legacy=True,
             teacher=teacher,
+            reward_model=reward_model,
         )
     actor = Actor(_engine(config.engine), config.actor) if with_actor else None
     reference = None
@@ -143,6 +157,7 @@ def build_roles(config: RolesRecipeConfig, include: Collection[str] | None = Non
         reference=reference,
         legacy=False,
         teacher=teacher,
+        reward_model=reward_model,
     )
 
 

@@ -32,7 +32,7 @@ class PlacementConfig:
     Attributes:
         pools: pool name -> number of worker processes (ranks) in it; empty: ``{main: 1}``.
             Pools are listed in order; the first is the actor's unless ``roles`` says otherwise.
-        roles: role -> pool (``actor``, ``reference``, ``critic``, ``teacher``, ``rollout``; SFT has only
+        roles: role -> pool (``actor``, ``reference``, ``critic``, ``teacher``, ``reward_model``, ``rollout``; SFT has only
             ``actor``); an unlisted role runs on the actor's pool, colocated with it.
         cpus_per_worker: CPUs each worker reserves in its bundle (fractions allowed: on a
             small machine ``0.5`` fits two workers per core); it also sets the worker's torch

@@ -43,6 +43,7 @@ class RLHost:
         self.source = build_task(cfg.data, cfg.engine.model.path, cfg.reward)
         roles = build_roles(cfg, include=[r for r in hosted if r != "rollout"])
         self.actor, self.critic, self.reference, self.teacher = roles.actor, roles.critic, roles.reference, roles.teacher
+        self.reward_model = roles.reward_model
         self.transfer: TransferGroup | None = None
         self._store = None
         self.rollout = None
@@ -110,6 +111,7 @@ class RayRoles:
     cluster: RayCluster
     actor_group: Any
     teacher: Any = None
+    reward_model: Any = None
 
     def save_hf(self, out_dir: str, fmt: str) -> str:
         return self.cluster.call(self.actor_group, RLHost.save_hf, out_dir, fmt)
@@ -149,12 +151,21 @@ def place_on_ray(cfg) -> RayRoles:
         classes = role_classes(cfg)
         handles = {
             role: RemoteRole(cluster, groups[where[role]], classes[role]) if role in where else None
-            for role in ("actor", "critic", "reference", "teacher")
+            for role in ("actor", "critic", "reference", "teacher", "reward_model")
         }
         alone = pools[where["rollout"]] == ("rollout",)
         rollout = RemoteRollout(cluster, rollout_group, actor_group if split else None, adapter, cfg.rollout.sync_bucket_mb, alone)
         cluster.record(t.output_dir)
-        return RayRoles(handles["actor"], handles["critic"], handles["reference"], rollout, cluster, actor_group, handles["teacher"])
+        return RayRoles(
+            handles["actor"],
+            handles["critic"],
+            handles["reference"],
+            rollout,
+            cluster,
+            actor_group,
+            handles["teacher"],
+            handles["reward_model"],
+        )
     except BaseException:
         cluster.close(graceful=False)
         raise
@@ -227,6 +238,7 @@ class LocalRoles:
     rollout: Rollout
     engine_config: EngineConfig
     teacher: Any = None
+    reward_model: Any = None
 
     def save_hf(self, out_dir: str, fmt: str) -> str:
         return save_hf(self.actor, self.engine_config, out_dir, fmt)
@@ -238,9 +250,9 @@ class LocalRoles:
 def place_roles(cfg, source):
     """The run's roles: built in this process (``trainer.launcher=torchrun``), or in worker
     groups on a Ray cluster driven from here (``ray``: :func:`place_on_ray`). Both
-    have ``actor``, ``critic``, ``reference``, ``teacher``, ``rollout``, ``save_hf`` and ``close``."""
+    have ``actor``, ``critic``, ``reference``, ``teacher``, ``reward_model``, ``rollout``, ``save_hf`` and ``close``."""
     if cfg.trainer.launcher == "ray":
         return place_on_ray(cfg)
     roles = build_roles(cfg)
     rollout = build_rollout_role(cfg, roles.actor, source)
-    return LocalRoles(roles.actor, roles.critic, roles.reference, rollout, cfg.engine, roles.teacher)
+    return LocalRoles(roles.actor, roles.critic, roles.reference, rollout, cfg.engine, roles.teacher, roles.reward_model)

@@ -89,10 +89,16 @@ def test_split_placements_equal_the_colocated_run(tmp_path):
     """(b) the critic on a pool of its own and (c) the rollout on one of 2 ranks, fed by the
     transfer group, against everything colocated in one process. Both runs also distill from a
     teacher (issue 63: a tiny model of another seed, its reverse-KL advantage added to PPO's at
-    weight 1), which the split run places with the critic, away from the actor."""
+    weight 1) and add a reward model's scores to the task's (issue 64: a tiny sequence-classification
+    model, weight 0.5), which the split run places with the critic, away from the actor."""
+    from transformers import AutoModelForSequenceClassification
+
     from posttrain.tiny_model import build_tiny_model
 
+    rm_dir = str(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_pretrained(build_tiny_model(tmp_path / "rm_lm", seed=4), num_labels=1).save_pretrained(rm_dir)
     teacher = ["distill.teacher_path=" + build_tiny_model(tmp_path / "teacher", seed=3), "distill.reward_weight=1.0"]
+    teacher += [f"reward.model={rm_dir}", "reward.model_weight=0.5"]
     colocated = _run([*PPO, *teacher], tmp_path / "colocated")
     split = [
         "trainer.placement.pools.train=1",
@@ -100,15 +106,16 @@ def test_split_placements_equal_the_colocated_run(tmp_path):
         "trainer.placement.pools.gen=2",
         "trainer.placement.roles.critic=values",
         "trainer.placement.roles.teacher=values",
+        "trainer.placement.roles.reward_model=values",
         "trainer.placement.roles.rollout=gen",
     ]
     out = _run([*PPO, *teacher, *RAY, *split], tmp_path / "split")
-    _same_run(out, colocated, (*PPO_KEYS, "distill/reverse_kl", "distill/teacher_logprob_mean"))
+    _same_run(out, colocated, (*PPO_KEYS, "distill/reverse_kl", "distill/teacher_logprob_mean", "reward/model_mean"))
     assert "distill/reverse_kl" in _metrics(out, ("distill/reverse_kl",))[0]
     ranks = _placement(out)
     assert {(r["pool"], tuple(r["roles"])) for r in ranks} == {
         ("train", ("actor", "reference")),
-        ("values", ("critic", "teacher")),
+        ("values", ("critic", "teacher", "reward_model")),
         ("gen", ("rollout",)),
     }
     assert len({r["pid"] for r in ranks}) == 4  # four processes, one per bundle

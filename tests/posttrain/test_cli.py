@@ -16,6 +16,7 @@ import yaml
 
 import recipes.dpo as dpo
 import recipes.ppo as ppo
+import recipes.reward_model as reward_model
 import recipes.sft as sft
 from backends.fsdp.options import FSDPOptions
 from backends.megatron.options import MegatronOptions
@@ -29,6 +30,7 @@ RECIPES = {
     "sft": (sft, sft.SFTConfig, "configs/sft_tiny.yaml"),
     "ppo": (ppo, ppo.PPOConfig, "configs/ppo_tiny.yaml"),
     "dpo": (dpo, dpo.DPOConfig, "configs/dpo_tiny.yaml"),
+    "reward_model": (reward_model, reward_model.RMConfig, "configs/rm_tiny.yaml"),
 }
 # The backend sections the loader accepts under ``engine.`` (EngineConfig.backend is filled from them).
 BACKEND_OPTIONS = (FSDPOptions, MegatronOptions)
