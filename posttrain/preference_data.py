@@ -11,7 +11,10 @@
 * chat: ``prompt`` a list of messages (or ShareGPT turns), ``chosen`` / ``rejected`` each an
   assistant message list (TRL's conversational format) or a string; or no prompt column and
   ``chosen`` / ``rejected`` whole conversations that differ only in their last (assistant)
-  message (TRL's implicit prompt: everything before it).
+  message (TRL's implicit prompt: everything before it); or
+* tinker-cookbook's labeled comparisons (its ``ComparisonBuilderFromJsonl`` rows): ``comparison``
+  (``prompt_conversation``, ``completion_A``, ``completion_B``) and ``label`` (``A`` or ``B``:
+  the chosen one; ``Tie``: no preference, dropped and counted as ``ties``).
 
 Each side is tokenized as prompt + its response with the loss on that response only (the last
 assistant turn: earlier turns are context). Refused naming the row: a missing column, an empty
@@ -81,9 +84,15 @@ class PreferenceDataset:
         self.sources: list[str] = []
         self.counts = LoadCounts()
         self.identical = 0
+        self.ties = 0
         for row in read_rows(files, key, cfg.max_row_bytes, cfg.split_for(key)):
             self.counts.rows += 1
-            chosen, rejected = self._sides(row)
+            sides = self._sides(row)
+            if sides is None:  # a tie
+                self.ties += 1
+                self.counts.dropped += 1
+                continue
+            chosen, rejected = sides
             if chosen == rejected:
                 self.identical += 1
                 self.counts.dropped += 1
@@ -97,7 +106,7 @@ class PreferenceDataset:
         self.counts.kept = len(self.pairs)
         if not self.pairs:
             raise ValueError(
-                f"{key}: no pair left ({self.counts.line(key)}, {self.identical} with identical responses); fix: check the "
+                f"{key}: no pair left ({self.counts.line(key)}, {self.identical} with identical responses, {self.ties} ties); fix: check the "
                 "chosen / rejected columns, or raise data.max_length"
             )
 
@@ -115,9 +124,12 @@ class PreferenceDataset:
             raise ValueError(f"row {row.source}: column {name!r} (data.{setting}) is empty; fix: drop the row or fill it")
         return value
 
-    def _sides(self, row: Row) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    def _sides(self, row: Row) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
         """``((prompt, chosen response), (prompt, rejected response))`` of a row: the prompt
-        as text or messages, each response as text or an assistant message list."""
+        as text or messages, each response as text or an assistant message list; None for a
+        labeled comparison that is a tie."""
+        if "comparison" in row.values and "label" in row.values and self.cfg.chosen_key not in row.values:
+            return self._labeled(row)
         c = self._column(row, self.cfg.chosen_key, "chosen_key")
         r = self._column(row, self.cfg.rejected_key, "rejected_key")
         if self.cfg.prompt_key in row.values:
@@ -136,6 +148,20 @@ class PreferenceDataset:
                 "turn (the implicit prompt); fix: give the prompt column explicitly"
             )
         return (c[:-1], c[-1:]), (r[:-1], r[-1:])
+
+    def _labeled(self, row: Row) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
+        """A tinker-cookbook labeled comparison as the two sides (None: a tie)."""
+        comparison, label = row.values["comparison"], row.values["label"]
+        keys = ("prompt_conversation", "completion_A", "completion_B")
+        if not isinstance(comparison, dict) or any(not comparison.get(k) for k in keys):
+            raise ValueError(f"row {row.source}: comparison needs non-empty {', '.join(keys)}; fix: drop the row or fill them")
+        if label == "Tie":
+            return None
+        if label not in ("A", "B"):
+            raise ValueError(f"row {row.source}: label = {label!r}; fix: A, B or Tie")
+        prompt = comparison["prompt_conversation"]
+        chosen, rejected = (comparison["completion_A"], comparison["completion_B"])[:: 1 if label == "A" else -1]
+        return (prompt, chosen), (prompt, rejected)
 
     @staticmethod
     def _messages(value: object, source: str) -> list[dict]:
@@ -242,7 +268,7 @@ class PreferenceData:
             self.val = PreferenceDataset(cfg.val_files, tokenizer, cfg, "data.val_files")
         for name, ds in (("train", self.train), ("val", self.val)):
             if ds is not None:
-                self.counts[name] = {**dataclasses.asdict(ds.counts), "identical": ds.identical}
+                self.counts[name] = {**dataclasses.asdict(ds.counts), "identical": ds.identical, "ties": ds.ties}
 
     def data_order(self) -> dict[str, Any]:
         """What every step's batch depends on (``posttrain.data_order``)."""

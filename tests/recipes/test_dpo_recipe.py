@@ -61,7 +61,7 @@ def test_every_sort_pair_prefers_the_better_sort():
 
 
 def test_pair_files_in_text_chat_and_implicit_form(tmp_path):
-    """TRL's three preference layouts load into the same kind of pair (the loss on each side's
+    """TRL's three preference layouts and tinker-cookbook's labeled comparisons load into the same kind of pair (the loss on each side's
     response only); an identical pair is dropped and counted; a missing column, an empty side and
     implicit conversations that differ before the last turn are refused naming the row."""
     tok = build_tokenizer(tmp_path / "tok")
@@ -71,15 +71,32 @@ def test_pair_files_in_text_chat_and_implicit_form(tmp_path):
         {"prompt": user, "chosen": [{"role": "assistant", "content": "3"}], "rejected": [{"role": "assistant", "content": "45"}]},
         {"chosen": [*user, {"role": "assistant", "content": "3"}], "rejected": [*user, {"role": "assistant", "content": "5"}]},
         {"prompt": "1+1", "chosen": "2", "rejected": "2"},
+        {  # tinker-cookbook's labeled comparison, B preferred
+            "comparison": {
+                "prompt_conversation": user,
+                "completion_A": [{"role": "assistant", "content": "9"}],
+                "completion_B": [{"role": "assistant", "content": "3"}],
+            },
+            "label": "B",
+        },
+        {
+            "comparison": {
+                "prompt_conversation": user,
+                "completion_A": [{"role": "assistant", "content": "3"}],
+                "completion_B": [{"role": "assistant", "content": "4"}],
+            },
+            "label": "Tie",
+        },
     ]
     ds = PreferenceDataset([write_rows(rows, tmp_path / "pairs.jsonl")], tok, PreferenceDataConfig(max_length=64))
-    assert len(ds) == 3 and ds.identical == 1 and ds.counts.dropped == 1
+    assert len(ds) == 4 and ds.identical == 1 and ds.ties == 1 and ds.counts.dropped == 2
     for ci, cm, ri, rm in ds.pairs:
         p = cm.index(1)
         assert ci[:p] == ri[:p] and rm.index(1) == p  # the same prompt tokens, the loss after them
         assert tok.decode([t for t, m in zip(ci, cm, strict=True) if m]).startswith("3")
-    text, chat, implicit = ds.pairs
+    text, chat, implicit, labeled = ds.pairs
     assert chat[0] == implicit[0] and chat[1] == implicit[1]  # the implicit prompt is the explicit one
+    assert labeled[0] == chat[0]  # label B: completion_B ("3") is the chosen side
     batch = ds.batch([0, 1])
     assert batch.batch_size[0] == 4
 
