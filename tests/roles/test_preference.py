@@ -20,25 +20,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_api import make_batch
 from roles.preference import PREFERENCE_LOSSES, PairValues, PreferenceConfig, PreferencePolicy, loss_settings, markdown_table
 from roles.reference import Reference
-from tests.support.hf_utils import VOCAB, engine_for, make_model
+from tests.support.hf_utils import engine_for, make_model
 from tests.support.launch import run_distributed
-
-# (prompt, chosen response, rejected response) lengths of 4 pairs
-SHAPES = ((3, 4, 2), (5, 1, 6), (2, 7, 3), (4, 3, 3))
-
-
-def pair_batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    ids, masks = [], []
-    for p, c, r in SHAPES:
-        prompt = torch.randint(0, VOCAB, (p,), generator=g)
-        for n in (c, r):
-            ids.append(torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=g)]))
-            masks.append(torch.cat([torch.zeros(p), torch.ones(n)]))
-    return make_batch(ids, loss_mask=masks)
+from tests.support.pairs import pair_batch
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +173,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
 def test_the_step_follows_the_mean_pair_loss_at_any_micro_batching_and_dp(dirs, loss):
     """The gradient of one step equals autograd of the mean pair loss through plain HF at every
-    layout, including micro-batches and ranks that split a pair's two rows (rel 1e-5 of each
-    tensor's max: fp32 sums of the two passes)."""
+    layout (SimPO: the two that split a pair's rows), including micro-batches and ranks that split
+    a pair's two rows (rel 1e-5 of each tensor's max: fp32 sums of the two passes)."""
     policy_dir, ref_dir = dirs
     want = _hf_grads(policy_dir, ref_dir, loss)
-    for label, (world, overrides) in LAYOUTS.items():
+    layouts = LAYOUTS if loss == "sigmoid" else {k: LAYOUTS[k] for k in ("mbs=3 (pairs split)", "2 ranks, mbs=1")}
+    for label, (world, overrides) in layouts.items():
         metrics, grads = run_distributed(_step, world, policy_dir, ref_dir, "fsdp", overrides, loss, timeout=300)[0]
         for name, g in want.items():
             err = float((grads[name] - g).abs().max() / g.abs().max())

@@ -21,10 +21,10 @@ from transformers import AutoModelForSequenceClassification
 
 from posttrain.export import save_hf
 from roles.reward_model import RewardModel
-from tests.roles.test_preference import pair_batch
 from tests.support import launch
 from tests.support.hf_utils import engine_for, make_model
 from tests.support.launch import run_distributed
+from tests.support.pairs import pair_batch
 
 
 @pytest.fixture(scope="module")

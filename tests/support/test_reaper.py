@@ -63,7 +63,7 @@ _BODIES = {
 # interrupted session was seen to end only when they did (its teardown waited on them), so this
 # bounds the test's worst case; the kill below comes well before it (checked), so the waits are
 # still running when the session is interrupted.
-SLEEP_S = 75
+SLEEP_S = 60
 
 
 def _marked(tag: str) -> dict[int, str]:
