@@ -27,17 +27,17 @@ from typing import Any
 
 import torch
 
-from engine_api import EngineConfig, build_engine, ckpt_layout
+from engine_api import EngineConfig, build_engine
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.dist import rank
 from posttrain.export import save_hf
 from posttrain.plots import plot_run
-from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
+from posttrain.preemption import PreemptionGuard, stop_while_starting
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
 from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, recipe_main, with_model_path
-from recipes.sft import resume_step, save_step
+from recipes.sft import checkpoint_or_stop, resume_step
 from roles.preference import AGG_MODE, PairTotals, PreferenceConfig, PreferencePolicy
 from roles.reference import Reference
 
@@ -244,14 +244,7 @@ def _train(trainer, cfg, data: PreferenceData, start: int, ckpt_dir: str, run_lo
             bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
             bar.update(1)
             guard.update(step + 1, record["step_skipped"])
-            saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
-            if saved:
-                save_step(trainer, data, ckpt_dir, step + 1)
-            signum = preemption.stop_requested()
-            if signum is not None:
-                if not saved:
-                    save_step(trainer, data, ckpt_dir, step + 1)
-                raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
+            checkpoint_or_stop(trainer, data, ckpt_dir, step + 1, tc, preemption)
     return losses
 
 

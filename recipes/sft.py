@@ -418,14 +418,7 @@ def _train(trainer, cfg: SFTConfig, data: SFTData, start: int, ckpt_dir: str, ru
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             bar.update(1)
             guard.update(step + 1, record["step_skipped"])  # after the step is logged, before a checkpoint of it
-            saved = tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps)
-            if saved:
-                save_step(trainer, data, ckpt_dir, step + 1)
-            signum = preemption.stop_requested()
-            if signum is not None:
-                if not saved:
-                    save_step(trainer, data, ckpt_dir, step + 1)
-                raise Preempted(signum, step + 1, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step + 1}"))
+            checkpoint_or_stop(trainer, data, ckpt_dir, step + 1, tc, preemption)
     return losses
 
 
@@ -604,6 +597,24 @@ def save_step(trainer, data: SFTData, ckpt_dir: str, step: int) -> None:
     if rank() == 0:
         save_order(ckpt_dir, data.data_order())
     trainer.save_checkpoint(ckpt_dir, step)
+
+
+def checkpoint_or_stop(trainer, data, ckpt_dir: str, step: int, tc: TrainerConfig, preemption) -> None:
+    """The end of training step ``step`` (1-based) in a supervised-style loop (SFT, DPO, reward
+    model): its checkpoint when ``trainer.checkpoint_every`` (or the last step) says so; then, if a
+    SIGTERM / SIGINT arrived (``preemption.stop_requested``, agreed by every rank), the checkpoint
+    (once) and :class:`Preempted`.
+
+    Raises:
+        Preempted: a stop was requested; the step's checkpoint is saved."""
+    saved = tc.checkpoint_every and (step % tc.checkpoint_every == 0 or step == tc.total_steps)
+    if saved:
+        save_step(trainer, data, ckpt_dir, step)
+    signum = preemption.stop_requested()
+    if signum is not None:
+        if not saved:
+            save_step(trainer, data, ckpt_dir, step)
+        raise Preempted(signum, step, os.path.join(ckpt_dir, f"{ckpt_layout.PREFIX}{step}"))
 
 
 def resume_step(trainer, cfg: SFTConfig, ckpt_dir: str, data: SFTData) -> int:
