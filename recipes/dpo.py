@@ -18,6 +18,7 @@ scored (``val/dpo/*``, exact over every pair). Checkpoints and ``trainer.resume`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -94,11 +95,7 @@ class DPOTrainer:
         self.cfg = cfg
         engine = build_engine(cfg.engine)
         engine.init_model()
-        if engine.dp_size > 1 and (2 * cfg.data.batch_size) % engine.dp_size:
-            raise ValueError(
-                f"data.batch_size = {cfg.data.batch_size} pairs ({2 * cfg.data.batch_size} rows): not a multiple of the "
-                f"{engine.dp_size} data-parallel ranks; fix: a batch size whose row count they divide"
-            )
+        check_pair_batch(cfg, engine)
         reference = None
         if cfg.dpo.uses_reference:
             if cfg.engine.model.lora.enabled:
@@ -133,9 +130,20 @@ class DPOTrainer:
 
 
 def _frozen(engine: EngineConfig) -> EngineConfig:
-    import dataclasses
-
     return dataclasses.replace(engine, frozen=True)
+
+
+def check_pair_batch(cfg, engine) -> None:
+    """Refuse a step batch (``data.batch_size`` pairs, twice as many rows) that the data-parallel
+    ranks do not divide, before any training.
+
+    Raises:
+        ValueError: naming the batch size, the row count and the ranks."""
+    if engine.dp_size > 1 and (2 * cfg.data.batch_size) % engine.dp_size:
+        raise ValueError(
+            f"data.batch_size = {cfg.data.batch_size} pairs ({2 * cfg.data.batch_size} rows): not a multiple of the "
+            f"{engine.dp_size} data-parallel ranks; fix: a batch size whose row count they divide"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from engine_api import EngineConfig, build_engine
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import TinyModelConfig, TrainerConfig, recipe_main
-from recipes.dpo import pair_recipe_problems
+from recipes.dpo import check_pair_batch, pair_recipe_problems
 from recipes.dpo import run as run_pairs
 from roles.reward_model import RewardModel, bt_metrics, bt_objective
 
@@ -79,11 +79,7 @@ class RMTrainer:
         self.cfg = cfg
         self.engine = build_engine(cfg.engine)
         self.engine.init_model()
-        if self.engine.dp_size > 1 and (2 * cfg.data.batch_size) % self.engine.dp_size:
-            raise ValueError(
-                f"data.batch_size = {cfg.data.batch_size} pairs ({2 * cfg.data.batch_size} rows): not a multiple of the "
-                f"{self.engine.dp_size} data-parallel ranks; fix: a batch size whose row count they divide"
-            )
+        check_pair_batch(cfg, self.engine)
         self.model = RewardModel(self.engine)
         self.val_batches = data.val_batches()
 

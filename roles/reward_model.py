@@ -20,6 +20,9 @@ Ouyang et al. 2022, TRL's ``RewardTrainer``), mean over pairs. As for DPO
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from typing import Any
 
 import torch
@@ -41,9 +44,6 @@ def scalar_head_problems(path: str, key: str = "reward.model") -> list[str]:
     """Why the HF directory ``path`` is not a scalar-head model (empty when it is): its
     ``config.json`` must name a ``*ForSequenceClassification`` or ``*ForTokenClassification``
     architecture with one label (a causal LM would score with a fresh, random head)."""
-    import json
-    import os
-
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
         return [f"{key} = {path!r} has no config.json; fix: the reward model's HF directory (recipes.reward_model's export)"]
@@ -62,8 +62,6 @@ def scalar_head_problems(path: str, key: str = "reward.model") -> list[str]:
 def reward_engine_config(engine, path: str):
     """A reward model's engine: the actor's keys (strategy, parallelism, dtypes, micro-batching),
     the model at ``path`` with its scalar head, frozen, no adapters."""
-    import dataclasses
-
     model = dataclasses.replace(engine.model, path=path, head="value", lora=dataclasses.replace(engine.model.lora, rank=0))
     return dataclasses.replace(engine, model=model, frozen=True)
 
