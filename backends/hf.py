@@ -76,14 +76,22 @@ def refusing_pickled_objects(path: str):
         ) from None
 
 
-def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | None = None) -> nn.Module:
+def load_hf_model(
+    path: str, head: str, seed: int, attn_implementation: str | None = None, value_bias: bool = True
+) -> nn.Module:
     """Load ``path`` through the normal HF path, on CPU, in fp32.
 
     ``head: lm`` gives ``AutoModelForCausalLM``; ``head: value`` gives
     ``AutoModelForTokenClassification`` with one label and no classifier dropout, its new
     ``score`` layer initialised by HF under ``torch.manual_seed(seed)`` (so every rank and
-    every backend gets the same head). ``attn_implementation`` goes to HF as is (None: HF's
-    default for the family); see :func:`resolve_attn_implementation`.
+    every backend gets the same head). With ``value_bias`` False the ``score`` layer is
+    bias-free, HF sequence classification's (``model.value_bias``); a checkpoint that stores a
+    non-zero ``score.bias`` is then refused (dropping it would shift every score).
+    ``attn_implementation`` goes to HF as is (None: HF's default for the family); see
+    :func:`resolve_attn_implementation`.
+
+    Raises:
+        ValueError: ``value_bias`` False and ``path`` stores a non-zero ``score.bias``.
     """
     torch.manual_seed(seed)
     if head == "value":
@@ -102,6 +110,8 @@ def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | No
             hf_logging.set_verbosity(verbosity)
         _report_value_head_load(path, info)
         missing = set(info.get("missing_keys", []))
+        if not value_bias:
+            return _without_score_bias(model, path, stored="score.bias" not in missing)
         if "score.bias" in missing and "score.weight" not in missing and model.score.bias is not None:
             # A sequence-classification checkpoint (a reward model): its head has no bias, so the
             # scores equal HF's only with the token-classification head's bias at 0.
@@ -110,6 +120,24 @@ def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | No
         return model
     with refusing_pickled_objects(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def _without_score_bias(model: nn.Module, path: str, stored: bool) -> nn.Module:
+    """``model`` (HF token classification) with its ``score`` layer replaced by a bias-free one
+    holding the same weight: HF sequence classification's head. ``stored``: ``path`` has a
+    ``score.bias`` (refused unless it is zero)."""
+    old = model.score
+    if stored and bool(old.bias.detach().abs().max() > 0):
+        raise ValueError(
+            f"model.value_bias = false, but {path!r} stores a non-zero score.bias ({old.bias.detach().flatten().tolist()}): a "
+            "bias-free head would shift every score by it; fix: model.value_bias=true (a critic's head), or a checkpoint "
+            "whose head has no bias (AutoModelForSequenceClassification)"
+        )
+    head = nn.Linear(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+    model.score = head
+    return model
 
 
 def _report_value_head_load(path: str, info: dict) -> None:
@@ -130,10 +158,10 @@ def note_once(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def value_head_state(path: str, seed: int) -> dict[str, torch.Tensor]:
-    """``score.weight`` / ``score.bias`` as :func:`load_hf_model` initialises them (or as the
-    directory stores them, for a trained critic)."""
-    model = load_hf_model(path, "value", seed)
+def value_head_state(path: str, seed: int, bias: bool = True) -> dict[str, torch.Tensor]:
+    """``score.weight`` (and with ``bias``, ``score.bias``) as :func:`load_hf_model`
+    initialises them (or as the directory stores them, for a trained critic or reward model)."""
+    model = load_hf_model(path, "value", seed, value_bias=bias)
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("score.")}
 
 

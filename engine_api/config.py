@@ -132,6 +132,12 @@ class ModelConfig:
         path: local HF directory (config.json + safetensors). None only where a recipe
             builds a tiny model itself.
         head: ``lm`` (causal LM: log-probs, entropy) or ``value`` (a scalar per token).
+        value_bias: with ``head: value``, whether the one-output ``score`` head has a bias: true
+            is HF token classification's head (the critic: values need an offset); false is HF
+            sequence classification's, bias-free (a reward model: only differences of scores
+            train it, and an exported ``AutoModelForSequenceClassification`` then scores exactly
+            as the engine does; the reward-model recipe and ``reward.model`` use it). A checkpoint
+            without a ``score.bias`` loaded with a bias gets it at 0. Unused with ``head: lm``.
         dtype: parameter dtype of the compute copy.
         gradient_checkpointing: recompute activations in backward to save memory.
         lora: low-rank adapters (:class:`LoraConfig`; ``rank`` 0: off).
@@ -148,6 +154,7 @@ class ModelConfig:
 
     path: str | None = None
     head: str = "lm"
+    value_bias: bool = True
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine_api import EngineConfig, build_engine
+from engine_api.config import ModelConfig
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import TinyModelConfig, TrainerConfig, recipe_main
@@ -50,14 +51,18 @@ class RMConfig:
     """Everything ``recipes.reward_model`` reads; ``configs/rm_tiny.yaml`` documents each key.
 
     Attributes:
-        engine: the reward model's engine (``model.head: value``).
+        engine: the reward model's engine (defaults: ``model.head: value``, ``model.value_bias:
+            false``, HF sequence classification's bias-free head, so the export scores as the
+            engine does; ``loss_agg_mode: seq-mean-token-sum``, which the loss needs).
         tiny_model: the model built when ``engine.model.path`` is null.
         data: the pairs (DPO's ``data`` section; ``batch_size`` pairs per step).
         rm: the loss.
         trainer: the loop.
     """
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(model=ModelConfig(head="value", value_bias=False), loss_agg_mode="seq-mean-token-sum")
+    )
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     rm: RMSettings = field(default_factory=RMSettings)
@@ -67,6 +72,12 @@ class RMConfig:
         out = pair_recipe_problems(self, "a reward model")
         if self.engine.model.head != "value":
             out.append(f"engine.model.head = {self.engine.model.head}: a reward model has a scalar head; fix: engine.model.head=value")
+        if self.engine.model.value_bias:
+            out.append(
+                "engine.model.value_bias = true: a reward model's head is HF sequence classification's, without a bias (the "
+                "Bradley-Terry loss cannot train one, and the export has none, so its scores would differ from the engine's); "
+                "fix: engine.model.value_bias=false"
+            )
         if self.engine.model.lora.enabled:
             out.append("engine.model.lora: a value head trains in full, not through adapters; fix: engine.model.lora.rank=0")
         return out

@@ -61,9 +61,24 @@ def scalar_head_problems(path: str, key: str = "reward.model") -> list[str]:
 
 def reward_engine_config(engine, path: str):
     """A reward model's engine: the actor's keys (strategy, parallelism, dtypes, micro-batching),
-    the model at ``path`` with its scalar head, frozen, no adapters."""
-    model = dataclasses.replace(engine.model, path=path, head="value", lora=dataclasses.replace(engine.model.lora, rank=0))
+    the model at ``path`` with its scalar head, frozen, no adapters. The head is the one the
+    checkpoint's architecture has: bias-free for ``*ForSequenceClassification`` (a reward
+    model, as HF scores it), with a bias for ``*ForTokenClassification`` (e.g. a critic)."""
+    model = dataclasses.replace(
+        engine.model,
+        path=path,
+        head="value",
+        value_bias=_token_classification(path),
+        lora=dataclasses.replace(engine.model.lora, rank=0),
+    )
     return dataclasses.replace(engine, model=model, frozen=True)
+
+
+def _token_classification(path: str) -> bool:
+    """Whether ``path``'s ``config.json`` names a ``*ForTokenClassification`` architecture."""
+    with open(os.path.join(path, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    return any(a.endswith("ForTokenClassification") for a in archs)
 
 
 def combine_rewards(reward, function: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -63,7 +63,7 @@ def load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     sp = options_of(config, FSDPOptions).ulysses_sequence_parallel_size
     hf_config = AutoConfig.from_pretrained(config.model.path)
     attn = select_attention(hf_config, config.model.attn_implementation, device.type, compute_dtype(config), sp)
-    model = load_hf_model(config.model.path, config.model.head, config.seed, attn)
+    model = load_hf_model(config.model.path, config.model.head, config.seed, attn, config.model.value_bias)
     if config.model.lora.enabled:
         model = apply_lora(model, config.model.lora, config.model.head, config.seed)
     return model

@@ -113,7 +113,7 @@ class MegatronEngine(BaseEngine):
             raise ValueError("model.path = None: MegatronEngine loads an HF directory; fix: set engine.model.path")
         self.device = init_parallel(cfg)
         hf_config = AutoConfig.from_pretrained(cfg.model.path)
-        self.arch = dataclasses.replace(arch_info(hf_config), value_head=cfg.model.head == "value")
+        self.arch = dataclasses.replace(arch_info(hf_config), value_head=cfg.model.head == "value", value_bias=cfg.model.value_bias)
         self.tconfig = build_transformer_config(self.arch, cfg)
         chunks = build_chunks(self.tconfig, self.arch, cfg)
         # MoE: HF's load-balancing loss and the expert-load metrics (engine_api.moe).
@@ -121,7 +121,7 @@ class MegatronEngine(BaseEngine):
         self.router = attach_router_recorder(
             chunks, router_spec, self.arch.num_layers, self.tconfig.sequence_parallel, moe_layers=self.arch.moe_layers
         )
-        hf_state = read_hf_state(cfg.model.path, cfg.model.head, cfg.seed)
+        hf_state = read_hf_state(cfg.model.path, cfg.model.head, cfg.seed, cfg.model.value_bias)
         load_hf_weights(chunks, hf_state, self.arch)
         # LoRA: the base frozen before megatron DDP, which then allocates grad buffers (and the
         # optimizer state) for the adapters alone.

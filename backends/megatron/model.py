@@ -341,14 +341,15 @@ class ValueHead(nn.Module):
     ``score``), the names megatron's language model expects of an ``output_layer`` when it
     builds the checkpoint's sharded state dict (a nested ``linear.weight`` made every critic
     checkpoint fail with ``KeyError: 'output_layer.weight'``). The values are set from the HF
-    value head by the loader.
+    value head by the loader. Without ``bias`` (``model.value_bias: false``) it is HF sequence
+    classification's bias-free head.
     """
 
-    def __init__(self, hidden: int, sequence_parallel: bool) -> None:
+    def __init__(self, hidden: int, sequence_parallel: bool, bias: bool = True) -> None:
         super().__init__()
-        init = nn.Linear(hidden, 1)  # nn.Linear's initialisation, for a head built without HF weights
+        init = nn.Linear(hidden, 1, bias=bias)  # nn.Linear's initialisation, for a head built without HF weights
         self.weight = nn.Parameter(init.weight.detach().clone())
-        self.bias = nn.Parameter(init.bias.detach().clone())
+        self.bias = nn.Parameter(init.bias.detach().clone()) if bias else None
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
@@ -399,7 +400,7 @@ def build_chunks(tconfig: TransformerConfig, arch: ArchInfo, config: EngineConfi
             old = model.rotary_pos_emb.inv_freq
             model.rotary_pos_emb.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=old.dtype, device=old.device)
         if value and post:
-            model.output_layer = ValueHead(arch.hidden, tconfig.sequence_parallel)
+            model.output_layer = ValueHead(arch.hidden, tconfig.sequence_parallel, config.model.value_bias)
         if pre and arch.pad_token_id is not None:
             model.embedding.word_embeddings.register_forward_hook(_pad_lookup_without_grad(arch.pad_token_id))
         chunks.append(model)
@@ -472,9 +473,10 @@ def _pad_lookup_without_grad(pad_id: int):
     return hook
 
 
-def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch.Tensor]:
+def read_hf_state(path: str, head: str = "lm", seed: int = 0, value_bias: bool = True) -> dict[str, torch.Tensor]:
     """All safetensors of an HF directory (single or sharded files), on CPU; for a value head,
-    plus ``score.*`` initialised exactly as the FSDP backend's HF token-classification model."""
+    plus ``score.*`` initialised exactly as the FSDP backend's HF token-classification model
+    (without ``score.bias`` when ``value_bias`` is False: a stored one is zero, or refused)."""
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"model.path = {path!r} has no *.safetensors; fix: save the model with save_pretrained (safetensors)")
@@ -482,7 +484,9 @@ def read_hf_state(path: str, head: str = "lm", seed: int = 0) -> dict[str, torch
     for f in files:
         state.update(load_file(os.path.join(path, f)))
     if head == "value":
-        state.update(value_head_state(path, seed))
+        state.update(value_head_state(path, seed, value_bias))
+        if not value_bias:
+            state.pop("score.bias", None)
     return state
 
 

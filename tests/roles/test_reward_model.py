@@ -7,7 +7,8 @@ checkpoints in and out, the scores and the Bradley-Terry step against plain HF.
   HF (every tensor to rel 1e-5 of its max), at one micro-batch, one row per micro-batch (pairs
   split) and 2 ranks.
 * Out: after training, the export loads in HF as ``AutoModelForSequenceClassification`` and gives
-  the engine's scores minus its head's bias (a constant HF's head has no place for) to 1e-5.
+  the engine's scores to 1e-6 (FSDP and megatron): the reward model's head is bias-free
+  (``model.value_bias: false``), HF sequence classification's.
 * The demo: on held-out sorting pairs the trained model orders chosen above rejected.
 """
 
@@ -43,33 +44,35 @@ def _hf_scores(model, batch) -> torch.Tensor:
         return torch.stack([model(ids[None]).logits[0, 0] for ids in batch["input_ids"].unbind()])
 
 
-def _score(rank, world, path, strategy):
-    engine = engine_for(path, "model.head=value", "frozen=true", strategy=strategy)
+def _score(rank, world, path, strategy, bias):
+    engine = engine_for(path, "model.head=value", f"model.value_bias={bias}", "frozen=true", strategy=strategy)
     return RewardModel(engine).score(pair_batch())
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "megatron"])
-def test_a_sequence_classification_checkpoint_scores_as_in_hf(seqcls, strategy):
-    got = run_distributed(_score, 1, seqcls, strategy, timeout=300)[0]
+@pytest.mark.parametrize("strategy, bias", [("fsdp", "false"), ("megatron", "false"), ("fsdp", "true")])
+def test_a_sequence_classification_checkpoint_scores_as_in_hf(seqcls, strategy, bias):
+    """Bias-free (a reward model's head) or with a bias, which such a checkpoint lacks: at 0."""
+    got = run_distributed(_score, 1, seqcls, strategy, bias, timeout=300)[0]
     want = _hf_scores(AutoModelForSequenceClassification.from_pretrained(seqcls, dtype=torch.float32), pair_batch())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(want.std()) > 1e-3  # the sequences score differently: the check reads the right position
 
 
 def _step(rank, world, path, overrides, out_dir):
-    engine = engine_for(path, "model.head=value", "loss_agg_mode=seq-mean-token-sum", "optim.clip_grad=1e9", *overrides)
+    engine = engine_for(
+        path, "model.head=value", "model.value_bias=false", "loss_agg_mode=seq-mean-token-sum", "optim.clip_grad=1e9", *overrides
+    )
     rm = RewardModel(engine)
     metrics = rm.update(pair_batch())
     grads = {}
-    for name, p in engine.model.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name.removeprefix("_orig_mod.")] = g.clone()
+    if engine.config.strategy == "fsdp":
+        for name, p in engine.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.removeprefix("_orig_mod.")] = g.clone()
     after = rm.score(pair_batch())
-    bias = None
     if out_dir is not None:
         save_hf(engine, engine.config, out_dir)
-        bias = float(dict(engine.model.named_parameters())["score.bias"].detach().full_tensor()) if rank == 0 else None
-    return metrics, grads, after, bias
+    return metrics, grads, after
 
 
 def test_the_bradley_terry_step_follows_plain_hf_and_the_export_scores_the_same(seqcls, tmp_path):
@@ -78,20 +81,29 @@ def test_the_bradley_terry_step_follows_plain_hf_and_the_export_scores_the_same(
     loss = -torch.nn.functional.logsigmoid(scores[0::2] - scores[1::2]).mean()
     loss.backward()
     want = {n: p.grad for n, p in hf.named_parameters()}
-    layouts = {"one micro-batch": (1, ["micro_batch_size=8"]), "mbs=1": (1, ["micro_batch_size=1"]), "2 ranks": (2, ["micro_batch_size=1"])}
+    layouts = {
+        "one micro-batch": (1, ["micro_batch_size=8"]),
+        "mbs=1": (1, ["micro_batch_size=1"]),
+        "2 ranks": (2, ["micro_batch_size=1"]),
+        "megatron": (1, ["strategy=megatron", "micro_batch_size=3"]),
+    }
     for label, (world, overrides) in layouts.items():
-        out = str(tmp_path / "hf") if label == "one micro-batch" else None
-        metrics, grads, after, bias = run_distributed(_step, world, seqcls, ["optim.lr=1e-2", *overrides], out, timeout=300)[0]
+        out = str(tmp_path / label.replace(" ", "_")) if label in ("one micro-batch", "megatron") else None
+        metrics, grads, after = run_distributed(_step, world, seqcls, ["optim.lr=1e-2", *overrides], out, timeout=300)[0]
         assert metrics["rm/loss"] == pytest.approx(float(loss), rel=1e-6), label
-        for name, g in want.items():
-            if name == "score.bias" or g is None:
+        for name, g in want.items() if grads else ():
+            if g is None:
                 continue
             err = float((grads[name] - g).abs().max() / g.abs().max())
             assert err <= 1e-5, (label, name, err)
-        if out is not None:  # the export: HF's sequence classification gives the trained scores less the bias
+        if out is not None:  # the export: HF's sequence classification gives the trained scores
             exported = AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32)
-            assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"][0].endswith("ForSequenceClassification")
-            torch.testing.assert_close(_hf_scores(exported, pair_batch()), after - bias, rtol=1e-5, atol=1e-5)
+            assert json.loads((tmp_path / label.replace(" ", "_") / "config.json").read_text())["architectures"][0].endswith(
+                "ForSequenceClassification"
+            )
+            hf_after = _hf_scores(exported, pair_batch())
+            assert float((hf_after - after).abs().max()) <= 1e-6, (label, hf_after - after)
+            assert float((after - scores.detach()).abs().min()) > 1e-4, label  # trained: the scores moved
 
 
 @pytest.mark.slow
@@ -136,6 +148,29 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
 
     with pytest.raises(ValueError, match="reward.model with algo.dynamic_sampling"):
         load_typed(PPOConfig, "configs/grpo_tiny.yaml", [f"reward.model={seqcls}", "algo.dynamic_sampling=true"])
+
+    # The head: a reward model's is bias-free (HF sequence classification's). The recipe refuses a
+    # bias; a bias-free head refuses a checkpoint whose stored bias it would drop; reward.model
+    # takes the head the checkpoint's architecture has.
+    from backends.hf import load_hf_model
+    from recipes.reward_model import RMConfig
+    from roles.reward_model import reward_engine_config
+
+    assert load_typed(RMConfig, "configs/rm_tiny.yaml").engine.model.value_bias is False
+    assert load_typed(RMConfig, {}).engine.model.value_bias is False  # the default, without the demo's yaml
+    with pytest.raises(ValueError, match=r"engine.model.value_bias = true: .*fix: engine.model.value_bias=false"):
+        load_typed(RMConfig, "configs/rm_tiny.yaml", ["engine.model.value_bias=true"])
+    critic = load_hf_model(lm, "value", seed=0)
+    with torch.no_grad():
+        critic.score.bias.fill_(0.25)
+    critic.save_pretrained(tmp_path / "critic")
+    with pytest.raises(ValueError, match=r"model.value_bias = false, but .* stores a non-zero score.bias \(\[0.25\]\).*fix:"):
+        load_hf_model(str(tmp_path / "critic"), "value", seed=0, value_bias=False)
+    assert float(load_hf_model(str(tmp_path / "critic"), "value", seed=0).score.bias) == 0.25
+    assert load_hf_model(seqcls, "value", seed=0, value_bias=False).score.bias is None
+    engine = load_typed(PPOConfig, "configs/grpo_tiny.yaml").engine
+    assert reward_engine_config(engine, seqcls).model.value_bias is False
+    assert reward_engine_config(engine, str(tmp_path / "critic")).model.value_bias is True
 
 
 def test_grpo_trains_on_the_reward_models_scores(tmp_path):

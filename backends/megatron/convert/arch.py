@@ -82,6 +82,9 @@ class ArchInfo:
     # The engine's head (``model.head``) is ``value``: ``output_layer`` is HF's ``score`` (a
     # token-classification head), not ``lm_head``. Not read from the HF config: set by the engine.
     value_head: bool = False
+    # The value head has a bias (HF token classification's ``score``); False: bias-free, HF
+    # sequence classification's (``model.value_bias``). Set by the engine.
+    value_bias: bool = True
     # Mixture of experts (num_experts = 0: a dense model).
     num_experts: int = 0
     moe_topk: int = 0

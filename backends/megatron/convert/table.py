@@ -137,10 +137,9 @@ def model_rules(arch: ArchInfo) -> Mapping[str, Rule]:
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"),
     ]
     if arch.value_head:
-        rules += [
-            Rule("output_layer.weight", ("score.weight",), "copy", "model.head=value"),
-            Rule("output_layer.bias", ("score.bias",), "copy", "model.head=value"),
-        ]
+        rules.append(Rule("output_layer.weight", ("score.weight",), "copy", "model.head=value"))
+        if arch.value_bias:
+            rules.append(Rule("output_layer.bias", ("score.bias",), "copy", "model.head=value"))
     else:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", "tie_word_embeddings", read=head_read))
     return {r.megatron: r for r in rules}
