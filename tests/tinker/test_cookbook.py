@@ -238,13 +238,17 @@ def _comparisons(path: Path, n: int) -> str:
     return str(path)
 
 
-def test_the_cookbooks_dpo_keeps_its_reference_while_the_evaluator_snapshots(server, tmp_path):
+@pytest.mark.parametrize("setting", ["defaults", "eval_every=2"])
+def test_the_cookbooks_dpo_keeps_its_reference_while_the_evaluator_snapshots(server, tmp_path, setting):
     """tinker-cookbook 0.6.1's ``preference/train_dpo.main``, unchanged: the DPO loss runs
     client-side (``forward_backward_custom``), the reference is the run's first sampling
     snapshot, scored every step, and the test split's evaluator takes a new snapshot every
-    ``eval_every`` steps. With ``eval_every=2`` it died at step 6 before the server evicted
-    snapshots by last use (the 5th newer snapshot took the reference); here 14 steps (7 evaluator
-    snapshots) run, the reference answering every step, and the pairs' loss falls from ln 2."""
+    ``eval_every`` steps. Before the server evicted snapshots by last use, the 5th newer snapshot
+    took the reference: with its defaults (``eval_every=10``, ``save_every=20``, LoRA rank 32, lr
+    1e-5) the run died at step 30, with ``eval_every=2`` at step 6 (both checked by reverting the
+    last-use update). Here 36 steps with the defaults (5 evaluations) and 14 steps with
+    ``eval_every=2`` (7 evaluations) run, the reference answering every step, and the pairs' loss
+    falls from ln 2."""
     from tinker_cookbook.preference import train_dpo
     from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
     from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
@@ -252,8 +256,9 @@ def test_the_cookbooks_dpo_keeps_its_reference_while_the_evaluator_snapshots(ser
 
     url, model, _ = server
     demo.register_tokenizer(model)
+    steps, evals, settings = (36, 5, {}) if setting == "defaults" else (14, 7, {"learning_rate": 1e-3, "lora_rank": 4, "eval_every": 2})
     comparisons = ComparisonBuilderFromJsonl(
-        train_path=_comparisons(tmp_path / "train.jsonl", 28), test_path=_comparisons(tmp_path / "test.jsonl", 4)
+        train_path=_comparisons(tmp_path / "train.jsonl", 2 * steps), test_path=_comparisons(tmp_path / "test.jsonl", 4)
     )
     common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=demo.NAME, renderer_name="role_colon", max_length=64, batch_size=2)
     cfg = train_dpo.Config(
@@ -262,16 +267,14 @@ def test_the_cookbooks_dpo_keeps_its_reference_while_the_evaluator_snapshots(ser
         model_name=demo.NAME,
         dataset_builder=DPODatasetBuilderFromComparisons(comparison_builder=comparisons, common_config=common),
         renderer_name="role_colon",
-        learning_rate=1e-3,
-        lora_rank=4,
         base_url=url,
-        eval_every=2,
-        save_every=0,
+        **({"save_every": 0} if settings else {}),
+        **settings,
     )
     with demo._api_key(), demo.closing_service_clients():
         train_dpo.main(cfg)
-    steps = [m for m in _metrics(tmp_path / "dpo") if "dpo_loss" in m]
-    assert len(steps) == 14, len(steps)
-    assert steps[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
-    assert steps[-1]["dpo_loss"] < steps[0]["dpo_loss"], [m["dpo_loss"] for m in steps]
-    assert sum("test/nll" in m or any(k.startswith("test") for k in m) for m in _metrics(tmp_path / "dpo")) >= 7
+    rows = [m for m in _metrics(tmp_path / "dpo") if "dpo_loss" in m]
+    assert len(rows) == steps, len(rows)
+    assert rows[0]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert rows[-1]["dpo_loss"] < rows[0]["dpo_loss"], [m["dpo_loss"] for m in rows]
+    assert sum(any(k.startswith("test") for k in m) for m in _metrics(tmp_path / "dpo")) >= evals
