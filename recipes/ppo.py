@@ -71,7 +71,7 @@ from roles.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, estimate_adv
 from roles.algos import group_reward_stats, no_signal_warning, rollout_parity
 from roles.critic import CriticConfig
 from roles.legacy_flag import FLAG_VALUES, legacy_problems, use_legacy
-from roles.reward_model import combine_rewards, scalar_head_problems
+from roles.reward_model import reward_metrics, scalar_head_problems, with_model_rewards
 from roles.rollout import RolloutConfig
 
 DEFAULT_CONFIG = "configs/ppo_tiny.yaml"
@@ -226,11 +226,6 @@ class PPOConfig:
                 "reward.model with multi-turn rollouts (env.function / agent.function): a trajectory split over several rows "
                 "is not scored by a reward model yet; fix: single-turn data, or drop reward.model"
             )
-        if self.reward.model is not None and self.algo.dynamic_sampling:
-            out.append(
-                "reward.model with algo.dynamic_sampling: groups are filtered by the function's rewards before the reward model "
-                "scores them; fix: algo.dynamic_sampling=false, or drop reward.model"
-            )
         if overlong.enabled and overlong.max_len is None and multi_turn:
             out.append(
                 "reward.overlong.max_len = null with a multi-turn run: rollout.max_new_tokens bounds one turn, not a trajectory; "
@@ -260,16 +255,29 @@ class PPOConfig:
         return out
 
 
-def filling(cfg: PPOConfig) -> dict[str, Any]:
-    """The pipeline's reward shaping and dynamic sampling under ``cfg`` (none when off)."""
+def filling(cfg: PPOConfig, reward_model=None) -> dict[str, Any]:
+    """The pipeline's reward shaping and dynamic sampling under ``cfg`` (none when off). The
+    shaping: the overlong penalty on the function's scores, then ``reward_model``'s scores
+    combined in (``reward.model``), so dynamic sampling filters by the reward that is trained."""
     out: dict[str, Any] = {}
     overlong = cfg.reward.overlong
+    shapes = []
     if overlong.enabled:
         max_len = overlong.max_len if overlong.max_len is not None else cfg.rollout.max_new_tokens
-        out["shape"] = functools.partial(shape_overlong, config=overlong, max_len=max_len)
+        shapes.append(functools.partial(shape_overlong, config=overlong, max_len=max_len))
+    if reward_model is not None:
+        shapes.append(functools.partial(with_model_rewards, reward=cfg.reward, model=reward_model))
+    if shapes:
+        out["shape"] = shapes[0] if len(shapes) == 1 else functools.partial(_in_turn, shapes)
     if cfg.algo.dynamic_sampling:
         out["dynamic"] = DynamicSampling(cfg.data.batch_size, cfg.algo.n_samples, cfg.algo.dynamic_sampling_max_draws)
     return out
+
+
+def _in_turn(shapes, scored):
+    for shape in shapes:
+        scored = shape(scored)
+    return scored
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -352,7 +360,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         start = resume_roles(roles, ckpt_dir, rank0) if t.resume else 0
         schedule = Schedule(cfg.data.batch_size, cfg.algo.n_samples, cfg.rollout.seed, t.total_steps, t.output_dir)
         score = lambda batch: actor.compute_log_probs(batch)["log_probs"]  # noqa: E731 (the version-parity probe)
-        pipeline = Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score, **filling(cfg))
+        pipeline = Pipeline(cfg.async_, schedule, producer, rollout, source, rank0, score=score, **filling(cfg, reward_model))
         pipeline.resume(ckpt_dir, start)
         began = True
         bar = progress_bar(t, start, rank0, "rl")
@@ -360,7 +368,6 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             for step in range(start, t.total_steps):
                 samples = t.log_samples if t.log_samples_every and (step + 1) % t.log_samples_every == 0 else 0
                 roles_ = {"actor": actor, "critic": critic, "reference": reference, "rollout": rollout, "teacher": teacher}
-                roles_["reward_model"] = reward_model
                 train = functools.partial(train_on_batch, cfg, step, **roles_)
                 m = pipeline.step(step, functools.partial(train, samples=samples))
                 flat = m["frac_reward_zero_std"] == 1.0 and not cfg.distill.enabled  # a teacher still moves the policy
@@ -432,7 +439,6 @@ def train_on_batch(
     rollout,
     samples: int = 0,
     teacher=None,
-    reward_model=None,
 ) -> dict[str, Any]:
     """The training half of a step: prepare the producer's scored batch (old, reference and
     value log-probs; the ``algo.advantage`` estimator's advantages over its trajectories) and update, return the
@@ -442,13 +448,11 @@ def train_on_batch(
     token). ``samples`` > 0 adds ``"samples"``: that many trajectories' text rows. With a
     ``teacher`` (on-policy distillation, ``posttrain.distill``) the advantages get the per-token
     reverse KL to it, and the old-policy log-probs always come from their own forward. With a
-    ``reward_model`` (``reward.model``; single-turn: a row is a trajectory) each response's
-    reward is ``function_weight * score + model_weight * the model's score``."""
+    ``reward.model`` the scores arrive combined (``filling``) and the metrics of both parts are
+    added (``roles.reward_model.reward_metrics``)."""
     n = cfg.algo.n_samples
     batch, scores, row_traj = scored.batch, scored.scores, scored.traj_of_row
-    learned: dict[str, float] = {}
-    if reward_model is not None:
-        scores, learned = combine_rewards(cfg.reward, scores, reward_model.score(batch))
+    learned = reward_metrics(scored.parts["function"], scored.parts["model"]) if "model" in scored.parts else {}
     lengths = batch["input_ids"].offsets().diff()
     timings["reward_s"] = scored.reward_s
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -83,16 +84,34 @@ def _token_classification(path: str) -> bool:
 
 def combine_rewards(reward, function: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """Per response ``reward.function_weight * function + reward.model_weight * model`` (the
-    scores of the function and of the reward model), and the metrics ``reward/model_mean``,
-    ``reward/model_std``, ``reward/function_mean`` (the function as a held-out measure when its
-    weight is 0)."""
+    scores of the function and of the reward model), and :func:`reward_metrics`."""
     function, model = function.to(torch.float32), model.to(function.device, torch.float32)
-    metrics = {
+    return reward.function_weight * function + reward.model_weight * model, reward_metrics(function, model)
+
+
+def reward_metrics(function: torch.Tensor, model: torch.Tensor) -> dict[str, float]:
+    """``reward/model_mean``, ``reward/model_std``, ``reward/function_mean`` of a batch's
+    responses (the function as a held-out measure when its weight is 0)."""
+    function, model = function.to(torch.float32), model.to(torch.float32)
+    return {
         "reward/model_mean": float(model.mean()),
         "reward/model_std": float(model.std()) if model.numel() > 1 else 0.0,
         "reward/function_mean": float(function.mean()),
     }
-    return reward.function_weight * function + reward.model_weight * model, metrics
+
+
+def with_model_rewards(scored, reward, model):
+    """``scored`` (a finished single-turn ``ScoredBatch``: one row per response) with the reward
+    model's scores combined into its scores (:func:`combine_rewards`), in place, before any
+    filter reads them (DAPO's dynamic sampling keeps the groups whose combined rewards differ).
+    Its ``parts`` keep both components per response (``function``, ``model``) for
+    :func:`reward_metrics` of the batch finally trained; the scoring time joins ``reward_s``."""
+    t0 = time.perf_counter()
+    function, scores = scored.scores, model.score(scored.batch)
+    scored.scores, _ = combine_rewards(reward, function, scores)
+    scored.parts = {"function": function.to(torch.float32), "model": scores.to(function.device, torch.float32)}
+    scored.reward_s += time.perf_counter() - t0
+    return scored
 
 
 def scoring_batch(batch: TensorDict) -> TensorDict:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.async_rl.producer import TOKEN_FIELDS, ScoredBatch
+from posttrain.async_rl.producer import PART_PREFIX, TOKEN_FIELDS, ScoredBatch
 
 REFILL_STEP_OFFSET = 5 * 10**8  # below the sorting task's held-out prompts (10**9)
 
@@ -58,12 +58,13 @@ def groups_with_spread(scored: ScoredBatch, n: int) -> tuple[list[int], int]:
 
 def assemble(parts: list[tuple[ScoredBatch, list[list[int]]]]) -> ScoredBatch:
     """One scored batch of the given groups (each a list of trajectories) of each part, in order:
-    rows, per-token fields, scores, turns and texts carried; groups numbered anew."""
+    rows, per-token fields, scores, reward parts, turns and texts carried; groups numbered anew."""
     from engine_api.moe import ROLLOUT_ROUTING_FIELD
 
     token_keys = ("ids", "turns", *TOKEN_FIELDS)
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in (*token_keys, ROLLOUT_ROUTING_FIELD, "lengths")}
     prompt_len, truncated, traj_of_row, scores, groups, origin = [], [], [], [], [], []
+    reward_parts: dict[str, list[torch.Tensor]] = {name: [] for name in parts[0][0].parts}
     temperature, reward_s = None, 0.0
     for scored, kept in parts:
         tensors, meta = scored.to_tensors()
@@ -77,6 +78,8 @@ def assemble(parts: list[tuple[ScoredBatch, list[list[int]]]]) -> ScoredBatch:
             for t in trajs:
                 new_index[t] = len(scores)
                 scores.append(scored.scores[t])
+                for name, part in reward_parts.items():
+                    part.append(scored.parts[name][t])
                 groups.append(gid)
                 origin.append((scored, t))
         for r, t in enumerate(tensors["traj_of_row"].tolist()):
@@ -94,6 +97,7 @@ def assemble(parts: list[tuple[ScoredBatch, list[list[int]]]]) -> ScoredBatch:
         rollout_truncated=torch.cat(truncated),
         traj_of_row=torch.tensor(traj_of_row),
         scores=torch.stack(scores).double(),
+        **{PART_PREFIX + name: torch.stack(part).double() for name, part in reward_parts.items()},
     )
     first = parts[0][0]
     merged = ScoredBatch.from_tensors(out, {"metrics": first.metrics, "texts": [], "temperature": temperature})

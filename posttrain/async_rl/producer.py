@@ -52,6 +52,8 @@ class ScoredBatch:
         reward_s: seconds the reward took.
         describe: trajectory index -> its text row, when ``texts`` is empty.
         groups: ``[T]`` each trajectory's GRPO group, when not ``index // n_samples``.
+        parts: ``{name: [T]}`` the components ``scores`` combines, per trajectory, when the
+            reward has several (``reward.model``: ``function`` and ``model``); empty otherwise.
     """
 
     batch: Any
@@ -63,6 +65,7 @@ class ScoredBatch:
     reward_s: float = 0.0
     describe: Callable[[int], dict[str, Any]] | None = None
     groups: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def group_ids(self, n: int) -> torch.Tensor:
         """``[T]`` each trajectory's GRPO group: ``groups`` when the producer says (a batch whose
@@ -128,6 +131,7 @@ class ScoredBatch:
         }
         for key in TOKEN_FIELDS + ((ROLLOUT_ROUTING_FIELD,) if ROLLOUT_ROUTING_FIELD in b.keys() else ()):
             out[key] = b[key].values()
+        out.update({PART_PREFIX + name: part.double() for name, part in self.parts.items()})
         meta = {"metrics": self.metrics, "texts": self.texts, "temperature": float(b["temperature"])}
         return {k: v.contiguous().cpu() for k, v in out.items()}, meta
 
@@ -150,10 +154,14 @@ class ScoredBatch:
             meta["temperature"],
             routing,
         )
-        return cls(batch, tensors["scores"], tensors["traj_of_row"], tensors["turns"], dict(meta["metrics"]), list(meta["texts"]))
+        out = cls(batch, tensors["scores"], tensors["traj_of_row"], tensors["turns"], dict(meta["metrics"]), list(meta["texts"]))
+        out.parts = {k.removeprefix(PART_PREFIX): v for k, v in tensors.items() if k.startswith(PART_PREFIX)}
+        return out
 
 
 TOKEN_FIELDS = ("loss_mask", "rollout_log_probs", "rollout_token_versions")
+#: The key prefix of a reward component (``ScoredBatch.parts``) among ``to_tensors``' tensors.
+PART_PREFIX = "reward_part/"
 
 
 class Producer(Protocol):

@@ -112,10 +112,14 @@ def test_a_batch_whose_groups_all_differ_is_trained_as_it_is():
 
 def test_assemble_keeps_every_field_of_the_chosen_rows():
     """A trajectory over two rows stays whole; the assembled batch equals the source rows'
-    fields (ids, mask, log-probs, versions, prompt_len, truncation)."""
+    fields (ids, mask, log-probs, versions, prompt_len, truncation) and the chosen trajectories'
+    reward parts (``reward.model``: the function's and the model's scores, for the metrics)."""
     src = _scored([[1], [1, 1], [1, 1, 1], [1]], [0.0, 1.0, 0.5], traj_of_row=[0, 1, 1, 2], tag=3.0)
+    src.parts = {"function": torch.tensor([0.0, 0.25, 0.75]), "model": torch.tensor([-1.0, 2.0, 3.0])}
     out = assemble([(src, [[1, 2]])])
     assert out.traj_of_row.tolist() == [0, 0, 1] and out.scores.tolist() == [1.0, 0.5]
+    assert out.parts["function"].tolist() == [0.25, 0.75] and out.parts["model"].tolist() == [2.0, 3.0]
+    assert assemble([(_scored([[1]], [0.0]), [[0]])]).parts == {}
     for key in ("input_ids", "loss_mask", "rollout_log_probs", "rollout_token_versions"):
         want = [src.batch[key].unbind()[r] for r in (1, 2, 3)]
         assert all(torch.equal(a, b) for a, b in zip(out.batch[key].unbind(), want, strict=True)), key

@@ -120,7 +120,7 @@ def test_the_demo_reward_model_orders_held_out_pairs(tmp_path):
 def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_refused(seqcls, tmp_path):
     """``reward.model`` checks before any engine: a causal LM (its head would be new and random),
     a missing directory, another vocabulary; and the RL config refuses it where it cannot score
-    (multi-turn rows, dynamic sampling filtering by the function first). The combined reward is
+    (multi-turn rows). The combined reward is
     ``function_weight * f + model_weight * m`` with both means reported."""
     from posttrain.distill import vocabulary_problems
     from posttrain.rewards import RewardConfig
@@ -146,8 +146,8 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     from engine_api.typed_config import load_typed
     from recipes.ppo import PPOConfig
 
-    with pytest.raises(ValueError, match="reward.model with algo.dynamic_sampling"):
-        load_typed(PPOConfig, "configs/grpo_tiny.yaml", [f"reward.model={seqcls}", "algo.dynamic_sampling=true"])
+    with pytest.raises(ValueError, match="reward.model with multi-turn rollouts"):
+        load_typed(PPOConfig, "configs/grpo_tiny.yaml", [f"reward.model={seqcls}", "env.function=tools"])
 
     # The head: a reward model's is bias-free (HF sequence classification's). The recipe refuses a
     # bias; a bias-free head refuses a checkpoint whose stored bias it would drop; reward.model
@@ -176,9 +176,12 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
 def test_grpo_trains_on_the_reward_models_scores(tmp_path):
     """``reward.model`` in the RL recipe with ``function_weight: 0``: the reward trained on is the
     reward model's score of each response (``reward`` = ``reward/model_mean``), the task's own
-    scorer reported beside it (``reward/function_mean``). The run is on megatron (policy and
-    reward model: every role's engine takes the actor's keys); FSDP runs it in
-    ``tests/placement/test_ray_runs.py``, and both backends' scores equal HF's (the checkpoint test above)."""
+    scorer reported beside it (``reward/function_mean``). With DAPO's dynamic sampling on, the
+    filter reads the combined reward (a reward model's scores differ within every group, so no
+    group is dropped; the function's partial credit alone is flat in some groups here: filtering by
+    it, the step drew refills). The run is on megatron (policy and reward model: every role's
+    engine takes the actor's keys); FSDP runs it in ``tests/placement/test_ray_runs.py``, and both
+    backends' scores equal HF's (the checkpoint test above)."""
     strategy = "megatron"
     from posttrain.tiny_model import build_tiny_model
     from tests.support.recipe_runs import run_ppo
@@ -186,7 +189,8 @@ def test_grpo_trains_on_the_reward_models_scores(tmp_path):
     rm_dir = str(tmp_path / "rm")
     AutoModelForSequenceClassification.from_pretrained(build_tiny_model(tmp_path / "lm", seed=4), num_labels=1).save_pretrained(rm_dir)
     extra = (f"reward.model={rm_dir}", "reward.function_weight=0", f"engine.strategy={strategy}", "trainer.val_every=0")
-    rows = run_ppo(tmp_path / "run", "grpo_tiny.yaml", 2, *extra)
+    rows = run_ppo(tmp_path / "run", "grpo_tiny.yaml", 2, *extra, "algo.dynamic_sampling=true")
     for row in rows:
         assert row["reward"] == pytest.approx(row["reward/model_mean"], rel=1e-6, abs=1e-7)
         assert 0.0 <= row["reward/function_mean"] <= 1.0 and row["reward/model_std"] > 0
+        assert row["dynamic_sampling/draws"] == 1 and row["dynamic_sampling/groups_dropped"] == 0, row
