@@ -221,11 +221,6 @@ class PPOConfig:
             out.append("rollout.lora_sync = 'adapter': the actor trains no adapters (engine.model.lora.rank = 0); fix: lora_sync=auto")
         overlong = self.reward.overlong
         multi_turn = self.env.enabled or self.agent.enabled
-        if self.reward.model is not None and multi_turn:
-            out.append(
-                "reward.model with multi-turn rollouts (env.function / agent.function): a trajectory split over several rows "
-                "is not scored by a reward model yet; fix: single-turn data, or drop reward.model"
-            )
         if overlong.enabled and overlong.max_len is None and multi_turn:
             out.append(
                 "reward.overlong.max_len = null with a multi-turn run: rollout.max_new_tokens bounds one turn, not a trajectory; "

@@ -101,17 +101,39 @@ def reward_metrics(function: torch.Tensor, model: torch.Tensor) -> dict[str, flo
 
 
 def with_model_rewards(scored, reward, model):
-    """``scored`` (a finished single-turn ``ScoredBatch``: one row per response) with the reward
-    model's scores combined into its scores (:func:`combine_rewards`), in place, before any
-    filter reads them (DAPO's dynamic sampling keeps the groups whose combined rewards differ).
-    Its ``parts`` keep both components per response (``function``, ``model``) for
-    :func:`reward_metrics` of the batch finally trained; the scoring time joins ``reward_s``."""
+    """``scored`` (a finished ``ScoredBatch``) with the reward model's scores combined into its
+    scores per trajectory (:func:`combine_rewards`), in place, before any filter reads them
+    (DAPO's dynamic sampling keeps the groups whose combined rewards differ). A trajectory is
+    scored by its last row (:func:`last_rows`): single-turn, the response; multi-turn, the whole
+    conversation as trained (prompt, every turn and observation), the newest sample when
+    ``env.history_mismatch: split`` cut it. Its ``parts`` keep both components per trajectory
+    (``function``, ``model``) for :func:`reward_metrics` of the batch finally trained; the
+    scoring time joins ``reward_s``."""
     t0 = time.perf_counter()
-    function, scores = scored.scores, model.score(scored.batch)
+    rows = last_rows(scored.traj_of_row, len(scored.scores))
+    batch = scored.batch
+    if rows != list(range(batch.batch_size[0])):
+        ids = batch["input_ids"].unbind()
+        batch = make_batch([ids[r] for r in rows])
+    function, scores = scored.scores, model.score(batch)
     scored.scores, _ = combine_rewards(reward, function, scores)
     scored.parts = {"function": function.to(torch.float32), "model": scores.to(function.device, torch.float32)}
     scored.reward_s += time.perf_counter() - t0
     return scored
+
+
+def last_rows(traj_of_row: torch.Tensor, trajectories: int) -> list[int]:
+    """The last row of each of ``trajectories`` trajectories (``traj_of_row``: each row's).
+
+    Raises:
+        ValueError: a trajectory has no row.
+    """
+    last = [-1] * trajectories
+    for row, traj in enumerate(traj_of_row.tolist()):
+        last[traj] = row
+    if -1 in last:
+        raise ValueError(f"trajectory {last.index(-1)} of {trajectories} has no row to score; fix: a bug in the producer")
+    return last
 
 
 def scoring_batch(batch: TensorDict) -> TensorDict:
@@ -175,10 +197,17 @@ class RewardModel(TrainableRole):
 
     def score(self, batch: TensorDict) -> torch.Tensor:
         """One float per sequence of the global ``batch``: its last token's value (the
-        sequence-classification score). Collective."""
+        sequence-classification score). Any number of sequences: a batch that does not split
+        over the DP ranks is padded with copies of its last sequence, whose scores are dropped.
+        Collective."""
+        rows = batch.batch_size[0]
+        pad = -rows % self.engine.dp_size
+        if pad:
+            ids = list(batch["input_ids"].unbind())
+            batch = make_batch(ids + [ids[-1]] * pad)
         scoring = scoring_batch(batch)
         values = infer_global(self.engine, scoring)["values"].values()
-        return values[scoring["input_ids"].offsets()[1:] - 1].float()
+        return values[scoring["input_ids"].offsets()[1:] - 1].float()[:rows]
 
     def update(self, batch: TensorDict, margin: float = 0.0) -> dict[str, Any]:
         """One Bradley-Terry step on a global batch of pairs (rows chosen, rejected): the

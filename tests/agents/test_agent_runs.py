@@ -49,6 +49,19 @@ def teacher(tmp_path_factory) -> Path:
     return Path(build_assets(tmp_path_factory.mktemp("teacher_assets"), rows=4, seed=1)) / "model"
 
 
+@pytest.fixture(scope="module")
+def reward_model(teacher, tmp_path_factory) -> Path:
+    """A sequence-classification model of the demo's tokenizer (the teacher's body, a seeded
+    one-output head): a reward model that scores whole conversations."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("reward_model") / "rm"
+    AutoModelForSequenceClassification.from_pretrained(teacher, num_labels=1).save_pretrained(path)
+    return path
+
+
 def _args(assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
     return demo_args("agent_tiny.yaml", assets, out, steps, *extra)
 
@@ -76,19 +89,23 @@ def _per_turn_parity(rows: list[dict], noise: float) -> None:
 SMALL = ["data.batch_size=4", "algo.n_samples=4"]
 
 
-def test_fsdp_megatron_and_two_ranks_train_the_same_trajectories_at_parity(assets, teacher, tmp_path):
+def test_fsdp_megatron_and_two_ranks_train_the_same_trajectories_at_parity(assets, teacher, reward_model, tmp_path):
     """Step 1 from the same weights and seeds: the same trajectories (rewards, turns) and losses
     on megatron and on 2 ranks (the environment runs on rank 0, its tokens broadcast; the
     rollout shards the prompts) as on one FSDP rank. The update is GSPO over RLOO advantages
     mixed with on-policy distillation from a teacher (its reverse KL in the advantage and its
     top-3 forward KL as a loss term, over every assistant turn): the distillation metrics agree
-    too."""
+    too. The reward adds a reward model's score of each whole conversation (``reward.model``,
+    weight 0.5): its scores agree over the backends and rank layouts, and the trained reward is
+    the function's plus half the model's."""
     algos = [
         "actor.policy_loss=gspo",
         "algo.advantage=rloo",
         f"distill.teacher_path={teacher}",
         "distill.reward_weight=1",
         "distill.topk=3",
+        f"reward.model={reward_model}",
+        "reward.model_weight=0.5",
     ]
     got = {}
     # The 2-rank run is asynchronous (K = 2, trajectories paused between turns, 3 steps): its first
@@ -100,9 +117,15 @@ def test_fsdp_megatron_and_two_ranks_train_the_same_trajectories_at_parity(asset
         _per_turn_parity(got[name][:1] if nproc == 2 else got[name], 1e-5)  # later async rows: stale tokens, not noise
     assert [r["async/staleness_max"] for r in got["fsdp_2ranks"]] == [0, 1, 2]
     f = got["fsdp"][0]
+    for row in (r for rows in got.values() for r in rows):
+        assert row["reward"] == pytest.approx(row["reward/function_mean"] + 0.5 * row["reward/model_mean"], rel=1e-6, abs=1e-6)
+        assert row["reward/model_std"] > 0, row
     for name in ("megatron", "fsdp_2ranks"):
         m = got[name][0]
-        assert (m["reward"], m["env/turns_mean"], m["env/tool_calls_mean"]) == (f["reward"], f["env/turns_mean"], f["env/tool_calls_mean"])
+        keys = ("reward/function_mean", "env/turns_mean", "env/tool_calls_mean")
+        assert [m[k] for k in keys] == [f[k] for k in keys], name
+        for key in ("reward/model_mean", "reward/model_std"):  # the reward model on either backend, 1 or 2 ranks
+            assert m[key] == pytest.approx(f[key], rel=1e-5, abs=1e-6), (name, key)
         # The loss sums terms of opposite signs (GSPO's, the top-k KL's) to about 1e-3: float noise
         # of its O(0.1) parts is 1e-7 absolute (megatron: 7e-8 measured); a term missing is 1e-2.
         assert m["actor_loss"] == pytest.approx(f["actor_loss"], rel=1e-5, abs=1e-6), name

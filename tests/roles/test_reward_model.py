@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from engine_api import make_batch
 from posttrain.export import save_hf
 from roles.reward_model import RewardModel
 from tests.support import launch
@@ -39,9 +40,10 @@ def seqcls(tmp_path_factory):
     return path
 
 
-def _hf_scores(model, batch) -> torch.Tensor:
+def _hf_scores(model, rows) -> torch.Tensor:
+    """HF sequence classification's score of each sequence of ``rows`` (token id tensors)."""
     with torch.no_grad():
-        return torch.stack([model(ids[None]).logits[0, 0] for ids in batch["input_ids"].unbind()])
+        return torch.stack([model(ids[None]).logits[0, 0] for ids in rows])
 
 
 def _score(rank, world, path, strategy, bias):
@@ -53,9 +55,36 @@ def _score(rank, world, path, strategy, bias):
 def test_a_sequence_classification_checkpoint_scores_as_in_hf(seqcls, strategy, bias):
     """Bias-free (a reward model's head) or with a bias, which such a checkpoint lacks: at 0."""
     got = run_distributed(_score, 1, seqcls, strategy, bias, timeout=300)[0]
-    want = _hf_scores(AutoModelForSequenceClassification.from_pretrained(seqcls, dtype=torch.float32), pair_batch())
+    want = _hf_scores(AutoModelForSequenceClassification.from_pretrained(seqcls, dtype=torch.float32), pair_batch()["input_ids"].unbind())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(want.std()) > 1e-3  # the sequences score differently: the check reads the right position
+
+
+def _trajectory_scores(rank, world, path):
+    """The RL loop's scoring (``with_model_rewards``) of 3 trajectories over 7 rows on 2 ranks:
+    trajectory 0 is rows 0-2 (split twice), 1 is rows 3-5, 2 is row 6."""
+    from posttrain.async_rl.producer import ScoredBatch
+    from posttrain.rewards import RewardConfig
+    from roles.reward_model import with_model_rewards
+
+    engine = engine_for(path, "model.head=value", "model.value_bias=false", "frozen=true")
+    batch = make_batch(list(pair_batch()["input_ids"].unbind())[:7])
+    scored = ScoredBatch(batch, torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 0, 1, 1, 1, 2]))
+    with_model_rewards(scored, RewardConfig(model=path, model_weight=2.0, function_weight=0.5), RewardModel(engine))
+    return scored.scores, scored.parts
+
+
+def test_a_trajectory_is_scored_by_its_last_row(seqcls):
+    """A multi-turn trajectory (several rows) gets the score of its last row, the whole
+    conversation; a batch of 3 trajectories is scored on 2 ranks (padded to split, the padding's
+    score dropped); the reward is ``0.5 * function + 2 * model``."""
+    scores, parts = run_distributed(_trajectory_scores, 2, seqcls, timeout=300)[0]
+    hf = AutoModelForSequenceClassification.from_pretrained(seqcls, dtype=torch.float32)
+    ids = pair_batch()["input_ids"].unbind()
+    want = _hf_scores(hf, [ids[2], ids[5], ids[6]])
+    torch.testing.assert_close(parts["model"], want, rtol=1e-5, atol=1e-6)
+    assert parts["function"].tolist() == [1.0, 0.0, 0.5]
+    torch.testing.assert_close(scores, 0.5 * parts["function"] + 2.0 * parts["model"])
 
 
 def _step(rank, world, path, overrides, out_dir):
@@ -101,7 +130,7 @@ def test_the_bradley_terry_step_follows_plain_hf_and_the_export_scores_the_same(
             assert json.loads((tmp_path / label.replace(" ", "_") / "config.json").read_text())["architectures"][0].endswith(
                 "ForSequenceClassification"
             )
-            hf_after = _hf_scores(exported, pair_batch())
+            hf_after = _hf_scores(exported, pair_batch()["input_ids"].unbind())
             assert float((hf_after - after).abs().max()) <= 1e-6, (label, hf_after - after)
             assert float((after - scores.detach()).abs().min()) > 1e-4, label  # trained: the scores moved
 
@@ -119,8 +148,7 @@ def test_the_demo_reward_model_orders_held_out_pairs(tmp_path):
 
 def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_refused(seqcls, tmp_path):
     """``reward.model`` checks before any engine: a causal LM (its head would be new and random),
-    a missing directory, another vocabulary; and the RL config refuses it where it cannot score
-    (multi-turn rows). The combined reward is
+    a missing directory, another vocabulary. The combined reward is
     ``function_weight * f + model_weight * m`` with both means reported."""
     from posttrain.distill import vocabulary_problems
     from posttrain.rewards import RewardConfig
@@ -146,8 +174,6 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     from engine_api.typed_config import load_typed
     from recipes.ppo import PPOConfig
 
-    with pytest.raises(ValueError, match="reward.model with multi-turn rollouts"):
-        load_typed(PPOConfig, "configs/grpo_tiny.yaml", [f"reward.model={seqcls}", "env.function=tools"])
 
     # The head: a reward model's is bias-free (HF sequence classification's). The recipe refuses a
     # bias; a bias-free head refuses a checkpoint whose stored bias it would drop; reward.model
