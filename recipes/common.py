@@ -219,6 +219,42 @@ def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog
     )
 
 
+def place_on_ray(cfg, worker_cls: type):
+    """Start (or join) Ray, reserve the pool of a one-role recipe (SFT, DPO, a reward model:
+    ``actor``, every engine of the recipe in one worker per rank) and build ``worker_cls(cfg)``
+    on every rank; the recipe's process runs the loop and sends each step's global batch through
+    Ray's object store (every rank takes its data-parallel shard, as under torchrun). Returns the
+    worker's stand-in (``posttrain.placement.remote.RemoteRole``: each method call runs on every
+    rank, rank 0's result comes back), whose ``close`` tears the cluster down.
+
+    Raises:
+        ValueError: a placement the recipe cannot use, or a cluster that cannot hold it (before
+            any model is built).
+    """
+    from posttrain.placement.cluster import RayCluster
+    from posttrain.placement.config import placement_problems
+    from posttrain.placement.remote import RemoteRole
+
+    class RayWorker(RemoteRole):
+        def close(self) -> None:
+            self._cluster.close()
+
+    t = cfg.trainer
+    problems = placement_problems(t.placement, ("actor",))
+    if problems:
+        raise ValueError("; ".join(problems))
+    pool = t.placement.assignment(("actor",))["actor"]
+    cluster = RayCluster(t.placement, {pool: ("actor",)}, t.ray_address, cfg.engine.dist_timeout_s).__enter__()
+    try:
+        group = cluster.spawn(pool)
+        cluster.build(group, worker_cls, cfg)
+        cluster.record(t.output_dir)
+        return RayWorker(cluster, group, worker_cls)
+    except BaseException:
+        cluster.close(graceful=False)
+        raise
+
+
 def recipe_main(argv, module: str, doc: str, config_cls: type, default_config: str, run_fn):
     """The command line of a supervised-style recipe (SFT, DPO, reward model): ``--config`` and
     overrides, the config's ``trainer.setup``, the process group under ``trainer.launcher:

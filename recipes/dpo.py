@@ -37,7 +37,16 @@ from posttrain.preemption import PreemptionGuard, stop_while_starting
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, recipe_main, with_model_path
+from recipes.common import (
+    TinyModelConfig,
+    TrainerConfig,
+    data_model_problems,
+    open_loggers,
+    place_on_ray,
+    progress_bar,
+    recipe_main,
+    with_model_path,
+)
 from recipes.sft import checkpoint_or_stop, resume_step
 from roles.preference import AGG_MODE, PairTotals, PreferenceConfig, PreferencePolicy
 from roles.reference import Reference
@@ -71,28 +80,59 @@ class DPOConfig:
 
 def pair_recipe_problems(cfg, what: str) -> list[str]:
     """What a recipe on preference pairs (DPO, a reward model) refuses in ``cfg``: the data and
-    model checks, an aggregation mode other than the pair mean, another launcher, generations."""
+    model checks, an aggregation mode other than the pair mean, generations."""
     out = data_model_problems(cfg)
     if cfg.engine.loss_agg_mode != AGG_MODE:
         out.append(
             f"engine.loss_agg_mode = {cfg.engine.loss_agg_mode}: {what}'s loss is a mean over pairs (each pair two rows, "
             f"each row its tokens' sum); fix: engine.loss_agg_mode={AGG_MODE}"
         )
-    if cfg.trainer.launcher != "torchrun":
-        out.append(
-            f"trainer.launcher = {cfg.trainer.launcher}: {what} runs under torchrun (or plain python); fix: trainer.launcher=torchrun"
-        )
     if cfg.trainer.log_samples_every:
         out.append(f"trainer.log_samples_every: {what} logs no generations; fix: trainer.log_samples_every=0")
     return out
 
 
-class DPOTrainer:
-    """One rank's side: the policy, its reference and the validation batches, behind the calls
-    the loop makes (checkpoints as SFT's worker, so the loop shares SFT's save and resume)."""
+class PairWorker:
+    """One rank's side of a recipe on preference pairs (DPO, a reward model): the engine, the
+    validation batches, the checkpoints (as SFT's worker, so the loop shares SFT's save and
+    resume) and the export, behind the calls the loop makes; the same under torchrun (this
+    process) and on Ray (one per worker, :func:`recipes.common.place_on_ray`).
 
-    def __init__(self, cfg: DPOConfig, data: PreferenceData) -> None:
+    Args:
+        cfg: the recipe's config, ``engine.model.path`` filled in.
+        data: the run's pairs (None: loaded here, as a Ray worker does).
+    """
+
+    engine = None  # set by the subclass: the trained engine
+
+    def __init__(self, cfg, data: PreferenceData | None = None) -> None:
         self.cfg = cfg
+        if data is None:
+            data = PreferenceData(cfg.data, load_tokenizer(cfg.engine.model.path) if cfg.data.from_files else None)
+        self.val_batches = data.val_batches()
+
+    def has_validation(self) -> bool:
+        return bool(self.val_batches)
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.engine.save_checkpoint(ckpt_dir, global_step=step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
+
+    def save_hf(self, out_dir: str, fmt: str) -> str:
+        """The trained model as an HF directory (``posttrain.export.save_hf``). Collective."""
+        return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
+
+    def close(self) -> None:
+        """Nothing held beyond the engines (on Ray the stand-in's ``close`` ends the workers)."""
+
+
+class DPOTrainer(PairWorker):
+    """One rank's side of DPO: the policy and its reference (:class:`PairWorker`)."""
+
+    def __init__(self, cfg: DPOConfig, data: PreferenceData | None = None) -> None:
+        super().__init__(cfg, data)
         engine = build_engine(cfg.engine)
         engine.init_model()
         check_pair_batch(cfg, engine)
@@ -106,7 +146,6 @@ class DPOTrainer:
                 reference = Reference(frozen)
         self.policy = PreferencePolicy(engine, cfg.dpo, reference)
         self.engine = engine
-        self.val_batches = data.val_batches()
         self._reference_cache: dict[int, torch.Tensor] = {}
 
     def train_step(self, batch) -> dict[str, Any]:
@@ -122,11 +161,13 @@ class DPOTrainer:
             totals.add(self.policy.pair_values(batch, self._reference_cache.get(i)))
         return totals.metrics()
 
-    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
-        self.engine.save_checkpoint(ckpt_dir, global_step=step)
 
-    def load_checkpoint(self, path: str) -> int:
-        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
+def place_pair_worker(cfg, worker_cls: type, data: PreferenceData):
+    """The recipe's ranks: this process (``trainer.launcher=torchrun``), or Ray workers driven
+    from here (``ray``), behind the same methods."""
+    if cfg.trainer.launcher == "ray":
+        return place_on_ray(cfg, worker_cls)
+    return worker_cls(cfg, data)
 
 
 def _frozen(engine: EngineConfig) -> EngineConfig:
@@ -158,9 +199,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def run(cfg: DPOConfig, trainer_cls: type | None = None, prefix: str = "dpo", title: str | None = None) -> dict[str, Any]:
     """Train with an already-loaded config; the summary (every rank). The loop of every recipe
-    on preference pairs: ``trainer_cls(cfg, data)`` (default :class:`DPOTrainer`; the reward
-    model's ``recipes.reward_model.RMTrainer``) gives ``train_step``, ``evaluate``,
-    ``val_batches``, ``engine`` and the checkpoint calls; its metrics are named ``<prefix>/*``.
+    on preference pairs: ``trainer_cls(cfg, data)`` (a :class:`PairWorker`: default
+    :class:`DPOTrainer`; the reward model's ``recipes.reward_model.RMTrainer``), here or on Ray
+    workers (``trainer.launcher``), gives ``train_step``, ``evaluate`` and the worker's calls;
+    its metrics are named ``<prefix>/*``.
 
     Raises:
         Preempted: a SIGTERM / SIGINT stopped the run at a step boundary (checkpoint saved).
@@ -179,21 +221,24 @@ def run(cfg: DPOConfig, trainer_cls: type | None = None, prefix: str = "dpo", ti
         for name, counts in data.counts.items():
             print(f"[enginekit] data.{name}_files: {counts}", flush=True)
     with stop_while_starting("building the engines"):
-        trainer = trainer_cls(cfg, data)
+        trainer = place_pair_worker(cfg, trainer_cls, data)
     ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
-    start = resume_step(trainer, cfg, ckpt_dir, data)
-    bar = progress_bar(tc, start, rank0, "dpo")
+    bar = None
     losses: list[float] = []
     try:
+        start = resume_step(trainer, cfg, ckpt_dir, data)
+        bar = progress_bar(tc, start, rank0, "dpo")
         with open_loggers(cfg, tc, start, rank0, bar) as run_log:
             losses = _train(trainer, cfg, data, start, ckpt_dir, run_log, bar, prefix)
-            final = trainer.evaluate() if trainer.val_batches else {}
+            final = trainer.evaluate() if trainer.has_validation() else {}
             if final:
                 run_log.message("final validation: " + _line(final))
-            hf_dir = save_hf(trainer.engine, cfg.engine, os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
+            hf_dir = trainer.save_hf(os.path.join(tc.output_dir, "hf"), tc.save_hf_format) if tc.save_hf else None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+        trainer.close()
         if rank0:
             plot_run(metrics_path, tc.output_dir, title or f"{cfg.dpo.loss} preference learning")
     summary = {
@@ -225,7 +270,7 @@ def _train(trainer, cfg, data: PreferenceData, start: int, ckpt_dir: str, run_lo
     tc = cfg.trainer
     losses: list[float] = []
     guard = SkipGuard(tc.max_consecutive_skips)
-    validate = bool(tc.val_every) and bool(trainer.val_batches)
+    validate = bool(tc.val_every) and trainer.has_validation()
     with PreemptionGuard() as preemption:
         for step in range(start, tc.total_steps):
             batch = data.batch_at(step)

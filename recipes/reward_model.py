@@ -27,7 +27,7 @@ from engine_api.config import ModelConfig
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.trainer_utils import quiet_console, run_cli
 from recipes.common import TinyModelConfig, TrainerConfig, recipe_main
-from recipes.dpo import check_pair_batch, pair_recipe_problems
+from recipes.dpo import PairWorker, check_pair_batch, pair_recipe_problems
 from recipes.dpo import run as run_pairs
 from roles.reward_model import RewardModel, bt_metrics, bt_objective
 
@@ -83,16 +83,15 @@ class RMConfig:
         return out
 
 
-class RMTrainer:
-    """One rank's side of reward-model training (the interface ``recipes.dpo.run`` drives)."""
+class RMTrainer(PairWorker):
+    """One rank's side of reward-model training (a ``recipes.dpo.PairWorker``)."""
 
-    def __init__(self, cfg: RMConfig, data: PreferenceData) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RMConfig, data: PreferenceData | None = None) -> None:
+        super().__init__(cfg, data)
         self.engine = build_engine(cfg.engine)
         self.engine.init_model()
         check_pair_batch(cfg, self.engine)
         self.model = RewardModel(self.engine)
-        self.val_batches = data.val_batches()
 
     def train_step(self, batch) -> dict[str, Any]:
         return self.model.update(batch, self.cfg.rm.margin)
@@ -105,12 +104,6 @@ class RMTrainer:
             losses.append(bt_objective(s, self.cfg.rm.margin)[0])
             scores.append(s)
         return bt_metrics(torch.cat(losses), torch.cat(scores)) if scores else {}
-
-    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
-        self.engine.save_checkpoint(ckpt_dir, global_step=step)
-
-    def load_checkpoint(self, path: str) -> int:
-        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
 
 
 def run(cfg: RMConfig) -> dict[str, Any]:

@@ -47,7 +47,16 @@ from posttrain.preemption import Preempted, PreemptionGuard, stop_while_starting
 from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenizer, report_counts, stop_token_ids
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
-from recipes.common import TinyModelConfig, TrainerConfig, data_model_problems, open_loggers, progress_bar, recipe_main, with_model_path
+from recipes.common import (
+    TinyModelConfig,
+    TrainerConfig,
+    data_model_problems,
+    open_loggers,
+    place_on_ray,
+    progress_bar,
+    recipe_main,
+    with_model_path,
+)
 from roles.rollout import Rollout, RolloutConfig
 
 DEFAULT_CONFIG = "configs/sft_tiny.yaml"
@@ -199,44 +208,11 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
 def place_trainer(cfg: SFTConfig, data: SFTData):
     """The engine's ranks: this process (``trainer.launcher=torchrun``: an :class:`SFTWorker`),
-    or Ray worker groups driven from here (``ray``: :func:`place_on_ray`) behind the same methods."""
+    or Ray worker groups driven from here (``ray``: :func:`recipes.common.place_on_ray`) behind
+    the same methods."""
     if cfg.trainer.launcher == "ray":
-        return place_on_ray(cfg)
+        return place_on_ray(cfg, SFTWorker)
     return SFTWorker(cfg, data)
-
-
-def place_on_ray(cfg: SFTConfig):
-    """Start (or join) Ray, reserve the pool (SFT has one role, ``actor``) and build an
-    :class:`SFTWorker` on every rank; the recipe's process runs the loop and sends each step's
-    global batch through Ray's object store (every rank takes its data-parallel shard, as under
-    torchrun). The handle's ``close`` tears the cluster down.
-
-    Raises:
-        ValueError: a placement SFT cannot use, or a cluster that cannot hold it (before any
-            model is built).
-    """
-    from posttrain.placement.cluster import RayCluster
-    from posttrain.placement.config import placement_problems
-    from posttrain.placement.remote import RemoteRole
-
-    class RaySFT(RemoteRole):
-        def close(self) -> None:
-            self._cluster.close()
-
-    t = cfg.trainer
-    problems = placement_problems(t.placement, ("actor",))
-    if problems:
-        raise ValueError("; ".join(problems))
-    pool = t.placement.assignment(("actor",))["actor"]
-    cluster = RayCluster(t.placement, {pool: ("actor",)}, t.ray_address, cfg.engine.dist_timeout_s).__enter__()
-    try:
-        group = cluster.spawn(pool)
-        cluster.build(group, SFTWorker, cfg)
-        cluster.record(t.output_dir)
-        return RaySFT(cluster, group, SFTWorker)
-    except BaseException:
-        cluster.close(graceful=False)
-        raise
 
 
 class SFTWorker:
