@@ -76,9 +76,7 @@ def refusing_pickled_objects(path: str):
         ) from None
 
 
-def load_hf_model(
-    path: str, head: str, seed: int, attn_implementation: str | None = None, value_bias: bool = True
-) -> nn.Module:
+def load_hf_model(path: str, head: str, seed: int, attn_implementation: str | None = None, value_bias: bool = True) -> nn.Module:
     """Load ``path`` through the normal HF path, on CPU, in fp32.
 
     ``head: lm`` gives ``AutoModelForCausalLM``; ``head: value`` gives

@@ -171,14 +171,12 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     assert "model_weight = 0.0" in RewardConfig(model=seqcls, model_weight=0.0)._problems()[0]
     assert "without reward.model" in RewardConfig(function_weight=0.0)._problems()[0]
 
-    from engine_api.typed_config import load_typed
-    from recipes.ppo import PPOConfig
-
-
     # The head: a reward model's is bias-free (HF sequence classification's). The recipe refuses a
     # bias; a bias-free head refuses a checkpoint whose stored bias it would drop; reward.model
     # takes the head the checkpoint's architecture has.
     from backends.hf import load_hf_model
+    from engine_api.typed_config import load_typed
+    from recipes.ppo import PPOConfig
     from recipes.reward_model import RMConfig
     from roles.reward_model import reward_engine_config
 
