@@ -137,7 +137,8 @@ class ModelConfig:
             sequence classification's, bias-free (a reward model: only differences of scores
             train it, and an exported ``AutoModelForSequenceClassification`` then scores exactly
             as the engine does; the reward-model recipe and ``reward.model`` use it). A checkpoint
-            without a ``score.bias`` loaded with a bias gets it at 0. Unused with ``head: lm``.
+            without a ``score.bias`` loaded with a bias gets it at 0. Unused by an ``lm``
+            engine; the RL recipe's critic, built from the actor's keys, takes it.
         dtype: parameter dtype of the compute copy.
         gradient_checkpointing: recompute activations in backward to save memory.
         lora: low-rank adapters (:class:`LoraConfig`; ``rank`` 0: off).

@@ -32,6 +32,7 @@ from engine_api import EngineConfig, build_engine
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.dist import rank
 from posttrain.export import save_hf
+from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
 from posttrain.preemption import PreemptionGuard, stop_while_starting
 from posttrain.preference_data import PreferenceData, PreferenceDataConfig
@@ -89,6 +90,8 @@ def pair_recipe_problems(cfg, what: str) -> list[str]:
         )
     if cfg.trainer.log_samples_every:
         out.append(f"trainer.log_samples_every: {what} logs no generations; fix: trainer.log_samples_every=0")
+    if cfg.trainer.launcher == "ray":
+        out += placement_problems(cfg.trainer.placement, ("actor",))  # one group: the policy (and its reference)
     return out
 
 

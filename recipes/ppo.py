@@ -264,6 +264,7 @@ def filling(cfg: PPOConfig, reward_model=None) -> dict[str, Any]:
         shapes.append(functools.partial(with_model_rewards, reward=cfg.reward, model=reward_model))
     if shapes:
         out["shape"] = shapes[0] if len(shapes) == 1 else functools.partial(_in_turn, shapes)
+        out["shape_runs_model"] = reward_model is not None
     if cfg.algo.dynamic_sampling:
         out["dynamic"] = DynamicSampling(cfg.data.batch_size, cfg.algo.n_samples, cfg.algo.dynamic_sampling_max_draws)
     return out

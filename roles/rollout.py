@@ -261,8 +261,8 @@ class Rollout:
 
     def release(self) -> None:
         """After a step's sampling: free the engine's memory for training (``release_memory``);
-        the next ``sync_weights`` or ``generate`` resumes it."""
-        if self.config.release_memory:
+        the next ``sync_weights`` or ``generate`` resumes it. Released already: nothing to do."""
+        if self.config.release_memory and not self.engine.memory_released:
             self.engine.release_memory()
 
     def _gather(self, samples: list[Sample], prompts: list[torch.Tensor]) -> list[Sample]:

@@ -79,6 +79,8 @@ class ReferenceEngine(kit.BaseEngine):
             hf = AutoConfig.from_pretrained(cfg.model.path, num_labels=1)
             hf.classifier_dropout = 0.0
             self.module = AutoModelForTokenClassification.from_pretrained(cfg.model.path, config=hf, dtype=torch.float32)
+            if not cfg.model.value_bias:  # HF sequence classification's head: the same weight, no bias
+                self.module.score = self._bias_free(self.module.score)
         else:
             self.module = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
         self.module.requires_grad_(not cfg.frozen)
@@ -91,6 +93,13 @@ class ReferenceEngine(kit.BaseEngine):
         )
         self.optimizer = None if cfg.frozen else kit.build_adamw(self.module.parameters(), cfg.optim)
         self.scheduler = None if cfg.frozen else kit.build_lr_scheduler(self.optimizer, cfg.optim)
+
+    @staticmethod
+    def _bias_free(score: nn.Linear) -> nn.Linear:
+        head = nn.Linear(score.in_features, score.out_features, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(score.weight)
+        return head
 
     def _modules(self):
         # BaseEngine switches modes, offloads (by copying) and steps the optimizer over these.

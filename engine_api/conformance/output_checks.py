@@ -56,18 +56,35 @@ def temperature_entropy(env: Env) -> str:
 
 @check("value_head")
 def value_head(env: Env) -> str:
-    """model.head=value gives per-token values equal to HF token classification (head seeded by engine.seed)."""
+    """model.head=value gives per-token values equal to HF token classification (head seeded by
+    engine.seed); with model.value_bias=false the head has no bias (HF sequence classification's:
+    no ``score.bias`` among the exported weights) and the same values (HF's bias starts at 0)."""
     engine = new_engine(env, "model.head=value", skip_on="head")
     local = _local(engine)
     with engine.eval_mode():
         out = engine.infer_batch(local)
+    if out is not None:
+        want = fx.hf_values(fx.hf_model(env.model_dir, "value", seed=engine.config.seed), local)
+        d = max_diff(out["values"], want)
+        if d > 1e-5:
+            raise CheckFailed(f"values differ from HF token classification by {d:.2e} (> 1e-5)")
+    del engine
+    bias_free = new_engine(env, "model.head=value", "model.value_bias=false")
+    names = set(weights(bias_free))
+    if "score.bias" in names or "score.weight" not in names:
+        raise CheckFailed(
+            f"model.value_bias=false: the exported value head is {sorted(n for n in names if n.startswith('score'))}, not "
+            "['score.weight'] (a bias the loss cannot train would make an exported reward model score otherwise); fix: build "
+            "the head without a bias"
+        )
+    with bias_free.eval_mode():
+        free = bias_free.infer_batch(_local(bias_free))
     if out is None:
         return "not an output rank"
-    want = fx.hf_values(fx.hf_model(env.model_dir, "value", seed=engine.config.seed), local)
-    d = max_diff(out["values"], want)
-    if d > 1e-5:
-        raise CheckFailed(f"values differ from HF token classification by {d:.2e} (> 1e-5)")
-    return f"max|diff| {d:.1e}"
+    d_free = max_diff(free["values"], want)
+    if d_free > 1e-5:
+        raise CheckFailed(f"model.value_bias=false: values differ from HF (bias 0) by {d_free:.2e} (> 1e-5)")
+    return f"max|diff| {d:.1e}; bias-free head {d_free:.1e}"
 
 
 @check("export_names")

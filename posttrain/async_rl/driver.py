@@ -95,6 +95,10 @@ class Pipeline:
             ``async.check_version_parity`` probe; None: no probe.
         shape: reward shaping of a finished batch (``posttrain.reward_shaping``), before the
             dynamic-sampling filter and training; None: none.
+        shape_runs_model: the shaping runs a model (``reward.model``'s scores): under dynamic
+            sampling, where the shaping comes before the step's round, a rollout that shares
+            this process's devices releases its memory first (its next ``generate`` resumes it),
+            as it does before training.
         dynamic: DAPO's dynamic sampling (``posttrain.async_rl.dynamic``); None: off.
     """
 
@@ -109,12 +113,13 @@ class Pipeline:
         score: Callable[[Any], torch.Tensor] | None = None,
         shape: Callable[[ScoredBatch], ScoredBatch] | None = None,
         dynamic: DynamicSampling | None = None,
+        shape_runs_model: bool = False,
     ) -> None:
         self.k, self.partial = async_cfg.max_staleness, async_cfg.partial_rollouts
         self.n, self.batch_size, self.seed = schedule.n_samples, schedule.batch_size, schedule.seed
         self.producer, self.rollout, self.source, self.rank0 = producer, rollout, source, rank0
         self.score = score if async_cfg.check_version_parity else None
-        self.shape, self.dynamic = shape, dynamic
+        self.shape, self.dynamic, self.shape_runs_model = shape, dynamic, shape_runs_model
         self.refills: dict[int, list[list[int]]] = {}  # step -> each refill draw's prompt ids (the ledger)
         self.overlap = bool(getattr(rollout, "overlaps", False)) and self.score is None
         self.pending: dict[int, Pending] = {}
@@ -306,12 +311,17 @@ class Pipeline:
         """Step ``step``'s batch through the dynamic-sampling filter, with its refills
         (``posttrain.async_rl.dynamic``), and the filter's metrics."""
 
+        def shaped(scored: ScoredBatch) -> ScoredBatch:
+            if self.shape_runs_model and not getattr(self.rollout, "overlaps", False):
+                self.rollout.release()  # the model's memory beside a colocated rollout's (vLLM sleeps)
+            return self._shaped(scored)
+
         def draw(d: int) -> tuple[ScoredBatch, list[int]]:
             virtual = refill_step(step, d, self.dynamic.max_draws)
             p = self._admitted(virtual)
-            return self._shaped(self.producer.produce(self.rollout, p.prompts, self._metas(virtual), p.seeds)), p.prompt_ids
+            return shaped(self.producer.produce(self.rollout, p.prompts, self._metas(virtual), p.seeds)), p.prompt_ids
 
-        scored, refills, metrics = self.dynamic.fill(step, self._shaped(self.producer.finish(current.work)), draw)
+        scored, refills, metrics = self.dynamic.fill(step, shaped(self.producer.finish(current.work)), draw)
         self.refills[step] = refills
         return scored, metrics
 

@@ -233,3 +233,12 @@ class SwapsWithoutTheMoments(ReferenceEngine):
         state = super().run_state()
         state.optim = [[None] * len(per) for per in state.optim]
         return state
+
+
+class KeepsTheValueBias(ReferenceEngine):
+    """Builds every value head with a bias, ``model.value_bias`` ignored (its values still equal
+    HF's at initialisation: the bias starts at 0)."""
+
+    @staticmethod
+    def _bias_free(score):
+        return score

@@ -160,6 +160,8 @@ TEETH = {
     "unshard_data in reverse rank order": ("UnshardsInReverseRankOrder", 2, "unshard_order"),
     # issue 55: a run swapped out and back in without its optimizer moments
     "run state without the moments": ("SwapsWithoutTheMoments", 1, "run_swap"),
+    # issue 64: a reward model's head built with a bias (its export would score otherwise)
+    "value_bias ignored": ("KeepsTheValueBias", 1, "value_head"),
 }
 
 
