@@ -184,6 +184,10 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     assert load_typed(RMConfig, {}).engine.model.value_bias is False  # the default, without the demo's yaml
     with pytest.raises(ValueError, match=r"engine.model.value_bias = true: .*fix: engine.model.value_bias=false"):
         load_typed(RMConfig, "configs/rm_tiny.yaml", ["engine.model.value_bias=true"])
+    # On Ray one group (actor): a placement of another role is refused at load, before Ray starts.
+    assert load_typed(RMConfig, "configs/rm_tiny.yaml", ["trainer.launcher=ray", "trainer.placement.pools.main=2"])
+    with pytest.raises(ValueError, match=r"placement.roles places \['reference'\], which this run does not have"):
+        load_typed(RMConfig, "configs/rm_tiny.yaml", ["trainer.launcher=ray", "trainer.placement.roles.reference=main"])
     critic = load_hf_model(lm, "value", seed=0)
     with torch.no_grad():
         critic.score.bias.fill_(0.25)
