@@ -219,6 +219,27 @@ def open_loggers(cfg, tc: TrainerConfig, start: int, rank0: bool, bar) -> RunLog
     )
 
 
+class EngineWorker:
+    """The checkpoint and export calls of one rank's side of a supervised-style recipe (SFT's
+    worker, DPO's and the reward model's): a subclass sets ``self.cfg`` (the recipe's config)
+    and ``self.engine`` (the trained engine)."""
+
+    cfg = None
+    engine = None
+
+    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.engine.save_checkpoint(ckpt_dir, global_step=step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
+
+    def save_hf(self, out_dir: str, fmt: str) -> str:
+        """The trained model as an HF directory (``posttrain.export.save_hf``). Collective."""
+        from posttrain.export import save_hf
+
+        return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
+
+
 def place_on_ray(cfg, worker_cls: type):
     """Start (or join) Ray, reserve the pool of a one-role recipe (SFT, DPO, a reward model:
     ``actor``, every engine of the recipe in one worker per rank) and build ``worker_cls(cfg)``

@@ -31,7 +31,6 @@ import torch
 from engine_api import EngineConfig, build_engine
 from posttrain.data.tokenizer import load_tokenizer
 from posttrain.dist import rank
-from posttrain.export import save_hf
 from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
 from posttrain.preemption import PreemptionGuard, stop_while_starting
@@ -39,6 +38,7 @@ from posttrain.preference_data import PreferenceData, PreferenceDataConfig
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, quiet_console, run_cli, warn
 from recipes.common import (
+    EngineWorker,
     TinyModelConfig,
     TrainerConfig,
     data_model_problems,
@@ -95,7 +95,7 @@ def pair_recipe_problems(cfg, what: str) -> list[str]:
     return out
 
 
-class PairWorker:
+class PairWorker(EngineWorker):
     """One rank's side of a recipe on preference pairs (DPO, a reward model): the engine, the
     validation batches, the checkpoints (as SFT's worker, so the loop shares SFT's save and
     resume) and the export, behind the calls the loop makes; the same under torchrun (this
@@ -106,8 +106,6 @@ class PairWorker:
         data: the run's pairs (None: loaded here, as a Ray worker does).
     """
 
-    engine = None  # set by the subclass: the trained engine
-
     def __init__(self, cfg, data: PreferenceData | None = None) -> None:
         self.cfg = cfg
         if data is None:
@@ -116,16 +114,6 @@ class PairWorker:
 
     def has_validation(self) -> bool:
         return bool(self.val_batches)
-
-    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
-        self.engine.save_checkpoint(ckpt_dir, global_step=step)
-
-    def load_checkpoint(self, path: str) -> int:
-        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
-
-    def save_hf(self, out_dir: str, fmt: str) -> str:
-        """The trained model as an HF directory (``posttrain.export.save_hf``). Collective."""
-        return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
 
     def close(self) -> None:
         """Nothing held beyond the engines (on Ray the stand-in's ``close`` ends the workers)."""

@@ -39,7 +39,6 @@ from engine_api.typed_config import load_typed
 from posttrain import sort_task as task
 from posttrain.data_order import check_order, files_order, save_order, sort_task_order
 from posttrain.dist import rank
-from posttrain.export import save_hf
 from posttrain.loggers import RunLog
 from posttrain.placement import placement_problems
 from posttrain.plots import plot_run
@@ -48,6 +47,7 @@ from posttrain.text_data import DataConfig, SFTDataset, StepOrder, load_tokenize
 from posttrain.tiny_model import is_built_model
 from posttrain.trainer_utils import SkipGuard, demo_setting_warnings, guard_fresh_run, load_newest_valid, quiet_console, run_cli, warn
 from recipes.common import (
+    EngineWorker,
     TinyModelConfig,
     TrainerConfig,
     data_model_problems,
@@ -215,7 +215,7 @@ def place_trainer(cfg: SFTConfig, data: SFTData):
     return SFTWorker(cfg, data)
 
 
-class SFTWorker:
+class SFTWorker(EngineWorker):
     """One rank's side of SFT: the engine, the validation batches and the logged generations,
     behind the calls the loop makes (``recipes.sft._train``), so the loop is the same whether
     it runs in this process or drives Ray workers (each of which holds one of these).
@@ -281,15 +281,6 @@ class SFTWorker:
     def sample_rows(self, step: int) -> list[dict[str, str]]:
         """The logged generations at ``step`` (``Generations.rows``)."""
         return self.generations.rows(step) if self.generations is not None else []
-
-    def save_checkpoint(self, ckpt_dir: str, step: int) -> None:
-        self.engine.save_checkpoint(ckpt_dir, global_step=step)
-
-    def load_checkpoint(self, path: str) -> int:
-        return int(self.engine.load_checkpoint(path, del_local_after_load=False))
-
-    def save_hf(self, out_dir: str, fmt: str) -> str:
-        return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
 
     def close(self) -> None:
         self._leave_train_mode()
