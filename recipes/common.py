@@ -240,6 +240,15 @@ class EngineWorker:
         return save_hf(self.engine, self.cfg.engine, out_dir, fmt)
 
 
+def place_worker(cfg, worker_cls: type, data):
+    """A supervised-style recipe's ranks (SFT, DPO, a reward model): this process
+    (``trainer.launcher=torchrun``: ``worker_cls(cfg, data)``), or Ray workers driven from here
+    (``ray``: :func:`place_on_ray`, each loading its own data) behind the same methods."""
+    if cfg.trainer.launcher == "ray":
+        return place_on_ray(cfg, worker_cls)
+    return worker_cls(cfg, data)
+
+
 def place_on_ray(cfg, worker_cls: type):
     """Start (or join) Ray, reserve the pool of a one-role recipe (SFT, DPO, a reward model:
     ``actor``, every engine of the recipe in one worker per rank) and build ``worker_cls(cfg)``

@@ -43,7 +43,7 @@ from recipes.common import (
     TrainerConfig,
     data_model_problems,
     open_loggers,
-    place_on_ray,
+    place_worker,
     progress_bar,
     recipe_main,
     with_model_path,
@@ -153,14 +153,6 @@ class DPOTrainer(PairWorker):
         return totals.metrics()
 
 
-def place_pair_worker(cfg, worker_cls: type, data: PreferenceData):
-    """The recipe's ranks: this process (``trainer.launcher=torchrun``), or Ray workers driven
-    from here (``ray``), behind the same methods."""
-    if cfg.trainer.launcher == "ray":
-        return place_on_ray(cfg, worker_cls)
-    return worker_cls(cfg, data)
-
-
 def _frozen(engine: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine, frozen=True)
 
@@ -212,7 +204,7 @@ def run(cfg: DPOConfig, trainer_cls: type | None = None, prefix: str = "dpo", ti
         for name, counts in data.counts.items():
             print(f"[enginekit] data.{name}_files: {counts}", flush=True)
     with stop_while_starting("building the engines"):
-        trainer = place_pair_worker(cfg, trainer_cls, data)
+        trainer = place_worker(cfg, trainer_cls, data)
     ckpt_dir = os.path.join(tc.output_dir, "checkpoints")
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
     bar = None

@@ -52,7 +52,7 @@ from recipes.common import (
     TrainerConfig,
     data_model_problems,
     open_loggers,
-    place_on_ray,
+    place_worker,
     progress_bar,
     recipe_main,
     with_model_path,
@@ -156,7 +156,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     data = SFTData(cfg.data, cfg.engine.model.path)  # before the engine: bad data fails fast
 
     with stop_while_starting("building the engine"):
-        trainer = place_trainer(cfg, data)
+        trainer = place_worker(cfg, SFTWorker, data)
     metrics_path = os.path.join(tc.output_dir, tc.metrics_file)
     bar = None
     try:
@@ -204,15 +204,6 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     if rank0:
         print(_summary_line(summary), flush=True)
     return summary
-
-
-def place_trainer(cfg: SFTConfig, data: SFTData):
-    """The engine's ranks: this process (``trainer.launcher=torchrun``: an :class:`SFTWorker`),
-    or Ray worker groups driven from here (``ray``: :func:`recipes.common.place_on_ray`) behind
-    the same methods."""
-    if cfg.trainer.launcher == "ray":
-        return place_on_ray(cfg, SFTWorker)
-    return SFTWorker(cfg, data)
 
 
 class SFTWorker(EngineWorker):

@@ -82,11 +82,11 @@ def _token_classification(path: str) -> bool:
     return any(a.endswith("ForTokenClassification") for a in archs)
 
 
-def combine_rewards(reward, function: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def combine_rewards(reward, function: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
     """Per response ``reward.function_weight * function + reward.model_weight * model`` (the
-    scores of the function and of the reward model), and :func:`reward_metrics`."""
+    scores of the function and of the reward model), in float32."""
     function, model = function.to(torch.float32), model.to(function.device, torch.float32)
-    return reward.function_weight * function + reward.model_weight * model, reward_metrics(function, model)
+    return reward.function_weight * function + reward.model_weight * model
 
 
 def reward_metrics(function: torch.Tensor, model: torch.Tensor) -> dict[str, float]:
@@ -116,7 +116,7 @@ def with_model_rewards(scored, reward, model):
         ids = batch["input_ids"].unbind()
         batch = make_batch([ids[r] for r in rows])
     function, scores = scored.scores, model.score(batch)
-    scored.scores, _ = combine_rewards(reward, function, scores)
+    scored.scores = combine_rewards(reward, function, scores)
     scored.parts = {"function": function.to(torch.float32), "model": scores.to(function.device, torch.float32)}
     scored.reward_s += time.perf_counter() - t0
     return scored

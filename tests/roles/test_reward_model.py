@@ -152,7 +152,7 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     ``function_weight * f + model_weight * m`` with both means reported."""
     from posttrain.distill import vocabulary_problems
     from posttrain.rewards import RewardConfig
-    from roles.reward_model import combine_rewards, scalar_head_problems
+    from roles.reward_model import combine_rewards, reward_metrics, scalar_head_problems
 
     lm = make_model(tmp_path / "lm", "llama")
     assert scalar_head_problems(seqcls) == []
@@ -166,7 +166,8 @@ def test_a_reward_model_that_is_not_a_scalar_head_or_of_another_vocabulary_is_re
     assert msg.startswith("reward.model = ") and "the reward model's vocabulary" in msg and "fix:" in msg
 
     reward = RewardConfig(model=seqcls, model_weight=2.0, function_weight=0.5)
-    total, metrics = combine_rewards(reward, torch.tensor([1.0, 0.0]), torch.tensor([0.5, -1.5]))
+    function, model = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -1.5])
+    total, metrics = combine_rewards(reward, function, model), reward_metrics(function, model)
     assert total.tolist() == [0.5 + 1.0, 0.0 - 3.0] and metrics["reward/function_mean"] == 0.5 and metrics["reward/model_mean"] == -0.5
     assert "model_weight = 0.0" in RewardConfig(model=seqcls, model_weight=0.0)._problems()[0]
     assert "without reward.model" in RewardConfig(function_weight=0.0)._problems()[0]
